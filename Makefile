@@ -1,0 +1,27 @@
+# Two commands for a newcomer: `make run` and `make test` (see README.md).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test setup model bundle clean-venv
+
+setup:
+	@bash scripts/setup_venv.sh
+
+## Start the causalboard server on the bundled model (HOST, PORT, MODEL override).
+run: setup
+	@exec $(VENV)/bin/causalboard serve
+
+## Run the whole test suite on the real vLLM engine (CPU).
+test: setup
+	@bash scripts/run_tests.sh
+
+## Retrain the bundled model from its seeded corpus (not needed to use the project).
+model: setup
+	$(PY) -m training.train && $(PY) -m training.evaluate && $(PY) -m training.causal_trace_hf
+
+## Build the offline GPU-host vLLM bundle into .vbundle/ (see docs/development.md).
+bundle:
+	bash ../shared/gpu/build_bundle.sh .vbundle
+
+clean-venv:
+	rm -rf $(VENV)

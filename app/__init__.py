@@ -1,0 +1,1 @@
+"""causalboard's application layer: HTTP API, client, CLI and dashboard. Never imports vLLM."""

@@ -1,0 +1,86 @@
+"""Plain-data generation parameters and results (no vLLM types cross this boundary)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .errors import SpecError
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """How to generate. Greedy by default (temperature 0).
+
+    `logprobs` is the number of top alternatives reported per generated token (0 = only the
+    chosen token's own logprob, which is always reported)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logprobs: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, prefix: str = "") -> None:
+        """Raise `SpecError` naming the first bad field."""
+
+        def bad(name: str, msg: str) -> SpecError:
+            return SpecError(f"{prefix}{name}", msg)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
+        if any(not s for s in self.stop):
+            raise bad("stop", "stop strings must not be empty")
+
+
+@dataclass
+class GenerationDelta:
+    """What one engine step added to a request's output (for streaming)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    """A finished generation. `logprobs[i]` is the logprob of `token_ids[i]` under the model's
+    (unprocessed) distribution at that step; `top_logprobs[i]` holds the requested top-k."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def extend(self, delta: GenerationDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        self.logprobs.extend(delta.logprobs)
+        self.top_logprobs.extend(delta.top_logprobs)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["top_logprobs"] = [{str(k): v for k, v in t.items()} for t in self.top_logprobs]
+        return d
