@@ -1,0 +1,77 @@
+"""Shared fixtures: ONE real vLLM engine (CPU, in-process, eager) per test session, the
+transformers reference on the same weights, and a real HTTP server on that engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tasks() -> dict:
+    from engine_ext import BUNDLED_MODEL_PATH
+
+    return json.loads((BUNDLED_MODEL_PATH / "tasks.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from engine_ext import Engine
+
+    eng = Engine(device="cpu").start()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def hf_ref():
+    from engine_ext.hf_reference import HFReference
+
+    return HFReference()
+
+
+@pytest.fixture(scope="session")
+def server_url(engine):
+    """A real uvicorn server on 127.0.0.1 serving the shared engine."""
+    import uvicorn
+
+    from app.server import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if time.time() > deadline:
+            raise RuntimeError("test server did not start")
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def http(server_url):
+    import httpx
+
+    with httpx.Client(base_url=server_url, timeout=120) as client:
+        yield client

@@ -1,0 +1,49 @@
+"""`causalboard serve` (what `make run` starts): serves, honours HOST/PORT, stops on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from .conftest import REPO, free_port
+
+
+def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
+    port = free_port()
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
+    exe = Path(sys.executable).parent / "causalboard"
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([str(exe), "serve"], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/generate", json={"prompt": "The capital of", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "serve.log").read_text()
+    assert f"http://127.0.0.1:{port}" in text  # the URL is printed
+    assert "Application shutdown complete" in text
+
+
+def test_version_command():
+    exe = Path(sys.executable).parent / "causalboard"
+    out = subprocess.run([str(exe), "version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and '"vllm_checked": "0.25.1"' in out.stdout
