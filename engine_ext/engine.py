@@ -29,7 +29,9 @@ from . import runtime
 from .bundled import BUNDLED_MODEL_NAME, BUNDLED_MODEL_PATH, bundled_model_path
 from .engine_loop import EngineLoop
 from .errors import EngineDeadError, SpecError
-from .generation import Generation, GenerationDelta, GenerationParams
+from .generation import Generation, GenerationDelta, GenerationParams, InterventionResult
+from .program import Limits, ModelDims, PromptInfo, compile_program, program_to_extra_args
+from .specs import HOOKS, Interventions, Steer, positions_from_json, site_from_index
 
 logger = logging.getLogger("causalboard.engine")
 
@@ -50,6 +52,12 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
+    #: worker-side capacities (see WorkerConfig): intervention slots and capture rows per step,
+    #: and the byte budget of the source-run store
+    max_slots: int = 4096
+    max_capture_rows: int = 8192
+    source_store_bytes: int = 256 * 1024 * 1024
+    limits: Limits = field(default_factory=Limits)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -69,6 +77,8 @@ class EngineInfo:
     enforce_eager: bool
     versions: dict[str, str]
     startup_seconds: float
+    runner: str = ""
+    embedding_std: float = 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,8 +91,8 @@ class _QueueSink:
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self._convert = convert
 
-    def on_output(self, output: Any) -> None:
-        self.q.put(self._convert(output))
+    def on_output(self, output: Any, worker_result: dict | None = None) -> None:
+        self.q.put(self._convert(output, worker_result))
 
     def on_error(self, error: BaseException) -> None:
         self.q.put(error)
@@ -102,23 +112,27 @@ class _AsyncSink:
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             pass
 
-    def on_output(self, output: Any) -> None:
-        self._post(self._convert(output))
+    def on_output(self, output: Any, worker_result: dict | None = None) -> None:
+        self._post(self._convert(output, worker_result))
 
     def on_error(self, error: BaseException) -> None:
         self._post(error)
 
 
-def _delta_from_output(output: Any, top_k: int) -> GenerationDelta:
-    """Convert a vLLM DELTA `RequestOutput`; `top_k` = how many alternatives were asked for."""
+def _delta_from_output(output: Any, worker_result: dict | None, top_k: int, score_ids: tuple[int, ...],
+                       program_hash: str | None) -> GenerationDelta:
+    """Convert a vLLM DELTA `RequestOutput` (+ the workers' result at the end)."""
     comp = output.outputs[0]
     logprobs: list[float] = []
     tops: list[dict[int, float]] = []
+    scores: list[dict[int, float]] = []
     for tid, step in zip(comp.token_ids, comp.logprobs or []):
         logprobs.append(float(step[tid].logprob))
         if top_k:
             # vLLM adds the sampled token to the top-k even when it ranks lower; keep the top-k only
             tops.append({int(t): float(lp.logprob) for t, lp in step.items() if lp.rank <= top_k})
+        if score_ids:
+            scores.append({t: float(step[t].logprob) for t in score_ids})
     return GenerationDelta(
         token_ids=list(comp.token_ids),
         text=comp.text,
@@ -126,16 +140,50 @@ def _delta_from_output(output: Any, top_k: int) -> GenerationDelta:
         top_logprobs=tops,
         finished=bool(output.finished),
         finish_reason=comp.finish_reason,
+        scores=scores,
+        intervention=_intervention_result(worker_result, program_hash) if worker_result is not None else None,
     )
 
 
+def _intervention_result(res: dict, program_hash: str | None) -> InterventionResult:
+    import numpy as np
+
+    caps = {}
+    for k, data in (res.get("captures") or {}).items():
+        site_idx, pos = (int(v) for v in k.split(":"))
+        site = site_from_index(site_idx)
+        caps[(site.layer, site.hook, pos)] = np.frombuffer(data, dtype="<f4").copy()
+    errors = list(res.get("errors") or [])
+    if res.get("store_error"):
+        errors.append(res["store_error"])
+    return InterventionResult(status=res.get("status", "unknown"), errors=errors, captures=caps,
+                              stored_as=res.get("stored_as"), evicted=list(res.get("evicted") or []),
+                              program_hash=program_hash)
+
+
+@dataclass
+class _Prepared:
+    text: str | None
+    ids: list[int]
+    sampling: Any
+    key: str | None = None
+    program_hash: str | None = None
+    cache_salt: str | None = None
+
+    def prompt(self) -> dict:
+        p: dict = {"prompt_token_ids": self.ids}
+        if self.cache_salt:
+            p["cache_salt"] = self.cache_salt
+        return p
+
+
 class Engine:
-    """A vLLM engine on the bundled model (or `model`), with causalboard's defaults."""
+    """A vLLM engine on the bundled model (or `model`) with causalboard's interventions."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any):
         config = config or EngineConfig()
         if overrides:
-            config = EngineConfig(**{**asdict(config), **overrides})
+            config = EngineConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, **overrides})
         self.config = config
         self.device = runtime.resolve_device(config.device)
         defaults = runtime.defaults_for(self.device)
@@ -148,6 +196,9 @@ class Engine:
         self._loop: EngineLoop | None = None
         self._ids = itertools.count()
         self._info: EngineInfo | None = None
+        self._dims: ModelDims | None = None
+        self._named: dict[str, int] = {}  # mirror of the workers' named vectors: name -> dimension
+        self._global: list[Steer] = []
         self.tokenizer: Any = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -155,22 +206,34 @@ class Engine:
         if self._loop is not None:
             return self
         runtime.prepare_environment(self.device)
-        from . import seam
-
-        seam.check_vllm_version()
         from transformers import AutoConfig, AutoTokenizer
 
+        from . import seam
+
+        seam.install()  # also checks the vLLM version (in-process workers share these patches)
         hf_config = AutoConfig.from_pretrained(self.model_path)
+        arch = (hf_config.architectures or ["?"])[0]
+        if arch not in seam.SUPPORTED_ARCHITECTURES:
+            raise SpecError("model", f"architecture {arch} is not supported (supported: {', '.join(seam.SUPPORTED_ARCHITECTURES)}); "
+                                     "causalboard refuses to serve a model it cannot intervene on")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         t0 = time.perf_counter()
         self._loop = EngineLoop(self._build_vllm_engine)
         try:
             self._loop.start()
+            worker = self._loop.call(lambda e: e.collective_rpc("cb_model_info")).result()[0]
         except BaseException:
+            if self._loop is not None:
+                self._loop.shutdown()
             self._loop = None
             raise
+        if worker["patched_layers"] != hf_config.num_hidden_layers:
+            self.close()
+            raise RuntimeError(f"causalboard patched {worker['patched_layers']} of {hf_config.num_hidden_layers} decoder layers; "
+                               "refusing to serve a model whose interventions would be silently ignored")
         startup = time.perf_counter() - t0
-        self._info = self._make_info(hf_config, startup)
+        self._info = self._make_info(hf_config, startup, worker)
+        self._dims = ModelDims(self._info.num_layers, self._info.hidden_size, self._info.vocab_size, worker["embedding_std"])
         logger.info("vLLM engine ready in %.1f s: %s", startup, self._info)
         return self
 
@@ -190,6 +253,8 @@ class Engine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from .seam import SEAM_FINGERPRINT
+
         kwargs: dict[str, Any] = dict(
             model=str(self.model_path),
             dtype=self.dtype,
@@ -198,6 +263,13 @@ class Engine:
             seed=self.config.seed,
             enable_prefix_caching=self.config.enable_prefix_caching,
             disable_log_stats=True,
+            worker_extension_cls="engine_ext.worker_extension.CausalboardWorkerExtension",
+            additional_config={"causalboard": {
+                "seam": SEAM_FINGERPRINT,
+                "max_slots": self.config.max_slots,
+                "max_capture_rows": self.config.max_capture_rows,
+                "source_store_bytes": self.config.source_store_bytes,
+            }},
         )
         if self.config.max_model_len:
             kwargs["max_model_len"] = self.config.max_model_len
@@ -208,7 +280,7 @@ class Engine:
         kwargs.update(self.config.engine_kwargs)
         return LLMEngine.from_engine_args(EngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
 
-    def _make_info(self, hf_config: Any, startup: float) -> EngineInfo:
+    def _make_info(self, hf_config: Any, startup: float, worker: dict) -> EngineInfo:
         import torch
         import transformers
         from importlib import metadata
@@ -240,6 +312,8 @@ class Engine:
                 "python": platform.python_version(),
             },
             startup_seconds=round(startup, 2),
+            runner=worker.get("runner", ""),
+            embedding_std=float(worker.get("embedding_std", 1.0)),
         )
 
     @property
@@ -267,8 +341,25 @@ class Engine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def _prompt_info(self, text: str | None, ids: list[int], max_tokens: int) -> PromptInfo:
+        offsets = None
+        if text is not None:
+            enc = self.tokenizer(text, return_offsets_mapping=True)
+            offsets = [tuple(o) for o in enc["offset_mapping"]]
+            specials = set(self.tokenizer.all_special_ids)
+            offsets = [(0, 0) if i in specials else o for i, o in zip(enc["input_ids"], offsets)]
+        return PromptInfo(ids, text, offsets, max_tokens)
+
+    def resolve_positions(self, prompt: str, positions: Any, field_name: str = "positions") -> list[int]:
+        """Absolute prompt positions a selector (index list, span, named) denotes for `prompt`."""
+        from .program import resolve_positions
+
+        ids = self.tokenize(prompt)
+        pos, _ = resolve_positions(positions_from_json(positions, field_name), self._prompt_info(prompt, ids, 1), field_name)
+        return pos
+
     # ---- generation ------------------------------------------------------------------------
-    def _prepare(self, prompt: Prompt, params: GenerationParams) -> tuple[str | None, list[int], Any]:
+    def _prepare(self, prompt: Prompt, params: GenerationParams, spec: Interventions | None = None) -> _Prepared:
         """Validate and build the vLLM request. Raises `SpecError` naming the field."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -296,23 +387,48 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context of {limit} tokens",
             )
-        sp = SamplingParams(
+        prep = _Prepared(text, ids, None)
+        extra_args = None
+        score_ids: list[int] | None = None
+        skip_cache_read = False
+        if spec is not None and not spec.is_empty():
+            if spec.score_token_ids:
+                if params.logprobs:
+                    raise SpecError("logprobs", "top-k logprobs cannot be combined with score_token_ids (vLLM returns one or the other)")
+                if len(spec.score_token_ids) > 128:
+                    raise SpecError("score_token_ids", "at most 128 token ids")
+                score_ids = list(dict.fromkeys(spec.score_token_ids))
+            if spec.steer or spec.patch or spec.capture or spec.noise:
+                prep.key = self._new_id()
+                program = compile_program(spec, self._prompt_info(text, ids, params.max_tokens), self._dims,
+                                          key=prep.key, named_vector_dims=self._named.get, limits=self.config.limits)
+                prep.program_hash = program["hash"]
+                extra_args = program_to_extra_args(program)
+                if spec.modifies_stream():
+                    # never share KV blocks with requests computed differently
+                    prep.cache_salt = f"cb-{program['hash']}-{prep.key}"
+                if spec.capture is not None and program["capture"]["pos"][:-1]:
+                    skip_cache_read = True  # cached prompt positions would not be recomputed/captured
+        prep.sampling = SamplingParams(
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
             seed=params.seed,
-            logprobs=params.logprobs,
+            logprobs=params.logprobs if score_ids is None else None,
+            logprob_token_ids=score_ids,
             stop=list(params.stop) or None,
             ignore_eos=params.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
+            extra_args=extra_args,
+            skip_reading_prefix_cache=skip_cache_read or None,
         )
-        return text, ids, sp
+        return prep
 
-    def validate(self, prompt: Prompt, params: GenerationParams) -> list[int]:
+    def validate(self, prompt: Prompt, params: GenerationParams, interventions: Interventions | None = None) -> list[int]:
         """Check a request without submitting it; returns the prompt's token ids.
         Raises `SpecError` naming the offending field."""
-        return self._prepare(prompt, params)[1]
+        return self._prepare(prompt, params, interventions).ids
 
     def _new_id(self) -> str:
         return f"cb-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -322,20 +438,30 @@ class Engine:
             raise EngineDeadError("the engine is not started (call start() or use `with Engine()`)")
         return self._loop
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: GenerationParams | None = None) -> Any:
+    def _converter(self, params: GenerationParams, spec: Interventions | None, prep: _Prepared):
+        score_ids = tuple(dict.fromkeys(spec.score_token_ids)) if spec is not None else ()
+        return functools.partial(_delta_from_output, top_k=params.logprobs if not score_ids else 0,
+                                 score_ids=score_ids, program_hash=prep.program_hash)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: GenerationParams | None = None,
+                 interventions: Interventions | Sequence[Interventions | None] | None = None) -> Any:
         """Generate for one prompt (returns a `Generation`) or a list of prompts (returns a list),
-        all submitted together so vLLM batches them. Blocks until all are finished."""
+        all submitted together so vLLM batches them. `interventions` is one spec for all prompts
+        or one per prompt. Blocks until all are finished."""
         params = params or GenerationParams()
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
+        specs = list(interventions) if isinstance(interventions, (list, tuple)) else [interventions] * len(batch)
+        if len(specs) != len(batch):
+            raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
         loop = self._require_loop()
-        prepared = [self._prepare(p, params) for p in batch]  # validate all before submitting any
+        prepared = [self._prepare(p, params, s) for p, s in zip(batch, specs)]  # validate all before submitting any
         jobs = []
-        for text, ids, sp in prepared:
-            rid = self._new_id()
-            sink = _QueueSink(functools.partial(_delta_from_output, top_k=params.logprobs))
-            loop.submit(rid, {"prompt_token_ids": ids}, sp, sink)
-            jobs.append((Generation(rid, text, ids), sink))
+        for prep, spec in zip(prepared, specs):
+            rid = prep.key or self._new_id()
+            sink = _QueueSink(self._converter(params, spec, prep))
+            loop.submit(rid, prep.prompt(), prep.sampling, sink, collect_key=prep.key)
+            jobs.append((Generation(rid, prep.text, prep.ids), sink))
         for gen, sink in jobs:
             while True:
                 item = sink.q.get()
@@ -347,17 +473,20 @@ class Engine:
         results = [g for g, _ in jobs]
         return results[0] if single else results
 
-    async def astream(self, prompt: Prompt, params: GenerationParams | None = None) -> AsyncIterator[GenerationDelta]:
-        """Yield deltas as the engine produces them. Leaving the iterator early (or cancelling
-        the task) aborts the request in the engine."""
-        async for delta in self._astream(prompt, params or GenerationParams(), self._new_id()):
+    async def astream(self, prompt: Prompt, params: GenerationParams | None = None,
+                      interventions: Interventions | None = None) -> AsyncIterator[GenerationDelta]:
+        """Yield deltas as the engine produces them (the last one carries the intervention
+        result). Leaving the iterator early (or cancelling the task) aborts the request."""
+        params = params or GenerationParams()
+        prep = self._prepare(prompt, params, interventions)
+        async for delta in self._astream(prep, params, interventions):
             yield delta
 
-    async def _astream(self, prompt: Prompt, params: GenerationParams, rid: str) -> AsyncIterator[GenerationDelta]:
+    async def _astream(self, prep: _Prepared, params: GenerationParams, spec: Interventions | None) -> AsyncIterator[GenerationDelta]:
         loop = self._require_loop()
-        _, ids, sp = self._prepare(prompt, params)
-        sink = _AsyncSink(asyncio.get_running_loop(), functools.partial(_delta_from_output, top_k=params.logprobs))
-        loop.submit(rid, {"prompt_token_ids": ids}, sp, sink)
+        rid = prep.key or self._new_id()
+        sink = _AsyncSink(asyncio.get_running_loop(), self._converter(params, spec, prep))
+        loop.submit(rid, prep.prompt(), prep.sampling, sink, collect_key=prep.key)
         finished = False
         try:
             while True:
@@ -373,13 +502,125 @@ class Engine:
             if not finished:
                 loop.abort(rid)
 
-    async def agenerate(self, prompt: Prompt, params: GenerationParams | None = None) -> Generation:
+    async def agenerate(self, prompt: Prompt, params: GenerationParams | None = None,
+                        interventions: Interventions | None = None) -> Generation:
         """Async `generate` for one prompt."""
         params = params or GenerationParams()
-        rid = self._new_id()
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
-        gen = Generation(rid, text, ids)
-        async for delta in self._astream(prompt, params, rid):
+        prep = self._prepare(prompt, params, interventions)
+        gen = Generation(prep.key or "", prep.text, prep.ids)
+        async for delta in self._astream(prep, params, interventions):
             gen.extend(delta)
         return gen
+
+    # ---- conveniences ----------------------------------------------------------------------
+    def capture(self, prompt: Prompt, sites: Any, positions: Any = "all_prompt", *, keep_as: str | None = None,
+                return_values: bool = True) -> Generation:
+        """Run the prompt (one generated token) capturing `sites` x `positions`."""
+        from .specs import Capture
+
+        spec = Interventions(capture=Capture.make(sites, positions, keep_as=keep_as, return_values=return_values))
+        gen = self.generate(prompt, GenerationParams(max_tokens=1), spec)
+        if gen.intervention is None or gen.intervention.voided:
+            errs = gen.intervention.errors if gen.intervention else ["no result"]
+            raise RuntimeError(f"capture failed: {'; '.join(errs)}")
+        return gen
+
+    def score(self, prompt: Prompt, token_ids: Sequence[int], interventions: Interventions | None = None) -> dict[int, float]:
+        """Exact logprobs of `token_ids` at the last prompt position (with interventions)."""
+        spec = interventions or Interventions()
+        spec = Interventions(spec.steer, spec.patch, spec.capture, spec.noise, tuple(token_ids))
+        gen = self.generate(prompt, GenerationParams(max_tokens=1), spec)
+        if gen.intervention is not None and gen.intervention.voided:
+            raise RuntimeError(f"request voided: {'; '.join(gen.intervention.errors)}")
+        return gen.scores[0]
+
+    # ---- control plane ---------------------------------------------------------------------
+    def _rpc(self, method: str, *args: Any) -> list:
+        return self._require_loop().call(lambda e: e.collective_rpc(method, args=args)).result()
+
+    def register_vector(self, name: str, vector: Any) -> None:
+        """Register a named steering vector on every worker (replacing one of the same name)."""
+        from .specs import as_vector
+
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise SpecError("name", "must be a non-empty string of at most 128 characters")
+        vec = as_vector(vector, "vector")
+        if vec.shape[0] != self.info.hidden_size:
+            raise SpecError("vector", f"has dimension {vec.shape[0]}, the model's hidden size is {self.info.hidden_size}")
+        if name not in self._named and len(self._named) >= self.config.limits.max_named_vectors:
+            raise SpecError("name", f"at most {self.config.limits.max_named_vectors} named vectors")
+        self._rpc("cb_register_vector", name, vec.astype("<f4").tobytes())
+        self._named[name] = int(vec.shape[0])
+
+    def delete_vector(self, name: str) -> bool:
+        if any(s.name == name for s in self._global):
+            raise SpecError("name", f"vector {name!r} is used by the global steering; clear it first")
+        found = any(self._rpc("cb_delete_vector", name))
+        self._named.pop(name, None)
+        return found
+
+    def list_vectors(self) -> dict[str, int]:
+        return dict(self._named)
+
+    def set_global_steer(self, steers: Sequence[Steer]) -> None:
+        """Replace the server-wide steering (applies to every request; composes with per-request
+        steering). Positions: "all", "all_generated" or absolute indices. Resets the prefix cache."""
+        entries = []
+        for k, s in enumerate(steers):
+            f = f"steer[{k}]"
+            if s.positions not in ("all", "all_generated") and (isinstance(s.positions, str) or any(
+                    not isinstance(p, int) or p < 0 for p in s.positions)):
+                raise SpecError(f"{f}.positions", "global steering takes 'all', 'all_generated' or absolute indices")
+            if s.name is not None and s.name not in self._named:
+                raise SpecError(f"{f}.name", f"no registered vector named {s.name!r}")
+            if s.vector is not None and s.vector.shape[0] != self.info.hidden_size:
+                raise SpecError(f"{f}.vector", f"has dimension {s.vector.shape[0]}, the model's hidden size is {self.info.hidden_size}")
+            for j, site in enumerate(s.sites):
+                if site.layer >= self.info.num_layers:
+                    raise SpecError(f"{f}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
+                e = {"site": site.index(), "scale": s.scale, "phase": s.phase,
+                     "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name}
+                if s.positions == "all":
+                    e.update(pos=[], gen=True, every=True)
+                elif s.positions == "all_generated":
+                    e.update(pos=[], gen=True)
+                else:
+                    e.update(pos=sorted(set(s.positions)), gen=False)
+                entries.append(e)
+
+        def apply(engine: Any) -> None:
+            engine.collective_rpc("cb_set_global_steer", args=(entries,))
+            engine.reset_prefix_cache()
+
+        self._require_loop().call(apply).result()
+        self._global = list(steers)
+
+    def clear_global_steer(self) -> None:
+        self.set_global_steer([])
+
+    @property
+    def global_steer(self) -> list[Steer]:
+        return list(self._global)
+
+    def drop_source(self, run_id: str) -> bool:
+        return any(self._rpc("cb_store", "drop", run_id))
+
+    def has_source(self, run_id: str) -> bool:
+        return all(self._rpc("cb_store", "has", run_id))
+
+    def lease_source(self, run_id: str) -> bool:
+        """Protect a stored run from eviction until `release_source` (e.g. for a sweep's life)."""
+        return all(self._rpc("cb_store", "lease", run_id))
+
+    def release_source(self, run_id: str) -> None:
+        self._rpc("cb_store", "release", run_id)
+
+    def source_store_usage(self) -> dict:
+        return self._rpc("cb_store", "usage")[0]
+
+    def intervention_status(self) -> dict:
+        """Per-worker checksum/action counts and the cross-rank comparison."""
+        from .checksum import compare_ranks
+
+        workers = self._rpc("cb_status")
+        return {"workers": workers, "determinism": compare_ranks(workers)}

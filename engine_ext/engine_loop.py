@@ -24,7 +24,7 @@ logger = logging.getLogger("causalboard.engine")
 class Sink(Protocol):
     """Receives one request's outputs on the loop thread."""
 
-    def on_output(self, output: Any) -> None: ...  # a vllm RequestOutput
+    def on_output(self, output: Any, worker_result: dict | None = None) -> None: ...  # a vllm RequestOutput
 
     def on_error(self, error: BaseException) -> None: ...
 
@@ -34,6 +34,7 @@ class EngineLoop:
         self._build_engine = build_engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self._collect: dict[str, str] = {}  # request id -> causalboard key to collect at finish
         self._ready = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
@@ -64,7 +65,9 @@ class EngineLoop:
         return len(self._sinks)
 
     # ---- submission (any thread) -------------------------------------------------------------
-    def submit(self, request_id: str, prompt: Any, params: Any, sink: Sink) -> None:
+    def submit(self, request_id: str, prompt: Any, params: Any, sink: Sink, collect_key: str | None = None) -> None:
+        """Add a request. With `collect_key`, the workers' result for it (captures, voided
+        status) is fetched when it finishes and handed to the sink with the final output."""
         self._check_alive()
 
         def add() -> None:
@@ -74,6 +77,8 @@ class EngineLoop:
                 sink.on_error(exc)
                 return
             self._sinks[request_id] = sink
+            if collect_key is not None:
+                self._collect[request_id] = collect_key
 
         self._commands.put(add)
 
@@ -85,6 +90,9 @@ class EngineLoop:
         def abort() -> None:
             if self._sinks.pop(request_id, None) is not None:
                 self.engine.abort_request([request_id])
+            key = self._collect.pop(request_id, None)
+            if key is not None:  # drop the worker-side result nobody will read
+                self._collect_results([key])
 
         self._commands.put(abort)
 
@@ -148,13 +156,28 @@ class EngineLoop:
                 return
 
     def _step(self) -> None:
-        for out in self.engine.step():
+        outs = self.engine.step()
+        keys = [self._collect[o.request_id] for o in outs if o.finished and o.request_id in self._collect]
+        results = self._collect_results(keys) if keys else {}
+        for out in outs:
             sink = self._sinks.get(out.request_id)
             if sink is None:  # aborted meanwhile
                 continue
+            result = None
             if out.finished:
                 del self._sinks[out.request_id]
-            sink.on_output(out)
+                key = self._collect.pop(out.request_id, None)
+                if key is not None:
+                    result = results.get(key, {"status": "unknown", "errors": ["no worker result"]})
+            try:
+                sink.on_output(out, result)
+            except Exception:  # a consumer bug must not kill the engine for everyone
+                logger.exception("sink failed for %s", out.request_id)
+
+    def _collect_results(self, keys: list[str]) -> dict[str, dict]:
+        """Fetch workers' results; rank 0 answers (every rank applies the same program)."""
+        per_rank = self.engine.collective_rpc("cb_collect", args=(keys,))
+        return per_rank[0] if per_rank else {}
 
     def _close_engine(self) -> None:
         for sink in self._sinks.values():

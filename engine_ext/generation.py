@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import SpecError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_TOP_LOGPROBS = 20
 
@@ -47,6 +51,26 @@ class GenerationParams:
 
 
 @dataclass
+class InterventionResult:
+    """What the workers report for a request with interventions.
+
+    `status` is "ok" or "voided" (a patch source was missing/evicted, a named vector vanished,
+    or the step's capacity was exceeded): a voided request's outputs must not be used as
+    patched results. `captures` maps (layer, hook, position) to the float32 stream value."""
+
+    status: str
+    errors: list[str] = field(default_factory=list)
+    captures: dict[tuple[int, str, int], "np.ndarray"] = field(default_factory=dict)
+    stored_as: str | None = None
+    evicted: list[str] = field(default_factory=list)
+    program_hash: str | None = None
+
+    @property
+    def voided(self) -> bool:
+        return self.status != "ok"
+
+
+@dataclass
 class GenerationDelta:
     """What one engine step added to a request's output (for streaming)."""
 
@@ -56,6 +80,9 @@ class GenerationDelta:
     top_logprobs: list[dict[int, float]]
     finished: bool
     finish_reason: str | None = None
+    #: per generated token: logprobs of the requested score token ids
+    scores: list[dict[int, float]] = field(default_factory=list)
+    intervention: InterventionResult | None = None
 
 
 @dataclass
@@ -71,16 +98,32 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    scores: list[dict[int, float]] = field(default_factory=list)
+    intervention: InterventionResult | None = None
 
     def extend(self, delta: GenerationDelta) -> None:
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         self.logprobs.extend(delta.logprobs)
         self.top_logprobs.extend(delta.top_logprobs)
+        self.scores.extend(delta.scores)
         if delta.finished:
             self.finish_reason = delta.finish_reason
+        if delta.intervention is not None:
+            self.intervention = delta.intervention
+
+    @property
+    def captures(self) -> dict:
+        return self.intervention.captures if self.intervention else {}
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["top_logprobs"] = [{str(k): v for k, v in t.items()} for t in self.top_logprobs]
+        d["scores"] = [{str(k): v for k, v in t.items()} for t in self.scores]
+        if self.intervention is not None:
+            iv = self.intervention
+            d["intervention"] = {"status": iv.status, "errors": iv.errors, "stored_as": iv.stored_as,
+                                 "evicted": iv.evicted, "program_hash": iv.program_hash,
+                                 "captures": [{"layer": k[0], "hook": k[1], "position": k[2], "value": v.tolist()}
+                                              for k, v in sorted(iv.captures.items())]}
         return d

@@ -1,43 +1,97 @@
 """The one place where causalboard touches vLLM's internals.
 
-Checked against vLLM **0.25.1** (`VLLM_VERSION_CHECKED`). Upgrading vLLM means re-reading this file
-and `../shared/research/vllm-0.25.1-internals.md`; any other vLLM version is refused at start-up
-with `VllmVersionError` (in the client process by `check_vllm_version`, and in every engine-core
-and worker process by the plugin entry point below).
+Checked against vLLM **0.25.1** (`VLLM_VERSION_CHECKED`). Upgrading vLLM means re-reading this
+file (and `../shared/research/vllm-0.25.1-internals.md`); any other vLLM version is refused at
+start-up with `VllmVersionError`, and so is a decoder-layer `forward` whose source differs from
+the one checked (`LAYER_FORWARD_SHA`).
 
-Entry point
------------
-`register_plugin` is registered under the `vllm.general_plugins` entry-point group (pyproject.toml),
-so vLLM calls it once per process (client, engine core, every worker) before any worker, model
-runner or model is built (`vllm/plugins/__init__.py:69-82`).
+When the patches run
+--------------------
+`install()` runs in the client process from `Engine.start`, and in every worker process when
+vLLM resolves `worker_extension_cls="engine_ext.worker_extension.CausalboardWorkerExtension"`
+(that module calls it on import) — which happens in `WorkerWrapperBase.init_worker`, *before*
+the model is built, compiled and graph-captured. The `vllm.general_plugins` entry point
+(`register_plugin`) runs in every vLLM process and only checks the version.
 
-Patched / wrapped vLLM symbols
-------------------------------
-None yet: the foundation only checks the version. The engine issue adds the decoder-layer patches
-here, each listed in `PATCHED_SYMBOLS` with the reason it is safe under torch.compile and CUDA graphs.
+Patched / wrapped vLLM symbols (all class-level, idempotent)
+-------------------------------------------------------------
+* `vllm.model_executor.models.llama.LlamaDecoderLayer.__init__/.forward`,
+  `...qwen2.Qwen2DecoderLayer.__init__/.forward`, `...qwen3.Qwen3DecoderLayer.__init__/.forward`:
+  `__init__` records the layer index and the engine's state id (only for engines started with
+  `additional_config["causalboard"]`; others get state 0 = inert); `forward` is vLLM's own body
+  with three calls to the custom op `vllm::causalboard_site` (pre_attn, post_attn, post_block).
+  Safe under torch.compile and CUDA graphs: the op is opaque to Dynamo, its body is fixed-shape
+  tensor work on persistent buffers allocated before any capture, and per step only the buffer
+  contents change (`intervention_op.py`).
+* `vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model` (V1 and the CPU runner) and
+  `vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model` (V2): before — register new
+  requests' programs and retire finished ones from the `SchedulerOutput`; after — copy captured
+  rows to the host.
+* `vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward` (V1/CPU): build the step's
+  `RowPlan` from `input_batch.req_ids`, `query_start_loc.np`, `input_batch.num_computed_tokens_cpu`
+  and fill the buffers, right before the forward (eager, compiled or graph replay).
+* `vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_inputs` (V2): the same, from the
+  returned `InputBatch` (`req_ids`, `query_start_loc_np`, `num_computed_tokens_np`).
+
+Registered: custom ops `vllm::causalboard_site` and `vllm::causalboard_embed_site`
+(`vllm.utils.torch_utils.direct_register_custom_op`).
+
+Compile cache: engines started by `Engine` carry `additional_config={"causalboard": {...,
+"seam": SEAM_FINGERPRINT}}`, which vLLM hashes into the compile-cache key, so a graph compiled
+without (or with an older version of) these patches is never reused.
 
 Public (non-patched) vLLM API used elsewhere in engine_ext
 ----------------------------------------------------------
 `vllm.engine.arg_utils.EngineArgs`, `vllm.v1.engine.llm_engine.LLMEngine` (`from_engine_args`,
-`add_request`, `step`, `abort_request`, `has_unfinished_requests`, `collective_rpc`),
-`vllm.SamplingParams`, `vllm.sampling_params.RequestOutputKind`, `vllm.inputs.TokensPrompt`,
-`vllm.usage.usage_lib.UsageContext`.
+`add_request`, `step`, `abort_request`, `has_unfinished_requests`, `collective_rpc`,
+`reset_prefix_cache`), `vllm.SamplingParams` (`extra_args`, `logprob_token_ids`,
+`skip_reading_prefix_cache`), `vllm.sampling_params.RequestOutputKind`, token prompts with
+`cache_salt`, `vllm.usage.usage_lib.UsageContext`.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
+import inspect
 import logging
+import textwrap
 from importlib import metadata
+from typing import Any
 
 VLLM_VERSION_CHECKED = "0.25.1"
 
-#: Every vLLM symbol this module patches or wraps: (qualified name, why). Empty in the foundation.
-PATCHED_SYMBOLS: tuple[tuple[str, str], ...] = ()
+#: sha256[:16] of the dedented source of each patched decoder layer's original `forward`
+LAYER_FORWARD_SHA = {
+    ("vllm.model_executor.models.llama", "LlamaDecoderLayer"): "71daafe15adcfe3d",
+    ("vllm.model_executor.models.qwen2", "Qwen2DecoderLayer"): "ed1f90a51dab0fe3",
+    ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"): "ed1f90a51dab0fe3",
+}
 
-#: Residual-stream hooks of a decoder layer (see docs/concepts.md). Interventions on them arrive
-#: with the engine issue; until then `INTERVENTIONS_ENABLED` is False and status says so.
+#: HF architectures whose decoder layers are patched; anything else is refused at start-up.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+#: Every vLLM symbol this module patches or wraps (see the module docstring for why each is safe).
+PATCHED_SYMBOLS: tuple[str, ...] = (
+    "vllm.model_executor.models.llama.LlamaDecoderLayer.__init__",
+    "vllm.model_executor.models.llama.LlamaDecoderLayer.forward",
+    "vllm.model_executor.models.qwen2.Qwen2DecoderLayer.__init__",
+    "vllm.model_executor.models.qwen2.Qwen2DecoderLayer.forward",
+    "vllm.model_executor.models.qwen3.Qwen3DecoderLayer.__init__",
+    "vllm.model_executor.models.qwen3.Qwen3DecoderLayer.forward",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model",
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_inputs",
+)
+
+#: Residual-stream hooks of a decoder layer (see docs/concepts.md).
 SUPPORTED_HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
-INTERVENTIONS_ENABLED = False
+INTERVENTIONS_ENABLED = True
+
+#: Bump when the patches change: part of the compile-cache key (additional_config).
+SEAM_FINGERPRINT = "causalboard-seam-1"
 
 logger = logging.getLogger("causalboard.seam")
 
@@ -74,4 +128,281 @@ def check_vllm_version() -> str:
 def register_plugin() -> None:
     """`vllm.general_plugins` entry point: refuse a vLLM version the seam was not checked against."""
     version = check_vllm_version()
-    logger.debug("causalboard plugin loaded (vLLM %s, %d patched symbols)", version, len(PATCHED_SYMBOLS))
+    logger.debug("causalboard plugin loaded (vLLM %s)", version)
+
+
+# ---- custom ops -------------------------------------------------------------------------------
+def _register_ops() -> None:
+    import torch
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    from . import intervention_op as op
+
+    if hasattr(torch.ops.vllm, "causalboard_site"):
+        return
+    direct_register_custom_op("causalboard_site", op.site_op, mutates_args=["x", "r"], fake_impl=op.site_op_fake)
+    direct_register_custom_op("causalboard_embed_site", op.embed_site_op, mutates_args=["x"], fake_impl=op.embed_site_op_fake)
+
+
+# ---- decoder layers -----------------------------------------------------------------------------
+_STATES_BY_CONFIG: dict[int, Any] = {}
+
+
+def _state_for_current_config(layer_module: Any) -> int:
+    """The WorkerState id of the engine whose model is being built (0 = not a causalboard engine)."""
+    import torch
+    from vllm.config import get_current_vllm_config
+
+    from .worker_state import WorkerConfig, WorkerState
+
+    cfg = get_current_vllm_config()
+    extra = (cfg.additional_config or {}).get("causalboard") if cfg is not None else None
+    if not extra:
+        return 0
+    state = _STATES_BY_CONFIG.get(id(cfg))
+    if state is None:
+        mc = cfg.model_config
+        hidden = mc.get_hidden_size()
+        num_layers = mc.hf_text_config.num_hidden_layers
+        max_rows = int(cfg.scheduler_config.max_num_batched_tokens)
+        wc = WorkerConfig(**{k: v for k, v in extra.items() if k in WorkerConfig.__dataclass_fields__})
+        state = WorkerState(num_layers, hidden, max_rows, torch.get_default_device(), torch.get_default_dtype(), wc)
+        _STATES_BY_CONFIG[id(cfg)] = state
+    return state.state_id
+
+
+def _site_forward(self, positions, hidden_states, residual):
+    """vLLM 0.25.1's Llama/Qwen2/Qwen3 decoder-layer forward, plus the three site ops."""
+    import torch
+
+    sid, base = self._cb_state, self._cb_layer * 3
+    if residual is None:
+        torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base)
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+    else:
+        torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base)
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+    torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + 1)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    hidden_states = self.mlp(hidden_states)
+    torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + 2)
+    return hidden_states, residual
+
+
+def _patch_layer_class(module_name: str, class_name: str) -> None:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if getattr(cls, "_cb_patched", False):
+        return
+    src = textwrap.dedent(inspect.getsource(cls.forward))
+    sha = hashlib.sha256(src.encode()).hexdigest()[:16]
+    if sha != LAYER_FORWARD_SHA[(module_name, class_name)]:
+        raise VllmVersionError(f"{module_name}.{class_name}.forward differs from the version causalboard's seam was "
+                               f"checked against (sha {sha}); review engine_ext/seam.py")
+    orig_init = cls.__init__
+    sig = inspect.signature(orig_init)
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        prefix = sig.bind(self, *args, **kwargs).arguments.get("prefix", "")
+        self._cb_layer = extract_layer_index(prefix)
+        self._cb_state = _state_for_current_config(self)
+
+    cls.__init__ = __init__
+    cls.forward = _site_forward
+    cls._cb_patched = True
+
+
+# ---- model runners ------------------------------------------------------------------------------
+def _runner_state(runner: Any):
+    """The WorkerState of the model this runner serves (None for non-causalboard engines)."""
+    st = getattr(runner, "_cb_state_obj", "unset")
+    if st == "unset":
+        st = None
+        model = getattr(runner, "model", None)
+        if model is None:
+            return None  # not loaded yet: look again next time
+        for m in model.modules():
+            sid = getattr(m, "_cb_state", 0)
+            if sid:
+                st = next((s for s in _STATES_BY_CONFIG.values() if s.state_id == sid), None)
+                break
+        runner._cb_state_obj = st
+    return st
+
+
+def _on_schedule(state: Any, scheduler_output: Any) -> None:
+    for req_id in scheduler_output.finished_req_ids:
+        state.finish(req_id)
+    for new in scheduler_output.scheduled_new_reqs:
+        sp = new.sampling_params
+        state.prompt_lens[new.req_id] = len(new.prompt_token_ids or ())
+        if sp is not None and sp.extra_args:
+            state.register(new.req_id, sp.extra_args)
+
+
+def _wrap_execute_model(cls: Any) -> None:
+    orig = cls.execute_model
+    if getattr(orig, "_cb_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        state = _runner_state(self)
+        if state is not None:
+            _on_schedule(state, scheduler_output)
+        out = orig(self, scheduler_output, *args, **kwargs)
+        if state is not None:
+            state.after_forward()
+        return out
+
+    execute_model._cb_wrapped = True
+    cls.execute_model = execute_model
+
+
+def _wrap_v1_model_forward(cls: Any) -> None:
+    from .row_plan import RowPlan
+
+    orig = cls._model_forward
+    if getattr(orig, "_cb_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        state = _runner_state(self)
+        if state is not None:
+            ib = self.input_batch
+            n = ib.num_reqs
+            rows = positions.shape[0] if positions is not None else input_ids.shape[0]
+            req_ids = ib.req_ids[:n]
+            plan = RowPlan.from_query_start(req_ids, self.query_start_loc.np[: n + 1],
+                                            ib.num_computed_tokens_cpu[:n], rows,
+                                            [state.prompt_lens.get(r, -1) for r in req_ids])
+            state.plan_step(plan)
+        return orig(self, input_ids, positions, *args, **kwargs)
+
+    _model_forward._cb_wrapped = True
+    cls._model_forward = _model_forward
+
+
+def _wrap_v2_prepare_inputs(cls: Any) -> None:
+    from .row_plan import RowPlan
+
+    orig = cls.prepare_inputs
+    if getattr(orig, "_cb_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def prepare_inputs(self, scheduler_output, batch_desc, *args, **kwargs):
+        batch = orig(self, scheduler_output, batch_desc, *args, **kwargs)
+        state = _runner_state(self)
+        if state is not None:
+            n = batch.num_reqs
+            plan = RowPlan.from_query_start(batch.req_ids[:n], batch.query_start_loc_np[: n + 1],
+                                            batch.num_computed_tokens_np[:n], batch.num_tokens_after_padding,
+                                            [state.prompt_lens.get(r, -1) for r in batch.req_ids[:n]])
+            state.plan_step(plan)
+        return batch
+
+    prepare_inputs._cb_wrapped = True
+    cls.prepare_inputs = prepare_inputs
+
+
+_INSTALLED = False
+V2_RUNNER_PATCHED = False
+
+
+def install() -> None:
+    """Patch vLLM (idempotent). Raises VllmVersionError on any version or source mismatch."""
+    global _INSTALLED, V2_RUNNER_PATCHED
+    if _INSTALLED:
+        return
+    check_vllm_version()
+    _register_ops()
+    for module_name, class_name in LAYER_FORWARD_SHA:
+        _patch_layer_class(module_name, class_name)
+    from vllm.v1.worker import gpu_model_runner as v1
+
+    _wrap_execute_model(v1.GPUModelRunner)
+    _wrap_v1_model_forward(v1.GPUModelRunner)
+    try:
+        from vllm.v1.worker.gpu import model_runner as v2
+    except Exception as exc:  # the V2 runner needs Triton; CPU builds run V1 only
+        logger.debug("V2 model runner not importable here (%s); V1/CPU patched only", exc)
+    else:
+        _wrap_execute_model(v2.GPUModelRunner)
+        _wrap_v2_prepare_inputs(v2.GPUModelRunner)
+        V2_RUNNER_PATCHED = True
+    _INSTALLED = True
+
+
+# ---- worker extension (RPC methods; `self` is the vLLM worker) ----------------------------------
+class CausalboardWorkerExtension:
+    """Mixed into vLLM's worker class via `worker_extension_cls`. Arguments and results are plain
+    msgpack-able data (bytes, lists, dicts), as `collective_rpc` requires across processes."""
+
+    def _cb(self):
+        st = _runner_state(self.model_runner)
+        if st is None:
+            raise RuntimeError("this engine was not started with causalboard's additional_config")
+        return st
+
+    def cb_model_info(self) -> dict:
+        import torch
+
+        st = self._cb()
+        model = self.model_runner.model
+        emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+        weight = getattr(emb, "weight", None)
+        if weight is None:
+            raise RuntimeError("cannot find the input embedding matrix (model.model.embed_tokens)")
+        std = float(weight.float().std().item())
+        st.embedding_std = std
+        patched = sum(1 for m in model.modules() if getattr(m, "_cb_state", 0) == st.state_id)
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+        st.tp_rank, st.pp_rank = int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+        runner = type(self.model_runner).__module__ + "." + type(self.model_runner).__qualname__
+        return {"num_layers": st.num_layers, "hidden_size": st.hidden, "embedding_std": std,
+                "patched_layers": patched, "runner": runner, "dtype": str(st.dtype).replace("torch.", ""),
+                "device": str(st.device), "buffer_bytes": st.buffers.nbytes(), "torch": torch.__version__}
+
+    def cb_collect(self, keys: list) -> dict:
+        return self._cb().collect(list(keys))
+
+    def cb_status(self) -> dict:
+        return self._cb().status()
+
+    def cb_set_global_steer(self, entries: list) -> int:
+        return self._cb().set_global_steer(list(entries))
+
+    def cb_register_vector(self, name: str, data: bytes) -> int:
+        import numpy as np
+
+        st = self._cb()
+        vec = np.frombuffer(data, dtype="<f4").copy()
+        st.named[name] = vec
+        return int(vec.shape[0])
+
+    def cb_delete_vector(self, name: str) -> bool:
+        return self._cb().named.pop(name, None) is not None
+
+    def cb_store(self, action: str, run_id: str = "") -> Any:
+        st = self._cb()
+        if action == "usage":
+            return st.store.usage()
+        if action == "drop":
+            return st.store.drop(run_id)
+        if action == "lease":
+            return st.store.lease(run_id)
+        if action == "release":
+            st.store.release(run_id)
+            return True
+        if action == "has":
+            return run_id in st.store
+        raise ValueError(f"unknown store action {action!r}")
+

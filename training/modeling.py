@@ -36,7 +36,7 @@ def last_token_logits(model: LlamaForCausalLM, tok: Tokenizer, prompts: list[str
     out = []
     for i in range(0, len(prompts), batch_size):
         ids, lengths = encode_batch(tok, prompts[i : i + batch_size], pad_id)
-        logits = model(input_ids=ids.to(device)).logits
+        logits = model(input_ids=ids.to(device), use_cache=False).logits
         out.append(logits[torch.arange(len(ids)), lengths.to(device) - 1].float().cpu())
     return torch.cat(out)
 

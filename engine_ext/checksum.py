@@ -1,0 +1,66 @@
+"""Rolling 64-bit checksum of the interventions a worker actually applied.
+
+Each applied action (steer, patch, noise, capture; refused ones excluded) is digested into a
+compact, hash-seed-free byte string — kind, request key, site, positions and, for vectors, the
+exact shape and crc32 of the float32 bytes — whose crc32 is mixed (splitmix64) into the running
+value together with a per-step ordinal, in application order. Ranks that apply the same actions
+in the same order agree; `compare_ranks` reports any disagreement (never raises).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+_MASK = (1 << 64) - 1
+
+
+def mix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def vector_digest(vec: np.ndarray | None) -> str:
+    if vec is None:
+        return "-"
+    arr = np.ascontiguousarray(vec, dtype="<f4")
+    return f"{'x'.join(map(str, arr.shape))}:{zlib.crc32(arr.tobytes()):08x}"
+
+
+class ActionChecksum:
+    def __init__(self) -> None:
+        self.value = 0
+        self.count = 0
+        self.step = 0
+
+    def begin_step(self) -> None:
+        self.step += 1
+
+    def fold(self, kind: str, key: str, site: int, positions: Iterable[int], vector: str = "-") -> None:
+        digest = f"{kind}|{key}|{site}|{','.join(map(str, positions))}|{vector}".encode()
+        crc = zlib.crc32(digest)
+        self.value = mix64(self.value ^ ((self.step & 0xFFFFFFFF) << 32 | crc))
+        self.count += 1
+
+    def status(self) -> dict:
+        return {"action_checksum": f"{self.value:016x}", "action_count": self.count}
+
+
+def compare_ranks(workers: Sequence[dict]) -> dict:
+    """Compare the checksums of ranks that must agree: tensor-parallel ranks of one pipeline
+    stage. `workers` are dicts with `tp_rank`, `pp_rank`, `action_checksum`, `action_count`."""
+    stages: dict[int, list[dict]] = {}
+    for w in workers:
+        stages.setdefault(int(w.get("pp_rank", 0)), []).append(w)
+    mismatches = {}
+    for pp, ranks in sorted(stages.items()):
+        if len({(w["action_checksum"], w["action_count"]) for w in ranks}) > 1:
+            mismatches[f"pp{pp}"] = {f"tp{w.get('tp_rank', 0)}/pp{pp}": w["action_checksum"] for w in ranks}
+    if mismatches:
+        return {"consistent": False, "mismatches": mismatches, "ranks": len(workers)}
+    return {"consistent": True, "action_count": max((int(w["action_count"]) for w in workers), default=0),
+            "ranks": len(workers)}

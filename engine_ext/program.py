@@ -1,0 +1,351 @@
+"""The wire `Program`: an `Interventions` spec compiled against one prompt and one model.
+
+Client side (`compile_program`): every selector is resolved to absolute token positions
+(`generated=True` additionally covers every position >= n_prompt, i.e. generated tokens fed back
+into the model), every bound is checked with an error naming the field, noise is drawn, and the
+result is canonical JSON that travels in `SamplingParams.extra_args["causalboard"]`.
+
+Worker side (`WorkerProgram.parse`): the JSON becomes arrays and float32 tensors; named vectors
+and stored source runs are looked up there (a missing one voids the request, never silently
+skips it).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import SpecError
+from .specs import (
+    HOOKS,
+    InlineSource,
+    Interventions,
+    MeanSource,
+    Positions,
+    RunSource,
+    Site,
+    Span,
+    ZeroSource,
+    canonical_json,
+    decode_vector,
+    encode_vector,
+    spec_hash,
+)
+
+PROGRAM_VERSION = 1
+EXTRA_ARGS_KEY = "causalboard"
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    embedding_std: float
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Admission limits (per request)."""
+
+    max_site_positions: int = 65536  # sites x positions touched by steer/patch/capture entries
+    max_named_vectors: int = 256
+
+
+@dataclass
+class PromptInfo:
+    """The prompt as the engine will see it."""
+
+    token_ids: list[int]
+    text: str | None = None
+    #: (start, end) character offsets per token; (0, 0) for special tokens
+    offsets: list[tuple[int, int]] | None = None
+    max_tokens: int = 1
+
+    @property
+    def n(self) -> int:
+        return len(self.token_ids)
+
+
+def resolve_positions(sel: Positions, prompt: PromptInfo, field_name: str) -> tuple[list[int], bool]:
+    """(sorted absolute positions, covers-all-generated) for a selector on this prompt."""
+    n = prompt.n
+    if isinstance(sel, str):
+        return {
+            "last_prompt": ([n - 1], False),
+            "all_prompt": (list(range(n)), False),
+            "all_generated": ([], True),
+            "all": (list(range(n)), True),
+        }[sel]
+    out: set[int] = set()
+    # tokens fed back into the model: positions n .. n + max_tokens - 2 (the last one never is)
+    last_fed = n + prompt.max_tokens - 2
+    for k, item in enumerate(sel):
+        f = f"{field_name}[{k}]"
+        if isinstance(item, int):
+            p = item + n if item < 0 else item
+            if p < 0 or p > max(n - 1, last_fed):
+                raise SpecError(f, f"position {item} is outside the prompt (0..{n - 1}, or -{n}..-1 from its end)"
+                                + (f" and the generated tokens fed back ({n}..{last_fed})" if last_fed >= n else ""))
+            out.add(p)
+        else:
+            out.update(span_positions(item, prompt, f))
+    return sorted(out), False
+
+
+def span_positions(span: Span, prompt: PromptInfo, field_name: str) -> list[int]:
+    """Tokens overlapping the `occurrence`-th occurrence of `span.text` in the prompt text."""
+    if prompt.text is None or prompt.offsets is None:
+        raise SpecError(field_name, "a span needs the prompt as text (it was given as token ids)")
+    start, found = -1, -1
+    while found < span.occurrence:
+        start = prompt.text.find(span.text, start + 1)
+        if start < 0:
+            break
+        found += 1
+    if start < 0:
+        count = found + 1
+        raise SpecError(f"{field_name}.span", f"{span.text!r} occurs {count} time(s) in the prompt; occurrence {span.occurrence} does not exist")
+    end = start + len(span.text)
+    toks = [i for i, (a, b) in enumerate(prompt.offsets) if b > a and a < end and b > start]
+    if not toks:
+        raise SpecError(f"{field_name}.span", f"{span.text!r} maps to no token of the prompt")
+    return toks
+
+
+def _check_site(site: Site, dims: ModelDims, field_name: str) -> int:
+    if site.layer >= dims.num_layers:
+        raise SpecError(f"{field_name}", f"layer {site.layer} is out of range: the model has layers 0..{dims.num_layers - 1}")
+    return site.index()
+
+
+def _check_vec(vec: np.ndarray, dims: ModelDims, field_name: str) -> str:
+    if vec.shape[0] != dims.hidden_size:
+        raise SpecError(field_name, f"has dimension {vec.shape[0]}, the model's hidden size is {dims.hidden_size}")
+    return encode_vector(vec)
+
+
+def noise_vectors(n_positions: int, hidden: int, scale: float, std: float, seed: int) -> np.ndarray:
+    """The Gaussian corruption added at the noised positions: `scale * std * N(0, 1)`, drawn in
+    position order from `numpy.random.default_rng(seed)` (so the oracle can redraw it)."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n_positions, hidden)) * (scale * std)).astype(np.float32)
+
+
+def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *, key: str,
+                    named_vector_dims: Callable[[str], int | None], limits: Limits = Limits()) -> dict:
+    """Validate `spec` against the prompt and model; return the wire program (plain JSON data).
+
+    Raises `SpecError` naming the offending field (e.g. `patch[2].positions[0]`)."""
+    touched = 0
+    steer_out = []
+    for k, s in enumerate(spec.steer):
+        f = f"steer[{k}]"
+        sites = [_check_site(site, dims, f"{f}.sites[{j}]") for j, site in enumerate(s.sites)]
+        pos, gen = resolve_positions(s.positions, prompt, f"{f}.positions")
+        if s.name is not None:
+            d = named_vector_dims(s.name)
+            if d is None:
+                raise SpecError(f"{f}.name", f"no registered vector named {s.name!r}")
+            if d != dims.hidden_size:
+                raise SpecError(f"{f}.name", f"vector {s.name!r} has dimension {d}, the model's hidden size is {dims.hidden_size}")
+            vec = None
+        else:
+            vec = _check_vec(s.vector, dims, f"{f}.vector")
+        touched += len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))
+        steer_out.append({"sites": sites, "pos": pos, "gen": gen, "phase": s.phase, "vec": vec,
+                          "name": s.name, "scale": s.scale})
+    patch_out = []
+    for k, p in enumerate(spec.patch):
+        f = f"patch[{k}]"
+        site = _check_site(p.site, dims, f"{f}.site")
+        dst, gen = resolve_positions(p.positions, prompt, f"{f}.positions")
+        if gen:
+            raise SpecError(f"{f}.positions", "patch destinations must be explicit positions, spans, 'last_prompt' or 'all_prompt'")
+        src = p.source
+        if isinstance(src, RunSource):
+            spos = list(src.positions) if src.positions is not None else list(dst)
+            if len(spos) != len(dst):
+                raise SpecError(f"{f}.source.positions", f"has {len(spos)} positions for {len(dst)} destination positions")
+            if any(q < 0 for q in spos):
+                raise SpecError(f"{f}.source.positions", "source positions are absolute (>= 0)")
+            sj: dict = {"run": src.run_id, "pos": spos}
+        elif isinstance(src, InlineSource):
+            if len(src.vectors) not in (1, len(dst)):
+                raise SpecError(f"{f}.source.vectors", f"give 1 vector or one per destination position ({len(dst)})")
+            sj = {"vecs": [_check_vec(v, dims, f"{f}.source.vectors[{j}]") for j, v in enumerate(src.vectors)]}
+        elif isinstance(src, MeanSource):
+            sj = {"mean_of": src.run_id}
+        else:
+            assert isinstance(src, ZeroSource)
+            sj = {"zero": True}
+        touched += len(dst)
+        patch_out.append({"site": site, "dst": dst, "src": sj, "alpha": p.alpha})
+    noise_out = None
+    if spec.noise is not None:
+        pos, _ = resolve_positions(spec.noise.positions, prompt, "noise.positions")
+        vecs = noise_vectors(len(pos), dims.hidden_size, spec.noise.scale, dims.embedding_std, spec.noise.seed)
+        noise_out = {"pos": pos, "vecs": [encode_vector(v) for v in vecs]}
+        touched += len(pos)
+    capture_out = None
+    if spec.capture is not None:
+        c = spec.capture
+        sites = [_check_site(site, dims, f"capture.sites[{j}]") for j, site in enumerate(c.sites)]
+        pos, gen = resolve_positions(c.positions, prompt, "capture.positions")
+        touched += len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))
+        capture_out = {"sites": sites, "pos": pos, "gen": gen, "keep_as": c.keep_as, "return": c.return_values}
+    for k, t in enumerate(spec.score_token_ids):
+        if not 0 <= t < dims.vocab_size:
+            raise SpecError(f"score_token_ids[{k}]", f"token id {t} is outside the vocabulary [0, {dims.vocab_size})")
+    if touched > limits.max_site_positions:
+        raise SpecError("interventions", f"touches {touched} site-positions; the limit is {limits.max_site_positions} (too many sites)")
+    body = {"steer": steer_out, "patch": patch_out, "noise": noise_out, "capture": capture_out}
+    # the last position ever fed to the model: the last prompt token or the next-to-last generated one
+    max_pos = max(prompt.n - 1, prompt.n + prompt.max_tokens - 2)
+    return {"v": PROGRAM_VERSION, "key": key, "n_prompt": prompt.n, "max_pos": max_pos, "hash": spec_hash(body), **body}
+
+
+def program_to_extra_args(program: dict) -> dict:
+    return {EXTRA_ARGS_KEY: canonical_json(program)}
+
+
+# ---- worker side ------------------------------------------------------------------------------
+@dataclass
+class AddOp:
+    """`c += scale * vec` at `site` for positions in `pos` (or every generated position when
+    `gen`), restricted to `phase`. `per_pos` holds one vector per position instead (noise)."""
+
+    op_id: int
+    kind: str  # "steer" | "noise" | "global"
+    site: int
+    pos: np.ndarray
+    gen: bool
+    phase: str
+    vec: np.ndarray | None
+    scale: float
+    per_pos: dict[int, np.ndarray] | None = None
+    name: str | None = None
+    every: bool = False  # every position (global steering "all")
+
+    def mask(self, positions: np.ndarray, n_prompt: int, max_pos: int) -> np.ndarray:
+        """Vectorised `applies` over a window of positions."""
+        is_gen = positions >= n_prompt
+        m = np.ones(len(positions), bool) if self.every else np.isin(positions, self.pos)
+        if self.gen:
+            m |= is_gen
+        if self.phase == "prefill":
+            m &= ~is_gen
+        elif self.phase == "decode":
+            m &= is_gen
+        return m & (positions <= max_pos)
+
+    def vector_at(self, position: int) -> np.ndarray:
+        return self.per_pos[position] if self.per_pos is not None else self.vec * np.float32(self.scale)
+
+
+@dataclass
+class WorkerProgram:
+    key: str
+    n_prompt: int
+    max_pos: int
+    hash: str
+    adds: list[AddOp] = field(default_factory=list)
+    #: (site, position) -> (alpha, target): target is an fp32 vector, a stored (x, r) pair, or
+    #: None for zero-ablation
+    replaces: dict[tuple[int, int], tuple[float, Any]] = field(default_factory=dict)
+    capture_sites: list[int] = field(default_factory=list)
+    capture_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    capture_gen: bool = False
+    keep_as: str | None = None
+    return_captures: bool = True
+    #: why the request cannot be applied faithfully (missing source, ...); non-empty = voided
+    errors: list[str] = field(default_factory=list)
+    sources: set[str] = field(default_factory=set)
+
+    @property
+    def voided(self) -> bool:
+        return bool(self.errors)
+
+    def captures_at(self, position: int) -> bool:
+        if position > self.max_pos:
+            return False
+        if self.capture_gen and position >= self.n_prompt:
+            return True
+        i = bisect.bisect_left(self.capture_pos, position)
+        return i < len(self.capture_pos) and self.capture_pos[i] == position
+
+    @classmethod
+    def parse(cls, data: dict, *, named_vector: Callable[[str], np.ndarray | None],
+              source_value: Callable[[str, int, int], Any],
+              source_mean: Callable[[str, int], np.ndarray | None]) -> "WorkerProgram":
+        """Build the worker-side program; lookups that fail are recorded in `errors`."""
+        if data.get("v") != PROGRAM_VERSION:
+            raise ValueError(f"unsupported causalboard program version {data.get('v')!r}")
+        prog = cls(key=data["key"], n_prompt=int(data["n_prompt"]), max_pos=int(data["max_pos"]), hash=data["hash"])
+        op_id = 0
+        for s in data["steer"]:
+            if s["vec"] is not None:
+                vec = decode_vector(s["vec"])
+            else:
+                vec = named_vector(s["name"])
+                if vec is None:
+                    prog.errors.append(f"steering vector {s['name']!r} is no longer registered")
+                    continue
+            for site in s["sites"]:
+                prog.adds.append(AddOp(op_id, "steer", site, np.asarray(s["pos"], np.int64), bool(s["gen"]),
+                                       s["phase"], vec, float(s["scale"]), name=s["name"]))
+                op_id += 1
+        if data.get("noise"):
+            nz = data["noise"]
+            per_pos = {int(p): decode_vector(v) for p, v in zip(nz["pos"], nz["vecs"])}
+            prog.adds.append(AddOp(op_id, "noise", 0, np.asarray(sorted(per_pos), np.int64), False, "both",
+                                   None, 1.0, per_pos=per_pos))
+            op_id += 1
+        for p in data["patch"]:
+            site, alpha, src = int(p["site"]), float(p["alpha"]), p["src"]
+            missing = []
+            for j, dst in enumerate(p["dst"]):
+                if "run" in src:
+                    prog.sources.add(src["run"])
+                    t = source_value(src["run"], site, int(src["pos"][j]))
+                    if t is None:
+                        missing.append(int(src["pos"][j]))
+                        continue
+                elif "vecs" in src:
+                    t = decode_vector(src["vecs"][j if len(src["vecs"]) > 1 else 0])
+                elif "mean_of" in src:
+                    prog.sources.add(src["mean_of"])
+                    t = source_mean(src["mean_of"], site)
+                    if t is None:
+                        prog.errors.append(f"source run {src['mean_of']!r} has no values at {_site_name(site)} (missing or evicted)")
+                        continue
+                else:
+                    t = None
+                prog.replaces[(site, int(dst))] = (alpha, t)
+            if missing:
+                prog.errors.append(f"source run {src['run']!r} has no value at {_site_name(site)} position(s) "
+                                   f"{missing} (never captured there, dropped, or evicted)")
+        cap = data.get("capture")
+        if cap:
+            prog.capture_sites = list(cap["sites"])
+            prog.capture_pos = np.asarray(cap["pos"], np.int64)
+            prog.capture_gen = bool(cap["gen"])
+            prog.keep_as = cap["keep_as"]
+            prog.return_captures = bool(cap["return"])
+        return prog
+
+
+def _site_name(index: int) -> str:
+    return f"L{index // len(HOOKS)}.{HOOKS[index % len(HOOKS)]}"
+
+
+def sites_touched(program: WorkerProgram) -> set[int]:
+    return {a.site for a in program.adds} | {s for s, _ in program.replaces} | set(program.capture_sites)
+
+
+def positions_list(values: Sequence[int]) -> list[int]:
+    return [int(v) for v in values]

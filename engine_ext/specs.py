@@ -1,0 +1,433 @@
+"""Plain-data intervention specs: sites, positions, steer / capture / patch / noise.
+
+These are what a client writes (Python, JSON over HTTP). `Engine` validates them against the
+model and the prompt (`resolve.py`) and compiles them into the wire `Program` that travels to
+the workers in `SamplingParams.extra_args`. No code, only data: every spec has one canonical
+JSON form (`to_json`) and one hash (`spec_hash`).
+
+Sites
+-----
+A site is (layer, hook). Hooks are residual-stream points of decoder layer `i`:
+
+* `pre_attn`   — the stream entering layer i (HF `hidden_states[i]`);
+* `post_attn`  — after the attention add of layer i;
+* `post_block` — the stream leaving layer i (HF `hidden_states[i+1]`, before the final norm
+  for the last layer).
+
+Canonical text form: `L{layer}.{hook}`, e.g. `L3.post_attn` (used in the API, capture keys,
+figure labels and docs).
+
+Positions
+---------
+`"last_prompt"`, `"all_prompt"`, `"all_generated"`, `"all"`, a list of token indices (negative
+= from the end of the prompt: -1 is the last prompt token), a span `{"span": text,
+"occurrence": n}` (the tokens overlapping the n-th occurrence of `text` in the prompt,
+0-based), or a list mixing indices and spans. Position 0 is the BOS token when the tokenizer
+adds one.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import numpy as np
+
+from .errors import SpecError
+
+HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
+HOOK_INDEX = {h: i for i, h in enumerate(HOOKS)}
+NAMED_POSITIONS = ("last_prompt", "all_prompt", "all_generated", "all")
+PHASES = ("both", "prefill", "decode")
+
+_SITE_RE = re.compile(r"^L(\d+)\.(\w+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Site:
+    layer: int
+    hook: str
+
+    def __post_init__(self) -> None:
+        if self.hook not in HOOK_INDEX:
+            raise SpecError("hook", f"unknown hook {self.hook!r}; expected one of {', '.join(HOOKS)}")
+        if not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 0:
+            raise SpecError("layer", f"must be a non-negative integer, got {self.layer!r}")
+
+    def __str__(self) -> str:
+        return f"L{self.layer}.{self.hook}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Site":
+        m = _SITE_RE.match(text.strip())
+        if not m:
+            raise SpecError("site", f"{text!r} is not a site; write it as L<layer>.<hook>, e.g. L3.post_attn")
+        return cls(int(m.group(1)), m.group(2))
+
+    def index(self) -> int:
+        """Flat index `layer * len(HOOKS) + hook` into the per-site buffers."""
+        return self.layer * len(HOOKS) + HOOK_INDEX[self.hook]
+
+
+def site_from_index(index: int) -> Site:
+    return Site(index // len(HOOKS), HOOKS[index % len(HOOKS)])
+
+
+@dataclass(frozen=True)
+class Span:
+    """The tokens overlapping the `occurrence`-th (0-based) occurrence of `text` in the prompt."""
+
+    text: str
+    occurrence: int = 0
+
+
+PositionItem = Union[int, Span]
+Positions = Union[str, tuple[PositionItem, ...]]
+
+
+def positions_from_json(value: Any, field_name: str = "positions") -> Positions:
+    """Parse the JSON form of a position selector (see module docstring)."""
+    if isinstance(value, str):
+        if value not in NAMED_POSITIONS:
+            raise SpecError(field_name, f"unknown position selector {value!r}; expected one of {', '.join(NAMED_POSITIONS)}, a list of indices or a span")
+        return value
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise SpecError(field_name, "must not be empty")
+    out: list[PositionItem] = []
+    for k, item in enumerate(items):
+        if isinstance(item, bool):
+            raise SpecError(f"{field_name}[{k}]", "must be an integer index or a span, not a boolean")
+        if isinstance(item, int):
+            out.append(item)
+        elif isinstance(item, Span):
+            out.append(item)
+        elif isinstance(item, dict) and "span" in item:
+            extra = set(item) - {"span", "occurrence"}
+            if extra:
+                raise SpecError(f"{field_name}[{k}].{sorted(extra)[0]}", "unknown field in a span")
+            text, occ = item["span"], item.get("occurrence", 0)
+            if not isinstance(text, str) or not text:
+                raise SpecError(f"{field_name}[{k}].span", "must be a non-empty string")
+            if not isinstance(occ, int) or isinstance(occ, bool) or occ < 0:
+                raise SpecError(f"{field_name}[{k}].occurrence", f"must be an integer >= 0, got {occ!r}")
+            out.append(Span(text, occ))
+        else:
+            raise SpecError(f"{field_name}[{k}]", f"must be an integer index or {{'span': text}}, got {item!r}")
+    return tuple(out)
+
+
+def positions_to_json(value: Positions) -> Any:
+    if isinstance(value, str):
+        return value
+    return [p if isinstance(p, int) else {"span": p.text, "occurrence": p.occurrence} for p in value]
+
+
+# ---- vectors -------------------------------------------------------------------------------
+def as_vector(value: Any, field_name: str) -> np.ndarray:
+    """A finite 1-D float32 vector from a list / ndarray / tensor; SpecError otherwise."""
+    try:
+        if hasattr(value, "detach"):
+            value = value.detach().float().cpu().numpy()
+        arr = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(field_name, f"is not a numeric vector ({exc})") from None
+    if arr.ndim != 1 or arr.size == 0:
+        raise SpecError(field_name, f"must be a non-empty 1-D vector, got shape {list(arr.shape)}")
+    if not np.all(np.isfinite(arr)):
+        raise SpecError(field_name, "contains NaN or infinite values")
+    return np.ascontiguousarray(arr)
+
+
+def encode_vector(arr: np.ndarray) -> str:
+    """Canonical wire form of a vector: base64 of float32 little-endian bytes."""
+    return base64.b64encode(np.ascontiguousarray(arr, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_vector(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype="<f4").copy()
+
+
+# ---- interventions ---------------------------------------------------------------------------
+def _sites(value: Any, field_name: str) -> tuple[Site, ...]:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise SpecError(field_name, "must name at least one site")
+    out = []
+    for k, s in enumerate(items):
+        if isinstance(s, Site):
+            out.append(s)
+        elif isinstance(s, str):
+            try:
+                out.append(Site.parse(s))
+            except SpecError as exc:
+                raise SpecError(f"{field_name}[{k}]", exc.message) from None
+        elif isinstance(s, (list, tuple)) and len(s) == 2:
+            out.append(Site(int(s[0]), str(s[1])))
+        elif isinstance(s, dict) and set(s) == {"layer", "hook"}:
+            out.append(Site(s["layer"], s["hook"]))
+        else:
+            raise SpecError(f"{field_name}[{k}]", f"not a site: {s!r} (use 'L3.post_attn' or {{'layer': 3, 'hook': 'post_attn'}})")
+    return tuple(dict.fromkeys(out))
+
+
+@dataclass(frozen=True, eq=False)
+class Steer:
+    """Add `scale * vector` to the stream at `sites` and `positions` during `phase`.
+
+    Exactly one of `vector` (inline) and `name` (a registered named vector) is given."""
+
+    sites: tuple[Site, ...]
+    vector: np.ndarray | None = None
+    name: str | None = None
+    scale: float = 1.0
+    positions: Positions = "all"
+    phase: Literal["both", "prefill", "decode"] = "both"
+
+    @classmethod
+    def make(cls, sites: Any, vector: Any = None, *, name: str | None = None, scale: float = 1.0,
+             positions: Any = "all", phase: str = "both", field_name: str = "steer") -> "Steer":
+        if (vector is None) == (name is None):
+            raise SpecError(f"{field_name}.vector", "give exactly one of an inline 'vector' and a registered 'name'")
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+            raise SpecError(f"{field_name}.scale", f"must be a finite number, got {scale!r}")
+        if phase not in PHASES:
+            raise SpecError(f"{field_name}.phase", f"must be one of {', '.join(PHASES)}, got {phase!r}")
+        vec = as_vector(vector, f"{field_name}.vector") if vector is not None else None
+        return cls(_sites(sites, f"{field_name}.sites"), vec, name, float(scale),
+                   positions_from_json(positions, f"{field_name}.positions"), phase)  # type: ignore[arg-type]
+
+    def to_json(self) -> dict:
+        return {"sites": [str(s) for s in self.sites],
+                "vector": encode_vector(self.vector) if self.vector is not None else None,
+                "name": self.name, "scale": self.scale,
+                "positions": positions_to_json(self.positions), "phase": self.phase}
+
+
+@dataclass(frozen=True)
+class Capture:
+    """Record the stream at `sites` × `positions` (after any intervention at that site).
+
+    `keep_as` stores the whole capture on the workers as a named source run for patching;
+    `return_values` delivers the arrays to the client."""
+
+    sites: tuple[Site, ...]
+    positions: Positions = "last_prompt"
+    keep_as: str | None = None
+    return_values: bool = True
+
+    @classmethod
+    def make(cls, sites: Any, positions: Any = "last_prompt", *, keep_as: str | None = None,
+             return_values: bool = True, field_name: str = "capture") -> "Capture":
+        if keep_as is not None and (not isinstance(keep_as, str) or not re.fullmatch(r"[\w.\-:]{1,128}", keep_as)):
+            raise SpecError(f"{field_name}.keep_as", "must be 1-128 characters of letters, digits, '_', '-', '.', ':'")
+        return cls(_sites(sites, f"{field_name}.sites"), positions_from_json(positions, f"{field_name}.positions"),
+                   keep_as, bool(return_values))
+
+    def to_json(self) -> dict:
+        return {"sites": [str(s) for s in self.sites], "positions": positions_to_json(self.positions),
+                "keep_as": self.keep_as, "return_values": self.return_values}
+
+
+@dataclass(frozen=True)
+class RunSource:
+    """Values from a stored source run: `positions` of the run (default: the destination
+    positions themselves), one per destination position."""
+
+    run_id: str
+    positions: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class InlineSource:
+    """Explicit vectors: one per destination position, or one for all of them."""
+
+    vectors: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class ZeroSource:
+    """Zero-ablation: replace with the zero vector."""
+
+
+@dataclass(frozen=True)
+class MeanSource:
+    """Mean-ablation: replace with the mean of a stored run's values at the same site (over all
+    positions the run captured there)."""
+
+    run_id: str
+
+
+Source = Union[RunSource, InlineSource, ZeroSource, MeanSource]
+
+
+@dataclass(frozen=True, eq=False)
+class Patch:
+    """At `site` and destination `positions`: replace (alpha = 1) or lerp
+    `(1 - alpha) * h + alpha * t` with values `t` from `source`."""
+
+    site: Site
+    positions: Positions
+    source: Source
+    alpha: float = 1.0
+
+    @classmethod
+    def make(cls, site: Any, positions: Any, source: Any, *, alpha: float = 1.0, field_name: str = "patch") -> "Patch":
+        sites = _sites(site, f"{field_name}.site")
+        if len(sites) != 1:
+            raise SpecError(f"{field_name}.site", "a patch names exactly one site")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+            raise SpecError(f"{field_name}.alpha", f"must be a finite number, got {alpha!r}")
+        return cls(sites[0], positions_from_json(positions, f"{field_name}.positions"),
+                   _source(source, f"{field_name}.source"), float(alpha))
+
+    def to_json(self) -> dict:
+        src = self.source
+        if isinstance(src, RunSource):
+            sj: dict = {"run": src.run_id, "positions": list(src.positions) if src.positions is not None else None}
+        elif isinstance(src, InlineSource):
+            sj = {"vectors": [encode_vector(v) for v in src.vectors]}
+        elif isinstance(src, MeanSource):
+            sj = {"mean_of": src.run_id}
+        else:
+            sj = {"zero": True}
+        return {"site": str(self.site), "positions": positions_to_json(self.positions), "source": sj, "alpha": self.alpha}
+
+
+def _source(value: Any, field_name: str) -> Source:
+    if isinstance(value, (RunSource, InlineSource, ZeroSource, MeanSource)):
+        return value
+    if value == "zeros" or value == "zero":
+        return ZeroSource()
+    if isinstance(value, dict):
+        if "run" in value:
+            run, pos = value["run"], value.get("positions")
+            if not isinstance(run, str) or not run:
+                raise SpecError(f"{field_name}.run", "must be a run id")
+            if pos is not None:
+                if not isinstance(pos, (list, tuple)) or not all(isinstance(p, int) and not isinstance(p, bool) for p in pos):
+                    raise SpecError(f"{field_name}.positions", "must be a list of integer positions of the source run")
+                pos = tuple(pos)
+            return RunSource(run, pos)
+        if "vectors" in value or "vector" in value:
+            raw = value.get("vectors", [value.get("vector")])
+            return InlineSource(tuple(as_vector(v, f"{field_name}.vectors[{k}]") for k, v in enumerate(raw)))
+        if "mean_of" in value:
+            return MeanSource(str(value["mean_of"]))
+        if value.get("zero") is True:
+            return ZeroSource()
+    raise SpecError(field_name, "must be 'zeros', {'run': id, 'positions': [...]}, {'vectors': [...]} or {'mean_of': run_id}")
+
+
+@dataclass(frozen=True, eq=False)
+class Noise:
+    """ROME-style corruption: add Gaussian noise of `scale` × (std of the embedding matrix) to the
+    input embeddings at `positions` (seeded; site L0.pre_attn)."""
+
+    positions: Positions
+    scale: float = 3.0
+    seed: int = 0
+
+    @classmethod
+    def make(cls, positions: Any, *, scale: float = 3.0, seed: int = 0, field_name: str = "noise") -> "Noise":
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale < 0:
+            raise SpecError(f"{field_name}.scale", f"must be a finite number >= 0, got {scale!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise SpecError(f"{field_name}.seed", f"must be an integer >= 0, got {seed!r}")
+        return cls(positions_from_json(positions, f"{field_name}.positions"), float(scale), seed)
+
+    def to_json(self) -> dict:
+        return {"positions": positions_to_json(self.positions), "scale": self.scale, "seed": self.seed}
+
+
+@dataclass(frozen=True, eq=False)
+class Interventions:
+    """Everything one request asks of the engine besides generation."""
+
+    steer: tuple[Steer, ...] = ()
+    patch: tuple[Patch, ...] = ()
+    capture: Capture | None = None
+    noise: Noise | None = None
+    #: score these token ids exactly at every generated step (vLLM logprob_token_ids)
+    score_token_ids: tuple[int, ...] = ()
+
+    def is_empty(self) -> bool:
+        return not (self.steer or self.patch or self.capture or self.noise or self.score_token_ids)
+
+    def modifies_stream(self) -> bool:
+        return bool(self.steer or self.patch or self.noise)
+
+    def to_json(self) -> dict:
+        return {
+            "steer": [s.to_json() for s in self.steer],
+            "patch": [p.to_json() for p in self.patch],
+            "capture": self.capture.to_json() if self.capture else None,
+            "noise": self.noise.to_json() if self.noise else None,
+            "score_token_ids": list(self.score_token_ids),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict | None, field_name: str = "interventions") -> "Interventions":
+        """Parse the JSON form (what the HTTP API accepts)."""
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise SpecError(field_name, "must be an object")
+        unknown = set(data) - {"steer", "patch", "capture", "noise", "score_token_ids"}
+        if unknown:
+            raise SpecError(f"{field_name}.{sorted(unknown)[0]}", "unknown field")
+
+        def items(key: str) -> list:
+            v = data.get(key) or []
+            return v if isinstance(v, list) else [v]
+
+        steer = []
+        for k, s in enumerate(items("steer")):
+            f = f"{field_name}.steer[{k}]"
+            _only(s, {"sites", "vector", "name", "scale", "positions", "phase"}, f)
+            steer.append(Steer.make(s.get("sites"), s.get("vector"), name=s.get("name"), scale=s.get("scale", 1.0),
+                                    positions=s.get("positions", "all"), phase=s.get("phase", "both"), field_name=f))
+        patch = []
+        for k, p in enumerate(items("patch")):
+            f = f"{field_name}.patch[{k}]"
+            _only(p, {"site", "positions", "source", "alpha"}, f)
+            patch.append(Patch.make(p.get("site"), p.get("positions", "all_prompt"), p.get("source"),
+                                    alpha=p.get("alpha", 1.0), field_name=f))
+        capture = None
+        if data.get("capture") is not None:
+            c, f = data["capture"], f"{field_name}.capture"
+            _only(c, {"sites", "positions", "keep_as", "return_values"}, f)
+            capture = Capture.make(c.get("sites"), c.get("positions", "last_prompt"), keep_as=c.get("keep_as"),
+                                   return_values=c.get("return_values", True), field_name=f)
+        noise = None
+        if data.get("noise") is not None:
+            n, f = data["noise"], f"{field_name}.noise"
+            _only(n, {"positions", "scale", "seed"}, f)
+            noise = Noise.make(n.get("positions"), scale=n.get("scale", 3.0), seed=n.get("seed", 0), field_name=f)
+        ids = data.get("score_token_ids") or []
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise SpecError(f"{field_name}.score_token_ids", "must be a list of token ids")
+        return cls(tuple(steer), tuple(patch), capture, noise, tuple(ids))
+
+
+def _only(obj: Any, allowed: set[str], field_name: str) -> None:
+    if not isinstance(obj, dict):
+        raise SpecError(field_name, "must be an object")
+    unknown = set(obj) - allowed
+    if unknown:
+        raise SpecError(f"{field_name}.{sorted(unknown)[0]}", "unknown field")
+
+
+def canonical_json(data: Any) -> str:
+    """The one canonical serialization: sorted keys, no whitespace, no NaN."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def spec_hash(data: Any) -> str:
+    """sha256 (hex, 32 chars) of the canonical JSON of `data`."""
+    return hashlib.sha256(canonical_json(data).encode()).hexdigest()[:32]
