@@ -397,6 +397,9 @@ class Engine:
                     raise SpecError("logprobs", "top-k logprobs cannot be combined with score_token_ids (vLLM returns one or the other)")
                 if len(spec.score_token_ids) > 128:
                     raise SpecError("score_token_ids", "at most 128 token ids")
+                for k, t in enumerate(spec.score_token_ids):
+                    if not 0 <= t < self.info.vocab_size:
+                        raise SpecError(f"score_token_ids[{k}]", f"token id {t} is outside the vocabulary [0, {self.info.vocab_size})")
                 score_ids = list(dict.fromkeys(spec.score_token_ids))
             if spec.steer or spec.patch or spec.capture or spec.noise:
                 prep.key = self._new_id()
@@ -520,8 +523,9 @@ class Engine:
 
         spec = Interventions(capture=Capture.make(sites, positions, keep_as=keep_as, return_values=return_values))
         gen = self.generate(prompt, GenerationParams(max_tokens=1), spec)
-        if gen.intervention is None or gen.intervention.voided:
-            errs = gen.intervention.errors if gen.intervention else ["no result"]
+        iv = gen.intervention
+        if iv is None or iv.voided or (keep_as is not None and iv.stored_as != keep_as):
+            errs = iv.errors if iv else ["no result"]
             raise RuntimeError(f"capture failed: {'; '.join(errs)}")
         return gen
 
@@ -601,6 +605,10 @@ class Engine:
     @property
     def global_steer(self) -> list[Steer]:
         return list(self._global)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (waits for running requests to finish first)."""
+        return bool(self._require_loop().call(lambda e: e.reset_prefix_cache()).result())
 
     def drop_source(self, run_id: str) -> bool:
         return any(self._rpc("cb_store", "drop", run_id))

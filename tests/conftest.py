@@ -19,6 +19,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def model_path() -> Path:
+    """The model under test: the bundled one, or CB_TEST_MODEL (a folder with the same tasks.json)."""
+    from engine_ext import BUNDLED_MODEL_PATH
+
+    return Path(os.environ.get("CB_TEST_MODEL", BUNDLED_MODEL_PATH))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -27,16 +34,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tasks() -> dict:
-    from engine_ext import BUNDLED_MODEL_PATH
-
-    return json.loads((BUNDLED_MODEL_PATH / "tasks.json").read_text())
+    return json.loads((model_path() / "tasks.json").read_text())
 
 
 @pytest.fixture(scope="session")
 def engine():
     from engine_ext import Engine
 
-    eng = Engine(device="cpu").start()
+    # a small source store so eviction is testable without thousands of captures
+    eng = Engine(model=str(model_path()), device="cpu", source_store_bytes=2 * 1024 * 1024).start()
     yield eng
     eng.close()
 
@@ -45,7 +51,7 @@ def engine():
 def hf_ref():
     from engine_ext.hf_reference import HFReference
 
-    return HFReference()
+    return HFReference(model_path())
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,227 @@
+"""GPU validation of engine_ext: correctness checks in one engine configuration, plus throughput.
+
+Run on the GPU host after `source .vbundle/gpu_env.sh`; each configuration in its own process:
+
+    python3 benchmarks/gpu_validate.py --model bundled --mode graphs --runner v2 --out $OUT/x.json
+    python3 benchmarks/gpu_validate.py --model llama-1b --mode eager --runner v1 --out $OUT/y.json
+    python3 benchmarks/gpu_validate.py --throughput --model llama-1b --out $OUT/tp.json
+
+Checks (bf16; tolerances printed in the result):
+* captures vs the transformers oracle (bf16 on the same GPU) at every hook of 3 layers;
+* replacing every site of a layer with the run's own stored values: bit-exact generation;
+* steering (per-request, all positions) vs the oracle: first greedy token and logprob;
+* patching a corrupt prompt at all positions of a layer with clean values: clean scores, bit-exact;
+* an unintervened request batched with steered/patched/capturing neighbours: bit-exact;
+* prefix cache: an unpatched rerun after a steered run equals a fresh run, bit-exact;
+* a patch from a missing source is voided; the checksum status is consistent.
+Throughput: decode tokens/s with CUDA graphs, vanilla vs every request steered, batch 1 and 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LOGPROB_TOL_BF16 = 0.1
+CAPTURE_COS_MIN = 0.995
+
+
+def _model_path(name: str, scratch: str) -> str | None:
+    if name == "bundled":
+        return None
+    from benchmarks.gpu_check import build_random_llama
+
+    path = Path(scratch) / "llama-3.2-1b-random"
+    if not (path / "model.safetensors").exists():
+        build_random_llama(path)
+    return str(path)
+
+
+def _prompts(eng, model: str) -> dict:
+    if model == "bundled":
+        from engine_ext import BUNDLED_MODEL_PATH
+
+        tasks = json.loads((BUNDLED_MODEL_PATH / "tasks.json").read_text())
+        pair = next(p for p in tasks["pairs"] if p["equal_length"])
+        return {"prompt": tasks["facts"][0]["prompt"], "others": [f["prompt"] for f in tasks["facts"][1:4]],
+                "clean": pair["clean_prompt"], "corrupt": pair["corrupt_prompt"],
+                "ans": pair["answer_id"], "foil": pair["foil_id"]}
+    mk = lambda seed, n: [int(t) for t in (seed * 7919 + 13 * __import__("numpy").arange(n)) % 120000 + 10]  # noqa: E731
+    clean, corrupt = mk(1, 24), mk(1, 24)
+    corrupt[5:8] = mk(2, 3)
+    return {"prompt": mk(3, 24), "others": [mk(4, 20), mk(5, 28), mk(6, 16)], "clean": clean, "corrupt": corrupt,
+            "ans": 11, "foil": 12}
+
+
+def run_checks(args) -> dict:
+    import numpy as np
+    import torch
+
+    from engine_ext import Engine, GenerationParams
+    from engine_ext.hf_reference import HFReference, RefEdit
+    from engine_ext.specs import Capture, Interventions, Patch, Steer
+
+    res: dict = {"model": args.model, "mode": args.mode, "runner": args.runner, "checks": {}}
+    t0 = time.perf_counter()
+    eng = Engine(model=_model_path(args.model, args.scratch), device=args.device, enforce_eager=args.mode == "eager",
+                 max_model_len=512, gpu_memory_utilization=0.45).start()
+    res["startup_s"] = round(time.perf_counter() - t0, 1)
+    res["runner_class"] = eng.info.runner
+    P = _prompts(eng, args.model)
+    ids = P["prompt"] if isinstance(P["prompt"], list) else eng.tokenize(P["prompt"])
+    L = eng.info.num_layers
+    layers = [0, L // 2, L - 1]
+    ref = HFReference(eng.model_path, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
+    checks = res["checks"]
+
+    def check(name, fn):
+        try:
+            checks[name] = fn()
+        except Exception as exc:  # record and go on: one failing check must not hide the others
+            checks[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()[-1500:]}
+        print(json.dumps({name: checks[name]}), flush=True)
+
+    def captures():
+        sites = [f"L{l}.{h}" for l in layers for h in ("pre_attn", "post_attn", "post_block")]
+        gen = eng.capture(ids, sites, "all_prompt")
+        rr = ref.run(ids, capture=[(l, h) for l in layers for h in ("pre_attn", "post_attn", "post_block")])
+        worst = 1.0
+        for (l, h, p), v in gen.captures.items():
+            w = rr.captures[(l, h)][p].float().cpu().numpy()
+            cos = float(np.dot(v, w) / (np.linalg.norm(v) * np.linalg.norm(w) + 1e-12))
+            worst = min(worst, cos)
+        return {"ok": worst >= CAPTURE_COS_MIN, "min_cosine": worst, "n": len(gen.captures), "tolerance": f"cos>={CAPTURE_COS_MIN}"}
+
+    def self_patch():
+        params = GenerationParams(max_tokens=6)
+        clean = eng.generate(ids, params)
+        out = {}
+        for l in layers:
+            hooks = ("pre_attn", "post_attn", "post_block")
+            eng.capture(ids, [f"L{l}.{h}" for h in hooks], "all_prompt", keep_as=f"self{l}", return_values=False)
+            g = eng.generate(ids, params, Interventions(patch=tuple(Patch.make(f"L{l}.{h}", "all_prompt", {"run": f"self{l}"}) for h in hooks)))
+            out[l] = g.token_ids == clean.token_ids and g.logprobs == clean.logprobs
+            eng.drop_source(f"self{l}")
+        return {"ok": all(out.values()), "bit_exact_per_layer": out}
+
+    def steering():
+        v = np.random.default_rng(0).standard_normal(eng.info.hidden_size).astype(np.float32)
+        v *= 4.0 * float(np.linalg.norm(eng.capture(ids, [f"L{L // 2}.post_block"], "last_prompt").captures[(L // 2, "post_block", len(ids) - 1)])) / np.linalg.norm(v)
+        spec = Interventions(steer=(Steer.make([f"L{L // 2}.post_block"], v, scale=0.25),))
+        g = eng.generate(ids, GenerationParams(max_tokens=1, logprobs=1), spec)
+        base = eng.generate(ids, GenerationParams(max_tokens=1))
+        r = ref.generate(ids, 1, edits=[RefEdit.steer((L // 2, "post_block"), v, scale=0.25, positions=range(len(ids)), gen=True)])
+        diff = abs(g.logprobs[0] - float(r.step_logprobs[0][g.token_ids[0]]))
+        return {"ok": diff <= LOGPROB_TOL_BF16 and g.logprobs != base.logprobs, "same_token_as_oracle": g.token_ids == r.token_ids,
+                "logprob_diff": diff, "tolerance": LOGPROB_TOL_BF16, "changed_output": g.logprobs != base.logprobs}
+
+    def corrupt_to_clean():
+        clean = P["clean"] if isinstance(P["clean"], list) else eng.tokenize(P["clean"])
+        corrupt = P["corrupt"] if isinstance(P["corrupt"], list) else eng.tokenize(P["corrupt"])
+        l = L // 2
+        eng.capture(clean, [f"L{l}.pre_attn"], "all_prompt", keep_as="cc", return_values=False)
+        got = eng.score(corrupt, [P["ans"], P["foil"]], Interventions(patch=(Patch.make(f"L{l}.pre_attn", "all_prompt", {"run": "cc"}),)))
+        want = eng.score(clean, [P["ans"], P["foil"]])
+        eng.drop_source("cc")
+        return {"ok": got == want, "patched": got, "clean": want}
+
+    def neighbours():
+        prompts = [ids] + [o if isinstance(o, list) else eng.tokenize(o) for o in P["others"]]
+        eng.capture(prompts[2], [f"L{L // 2}.post_attn"], "all_prompt", keep_as="nb", return_values=False)
+        v = np.ones(eng.info.hidden_size, np.float32)
+        specs = [None, Interventions(steer=(Steer.make([f"L1.pre_attn"], v),)),
+                 Interventions(patch=(Patch.make(f"L{L // 2}.post_attn", "all_prompt", {"run": "nb"}),)),
+                 Interventions(capture=Capture.make([f"L{L - 1}.post_block"], "all"))]
+        params = GenerationParams(max_tokens=8)
+        eng.reset_prefix_cache()
+        a = eng.generate(prompts, params, specs)
+        eng.reset_prefix_cache()
+        b = eng.generate(prompts, params, [None] * 4)
+        eng.drop_source("nb")
+        return {"ok": a[0].token_ids == b[0].token_ids and a[0].logprobs == b[0].logprobs,
+                "max_logprob_diff": max(abs(x - y) for x, y in zip(a[0].logprobs, b[0].logprobs))}
+
+    def prefix_cache():
+        params = GenerationParams(max_tokens=4)
+        eng.reset_prefix_cache()
+        fresh = eng.generate(ids, params)
+        eng.reset_prefix_cache()
+        v = np.ones(eng.info.hidden_size, np.float32) * 3
+        steered = eng.generate(ids, params, Interventions(steer=(Steer.make(["L0.pre_attn"], v, positions="all_prompt"),)))
+        rerun = eng.generate(ids, params)
+        return {"ok": rerun.logprobs == fresh.logprobs and rerun.token_ids == fresh.token_ids, "steered_differs": steered.logprobs != fresh.logprobs}
+
+    def voided():
+        g = eng.generate(ids, GenerationParams(max_tokens=1), Interventions(patch=(Patch.make("L1.pre_attn", "all_prompt", {"run": "nope"}),)))
+        st = eng.intervention_status()
+        return {"ok": g.intervention.voided and st["determinism"]["consistent"], "determinism": st["determinism"]}
+
+    for name, fn in [("captures_vs_oracle", captures), ("self_patch_bit_exact", self_patch), ("steering_vs_oracle", steering),
+                     ("corrupt_to_clean_bit_exact", corrupt_to_clean), ("neighbours_bit_exact", neighbours),
+                     ("prefix_cache_isolation", prefix_cache), ("missing_source_voided", voided)]:
+        check(name, fn)
+    res["all_ok"] = all(c.get("ok") for c in checks.values())
+    del ref
+    torch.cuda.empty_cache()
+    eng.close()
+    return res
+
+
+def run_throughput(args) -> dict:
+    import numpy as np
+
+    from engine_ext import Engine, GenerationParams
+    from engine_ext.specs import Interventions, Steer
+
+    eng = Engine(model=_model_path(args.model, args.scratch), device="cuda", enforce_eager=False,
+                 max_model_len=1024, gpu_memory_utilization=0.6).start()
+    L, H = eng.info.num_layers, eng.info.hidden_size
+    v = (np.random.default_rng(0).standard_normal(H) * 0.01).astype(np.float32)
+    steer = Interventions(steer=(Steer.make([f"L{L // 2}.post_block"], v),))
+    steer_all = Interventions(steer=(Steer.make([f"L{l}.post_block" for l in range(L)], v),))
+    prompt = list(range(10, 42))
+    out: dict = {"model": args.model, "runner_class": eng.info.runner, "tokens_per_request": args.tokens}
+    params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
+    eng.generate([prompt] * 2, GenerationParams(max_tokens=8, ignore_eos=True))
+    for batch in (1, 32):
+        prompts = [[(t + i) % (eng.info.vocab_size - 3) + 3 for t in prompt] for i in range(batch)]
+        for label, spec in (("vanilla", None), ("steered_1_site", steer), ("steered_all_layers", steer_all)):
+            eng.generate(prompts, GenerationParams(max_tokens=4, ignore_eos=True), spec)  # warm
+            t = time.perf_counter()
+            gens = eng.generate(prompts, params, spec)
+            dt = time.perf_counter() - t
+            n = sum(len(g.token_ids) for g in gens)
+            out[f"batch{batch}_{label}"] = {"tok_per_s": round(n / dt, 1), "seconds": round(dt, 3), "tokens": n}
+            print(json.dumps({f"batch{batch}_{label}": out[f"batch{batch}_{label}"]}), flush=True)
+    eng.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["bundled", "llama-1b"], default="bundled")
+    ap.add_argument("--mode", choices=["eager", "graphs"], default="graphs")
+    ap.add_argument("--runner", choices=["v1", "v2"], default="v2")
+    ap.add_argument("--throughput", action="store_true")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--scratch", default=os.environ.get("CB_SCRATCH", "/tmp"))
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.runner == "v1":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    res = run_throughput(args) if args.throughput else run_checks(args)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps({"summary": {k: v for k, v in res.items() if k != "checks"}}), flush=True)
+    return 0 if res.get("all_ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
