@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 
@@ -42,7 +43,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(config=_engine_config(args))
     app.state.announce = f"http://{args.host}:{args.port}"
     print(f"causalboard: starting the engine, then serving on {app.state.announce}", flush=True)
-    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown; the lifespan then closes the engine.
+    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown (the lifespan then closes the engine)
+    # and afterwards re-raises the signal to the handler that was installed before it: make that
+    # a clean exit, so a stopped server reports success.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
     return 0
 

@@ -27,8 +27,8 @@ def _field_of(loc: tuple) -> str:
 
 
 def _describe(err: dict) -> dict:
-    field = _field_of(tuple(err.get("loc", ())))
     kind = err.get("type", "")
+    field = "body" if kind == "json_invalid" else _field_of(tuple(err.get("loc", ())))
     if kind == "extra_forbidden":
         msg = "unknown field (not part of this request's schema)"
     elif kind == "missing":
