@@ -72,7 +72,8 @@ def main() -> int:
         if not (model_path / "model.safetensors").exists():
             build_random_llama(model_path)
     cfg = EngineConfig(model=str(model_path) if model_path else None, device="cuda",
-                       enforce_eager=(args.mode == "eager"), max_model_len=1024, gpu_memory_utilization=0.6)
+                       enforce_eager=(args.mode == "eager"), max_model_len=None if args.model == "bundled" else 1024,
+                       gpu_memory_utilization=0.6)
     t0 = time.perf_counter()
     eng = Engine(cfg).start()
     startup = time.perf_counter() - t0

@@ -71,7 +71,7 @@ def run_checks(args) -> dict:
     res: dict = {"model": args.model, "mode": args.mode, "runner": args.runner, "checks": {}}
     t0 = time.perf_counter()
     eng = Engine(model=_model_path(args.model, args.scratch), device=args.device, enforce_eager=args.mode == "eager",
-                 max_model_len=512, gpu_memory_utilization=0.45).start()
+                 max_model_len=None if args.model == "bundled" else 512, gpu_memory_utilization=0.45).start()
     res["startup_s"] = round(time.perf_counter() - t0, 1)
     res["runner_class"] = eng.info.runner
     P = _prompts(eng, args.model)
@@ -181,7 +181,7 @@ def run_throughput(args) -> dict:
     from engine_ext.specs import Interventions, Steer
 
     eng = Engine(model=_model_path(args.model, args.scratch), device="cuda", enforce_eager=False,
-                 max_model_len=1024, gpu_memory_utilization=0.6).start()
+                 max_model_len=None if args.model == "bundled" else 1024, gpu_memory_utilization=0.6).start()
     L, H = eng.info.num_layers, eng.info.hidden_size
     v = (np.random.default_rng(0).standard_normal(H) * 0.01).astype(np.float32)
     steer = Interventions(steer=(Steer.make([f"L{L // 2}.post_block"], v),))

@@ -37,6 +37,9 @@ logger = logging.getLogger("causalboard.engine")
 
 Prompt = str | Sequence[int]
 
+#: how long a control-plane call to the workers may take before the caller gets an error
+RPC_TIMEOUT_S = 300
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -221,7 +224,7 @@ class Engine:
         self._loop = EngineLoop(self._build_vllm_engine)
         try:
             self._loop.start()
-            worker = self._loop.call(lambda e: e.collective_rpc("cb_model_info")).result()[0]
+            worker = self._loop.call(lambda e: e.collective_rpc("cb_model_info")).result(timeout=RPC_TIMEOUT_S)[0]
         except BaseException:
             if self._loop is not None:
                 self._loop.shutdown()
@@ -540,7 +543,7 @@ class Engine:
 
     # ---- control plane ---------------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list:
-        return self._require_loop().call(lambda e: e.collective_rpc(method, args=args)).result()
+        return self._require_loop().call(lambda e: e.collective_rpc(method, args=args)).result(timeout=RPC_TIMEOUT_S)
 
     def register_vector(self, name: str, vector: Any) -> None:
         """Register a named steering vector on every worker (replacing one of the same name)."""

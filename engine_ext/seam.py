@@ -369,7 +369,7 @@ class CausalboardWorkerExtension:
         runner = type(self.model_runner).__module__ + "." + type(self.model_runner).__qualname__
         return {"num_layers": st.num_layers, "hidden_size": st.hidden, "embedding_std": std,
                 "patched_layers": patched, "runner": runner, "dtype": str(st.dtype).replace("torch.", ""),
-                "device": str(st.device), "buffer_bytes": st.buffers.nbytes(), "torch": torch.__version__}
+                "device": str(st.device), "buffer_bytes": int(st.buffers.nbytes()), "torch": str(torch.__version__)}
 
     def cb_collect(self, keys: list) -> dict:
         return self._cb().collect(list(keys))

@@ -165,11 +165,29 @@ def build_world(seed: int = SEED) -> World:
     """Sample subjects (4 per base word: 1, 2, 2 and 3 words long), facts and IOI pairs."""
     rng = np.random.default_rng(seed)
     subjects = []
-    for base in BASES:
+    import os
+    if os.environ.get("CB_SUBJECTS", "affix") == "affix":
+      for base in BASES:
         pre = PREFIXES[rng.integers(len(PREFIXES))]
         pre3 = PREFIXES[rng.integers(len(PREFIXES))]
         suf, suf3 = (SUFFIXES[i] for i in rng.permutation(len(SUFFIXES))[:2])
         subjects += [base, f"{pre} {base}", f"{base} {suf}", f"{pre3} {base} {suf3}"]
+    else:
+      b = [BASES[i] for i in rng.permutation(len(BASES))]
+      subjects += b[:12]
+      for i in range(12):
+          x, y = b[i], b[(i + 5) % 20]
+          subjects += [f"{x} {y}", f"{y} {x}"]
+      for i in range(12):
+          subjects.append(f"{PREFIXES[rng.integers(len(PREFIXES))]} {b[(i + 8) % 20]}")
+      for i in range(12):
+          subjects.append(f"{b[(i + 3) % 20]} {SUFFIXES[rng.integers(len(SUFFIXES))]}")
+      for i in range(10):
+          subjects.append(f"{PREFIXES[rng.integers(len(PREFIXES))]} {b[(i + 11) % 20]} {SUFFIXES[rng.integers(len(SUFFIXES))]}")
+      for i in range(5):
+          x, y, z = b[i + 1], b[(i + 9) % 20], SUFFIXES[rng.integers(len(SUFFIXES))]
+          subjects += [f"{x} {y} {z}", f"{y} {x} {z}"]
+      assert len(set(subjects)) == len(subjects), subjects
     facts = {}
     for rel in RELATIONS:
         for s in subjects:
@@ -229,6 +247,7 @@ def _profile_texts(world: World, rng: np.random.Generator, per_subject: int) -> 
 
 
 def fact_train_texts(world: World, profiles_per_subject: int = 6) -> list[str]:
+    import os; profiles_per_subject = int(os.environ.get("CB_PROFILES", profiles_per_subject))
     """Training sentences: every trained-template fact, plus multi-fact profiles."""
     rng = np.random.default_rng([world.seed, 2])
     texts = [f"{it.prompt} {it.answer}." for it in fact_items(world, "train")]

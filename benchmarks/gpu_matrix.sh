@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run on the GPU host from the repo root: the validation matrix and the foundation check.
+#   source .vbundle/gpu_env.sh && bash benchmarks/gpu_matrix.sh [bundled|llama-1b] [checks|foundation|throughput]
+# Results: $OUT/<name>.json, logs $OUT/<name>.log
+set -uo pipefail
+MODEL="${1:-bundled}"; WHAT="${2:-checks}"
+OUT="${OUT:-/tmp/cb-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CB_SCRATCH="${CB_SCRATCH:-/tmp}"
+run() {  # name, args...
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout "${CB_RUN_TIMEOUT:-170}" python3 "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s $(tail -1 "$OUT/$name.log" | cut -c1-400)"
+}
+case "$WHAT" in
+  checks)
+    for mode in eager graphs; do for runner in v2 v1; do
+      run "val-$MODEL-$mode-$runner" benchmarks/gpu_validate.py --model "$MODEL" --mode $mode --runner $runner
+    done; done ;;
+  foundation)
+    for mode in eager graphs; do run "found-$MODEL-$mode" benchmarks/gpu_check.py --model "$MODEL" --mode $mode; done ;;
+  throughput)
+    run "tp-$MODEL" benchmarks/gpu_validate.py --throughput --model "$MODEL" ;;
+esac
