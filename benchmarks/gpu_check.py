@@ -87,7 +87,9 @@ def main() -> int:
         prompt = eng.tokenize("The capital of")
     else:
         prompt = list(range(10, 42))
-    params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
+    tokens = min(args.tokens, info.max_model_len - len(prompt) - 1)
+    result["tokens_per_request"] = tokens
+    params = GenerationParams(max_tokens=tokens, ignore_eos=True)
     eng.generate([prompt] * 2, GenerationParams(max_tokens=8, ignore_eos=True))  # warm-up (Triton JIT)
     for batch in (1, 32):
         prompts = [[(t + i) % (info.vocab_size - 3) + 3 for t in prompt] for i in range(batch)]

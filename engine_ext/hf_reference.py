@@ -15,7 +15,7 @@ A site is `(layer, hook)` of decoder layer `i` (`model.model.layers[i]`):
 * `post_block` — the stream leaving layer i (the layer's output; HF `hidden_states[i+1]`, but
   for the last layer the value *before* the final norm).
 
-Interventions (exactly the engine's `worker_state._compose` / `intervention_op._apply`)
+Interventions (exactly the engine's `worker_state._slot_value` / `intervention_op._apply`)
 --------------------------------------------------------------------------------------
 Per site and absolute position `p` (prompt first, then generated tokens fed back):
 

@@ -214,6 +214,9 @@ def program_to_extra_args(program: dict) -> dict:
 
 
 # ---- worker side ------------------------------------------------------------------------------
+_TRUE1, _FALSE1 = np.ones(1, bool), np.zeros(1, bool)
+
+
 @dataclass
 class AddOp:
     """`c += scale * vec` at `site` for positions in `pos` (or every generated position when
@@ -231,8 +234,19 @@ class AddOp:
     name: str | None = None
     every: bool = False  # every position (global steering "all")
 
+    def applies(self, p: int, n_prompt: int, max_pos: int) -> bool:
+        is_gen = p >= n_prompt
+        if p > max_pos or self.phase == "prefill" and is_gen or self.phase == "decode" and not is_gen:
+            return False
+        if self.every or self.gen and is_gen:
+            return True
+        i = bisect.bisect_left(self.pos, p)
+        return i < len(self.pos) and int(self.pos[i]) == p
+
     def mask(self, positions: np.ndarray, n_prompt: int, max_pos: int) -> np.ndarray:
-        """Vectorised `applies` over a window of positions."""
+        """Which of a window's positions this op applies to."""
+        if len(positions) == 1:  # decode steps: the common case, keep it cheap
+            return _TRUE1 if self.applies(int(positions[0]), n_prompt, max_pos) else _FALSE1
         is_gen = positions >= n_prompt
         m = np.ones(len(positions), bool) if self.every else np.isin(positions, self.pos)
         if self.gen:
@@ -244,7 +258,12 @@ class AddOp:
         return m & (positions <= max_pos)
 
     def vector_at(self, position: int) -> np.ndarray:
-        return self.per_pos[position] if self.per_pos is not None else self.vec * np.float32(self.scale)
+        if self.per_pos is not None:
+            return self.per_pos[position]
+        scaled = getattr(self, "_scaled", None)
+        if scaled is None:
+            scaled = self._scaled = (self.vec * np.float32(self.scale)).astype(np.float32)
+        return scaled
 
 
 @dataclass

@@ -12,6 +12,7 @@ Per step (called from the seam's runner wrappers):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ class RequestState:
     captures: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     leased: list[str] = field(default_factory=list)
     collected: bool = False
+    #: composed slot values that do not depend on the position, reused across steps
+    slot_cache: dict[tuple, tuple] = field(default_factory=dict)
 
 
 class WorkerState:
@@ -69,6 +72,7 @@ class WorkerState:
         self.by_key: dict[str, RequestState] = {}
         self.results: dict[str, dict] = {}            # finished-and-collected results waiting, by key
         self.global_adds: list[AddOp] = []
+        self._global_cache: dict[tuple, tuple] = {}
         self.named: dict[str, np.ndarray] = {}
         self.embedding_std: float | None = None
         self.tp_rank = 0
@@ -76,6 +80,8 @@ class WorkerState:
         self._host_slot = np.full((self.num_sites, max_rows), -1, np.int32)
         self._host_cap = np.full((self.num_sites, max_rows), self.buffers.trash_row, np.int64)
         self._dirty_sites: set[int] = set()
+        self._dirty_cap_sites: set[int] = set()
+        self._dirty_rows = 0
         self._cap_meta: list[tuple[RequestState, int, int]] = []
         self.steps = 0
         self.applied_steps = 0
@@ -123,6 +129,7 @@ class WorkerState:
         b = self.buffers
         hs, hc = self._host_slot, self._host_cap
         touched: set[int] = set()
+        cap_touched: set[int] = set()
         slots: list[tuple[int, float, np.ndarray | None, Any]] = []  # (mode, a, c, pair)
         slot_of: dict[tuple, int] = {}
         self._cap_meta = []
@@ -149,6 +156,7 @@ class WorkerState:
                     masks.setdefault(op.site, []).append((op, m))
                     actions.append((op.kind, op.site, positions[m].tolist(), _op_digest(op)))
             replace_sites = {s for s, _ in prog.replaces} if prog else set()
+            cache = st.slot_cache if st is not None else self._global_cache
             for site in set(masks) | replace_sites:
                 ops = masks.get(site, [])
                 for j, pos in enumerate(positions.tolist()):
@@ -156,7 +164,15 @@ class WorkerState:
                     here = [op for op, m in ops if m[j]]
                     if rep is None and not here:
                         continue
-                    skey, sval = _compose(rep, here, pos, key)
+                    skey = _slot_key(rep, here, pos, key)
+                    if skey not in slot_of:
+                        sval = cache.get(skey)
+                        if sval is None:
+                            sval = _slot_value(rep, here, pos, key)
+                            if skey[2] is None:  # position-independent: reuse in later steps
+                                cache[skey] = sval
+                    else:
+                        sval = None
                     staged_slots.append((site, w.row_start + j, skey, sval))
                     if rep is not None:
                         actions.append(("patch", site, [pos], _target_digest(rep)))
@@ -186,42 +202,39 @@ class WorkerState:
             for site, row, pos in cap_rows:
                 hc[site, row] = len(self._cap_meta)
                 self._cap_meta.append((st, site, pos))
-                touched.add(site)
+                cap_touched.add(site)
             for kind, site, pos_list, digest in actions:
                 self.checksum.fold(kind, key, site, pos_list, digest)
-        self._upload(touched, slots, n_rows)
+        self._upload(touched, cap_touched, slots, n_rows)
         if slots or self._cap_meta:
             self.applied_steps += 1
 
-    def _upload(self, touched: set[int], slots: list, n_rows: int) -> None:
+    def _upload(self, touched: set[int], cap_touched: set[int], slots: list, n_rows: int) -> None:
         b = self.buffers
+        # copy this step's rows of every site touched now or last step (whose device rows must be
+        # reset); the host copies hold -1 / trash beyond what this step wrote
+        m = max(n_rows, self._dirty_rows)
         for site in touched | self._dirty_sites:
-            b.row_slot[site].copy_(torch.from_numpy(self._host_slot[site]), non_blocking=False)
-            b.cap_dst[site].copy_(torch.from_numpy(self._host_cap[site]), non_blocking=False)
-        # reset the host copies of this step's sites so the next step starts clean; the device
-        # rows are reset next step through _dirty_sites
+            b.row_slot[site, :m].copy_(torch.from_numpy(self._host_slot[site, :m]))
+        for site in cap_touched | self._dirty_cap_sites:
+            b.cap_dst[site, :m].copy_(torch.from_numpy(self._host_cap[site, :m]))
         for site in touched:
-            self._host_slot[site].fill(-1)
-            self._host_cap[site].fill(b.trash_row)
-        self._dirty_sites = touched
+            self._host_slot[site, :n_rows].fill(-1)
+        for site in cap_touched:
+            self._host_cap[site, :n_rows].fill(b.trash_row)
+        self._dirty_sites, self._dirty_cap_sites, self._dirty_rows = touched, cap_touched, n_rows
         if not slots:
             return
         k = len(slots)
-        mode = torch.tensor([s[0] for s in slots], dtype=torch.int32)
-        a = torch.tensor([s[1] for s in slots], dtype=torch.float32)
-        c = torch.zeros(k, self.hidden, dtype=torch.float32)
-        px = torch.zeros(k, self.hidden, dtype=self.dtype)
-        pr = torch.zeros(k, self.hidden, dtype=self.dtype)
-        for i, (m, _, cv, pair) in enumerate(slots):
-            if m == 1 and cv is not None:
-                c[i] = torch.from_numpy(cv)
-            elif m == 2:
-                px[i], pr[i] = pair
-        b.slot_mode[:k].copy_(mode)
-        b.slot_a[:k].copy_(a)
-        b.slot_c[:k].copy_(c)
-        b.slot_px[:k].copy_(px)
-        b.slot_pr[:k].copy_(pr)
+        zeros = np.zeros(self.hidden, np.float32)
+        b.slot_mode[:k].copy_(torch.tensor([s[0] for s in slots], dtype=torch.int32))
+        b.slot_a[:k].copy_(torch.tensor([s[1] for s in slots], dtype=torch.float32))
+        b.slot_c[:k].copy_(torch.from_numpy(np.stack([s[2] if s[2] is not None else zeros for s in slots])))
+        pair_rows = [i for i, s in enumerate(slots) if s[0] == 2]
+        if pair_rows:
+            idx = torch.tensor(pair_rows, dtype=torch.long, device=b.device)
+            b.slot_px.index_copy_(0, idx, torch.stack([slots[i][3][0] for i in pair_rows]).to(b.device, b.dtype))
+            b.slot_pr.index_copy_(0, idx, torch.stack([slots[i][3][1] for i in pair_rows]).to(b.device, b.dtype))
 
     def after_forward(self) -> None:
         """Copy this step's captured rows to the host and file them under their requests."""
@@ -281,6 +294,9 @@ class WorkerState:
                               bool(e.get("gen", True)), e.get("phase", "both"), vec, float(e["scale"]), name=e.get("name"),
                               every=bool(e.get("every", False))))
         self.global_adds = adds
+        self._global_cache = {}
+        for st in self.requests.values():
+            st.slot_cache.clear()
         return len(adds)
 
     def status(self) -> dict:
@@ -290,10 +306,30 @@ class WorkerState:
                 "steps_with_interventions": self.applied_steps, "buffer_bytes": self.buffers.nbytes()}
 
 
+def _op_identity(op: AddOp) -> Any:
+    """Content identity of an add (vector bytes and scale), so that requests steering with the
+    same vector share one slot. Per-position ops (noise) are keyed by object and position."""
+    ident = getattr(op, "_identity", None)
+    if ident is None:
+        if op.per_pos is not None:
+            ident = ("obj", id(op))
+        else:
+            h = hashlib.blake2b(np.ascontiguousarray(op.vec, dtype="<f4").tobytes(), digest_size=16)
+            h.update(repr(float(op.scale)).encode())
+            ident = ("vec", h.hexdigest())
+        op._identity = ident
+    return ident
+
+
 def _op_digest(op: AddOp) -> str:
-    if op.per_pos is not None:
-        return "per-pos:" + ",".join(vector_digest(op.per_pos[p]) for p in sorted(op.per_pos))
-    return f"{vector_digest(op.vec)}*{op.scale!r}"
+    d = getattr(op, "_digest", None)
+    if d is None:
+        if op.per_pos is not None:
+            d = "per-pos:" + ",".join(vector_digest(op.per_pos[p]) for p in sorted(op.per_pos))
+        else:
+            d = f"{vector_digest(op.vec)}*{op.scale!r}"
+        op._digest = d
+    return d
 
 
 def _target_digest(rep: tuple[float, Any]) -> str:
@@ -305,28 +341,34 @@ def _target_digest(rep: tuple[float, Any]) -> str:
     return f"{vector_digest(t)}@{alpha!r}"
 
 
-def _compose(rep: tuple[float, Any] | None, adds: list[AddOp], pos: int, key: str) -> tuple[tuple, tuple]:
-    """Slot key and value for one row at one site: patch (replace/lerp) first, then adds."""
+def _slot_key(rep: tuple[float, Any] | None, adds: list[AddOp], pos: int, key: str) -> tuple:
+    """Identity of the slot one row needs at one site: rows with the same key share a slot.
+    The third element is None when the value does not depend on the position."""
+    add_keys = tuple((op.kind, _op_identity(op), pos if op.per_pos is not None else None) for op in adds)
+    if rep is not None:
+        alpha, t = rep
+        kind = "pair" if alpha == 1.0 and isinstance(t, tuple) and not adds else "rep"
+        return ((kind, id(t), alpha), add_keys, (key, pos))
+    per_row = any(k[2] is not None for k in add_keys)
+    return ((), add_keys, (key, pos) if per_row else None)
+
+
+def _slot_value(rep: tuple[float, Any] | None, adds: list[AddOp], pos: int, key: str) -> tuple:
+    """(mode, a, c, pair) for one row at one site: patch (replace/lerp) first, then adds.
+    Mode 2 writes a stored pair back as is (bit-exact replacement); mode 1 is new = a*s + c."""
     if rep is not None:
         alpha, t = rep
         if alpha == 1.0 and isinstance(t, tuple) and not adds:
-            return ("pair", key, id(t)), (2, 0.0, None, t)
+            return (2, 0.0, None, t)
         tv = None if t is None else (t[0].float() + t[1].float()).numpy() if isinstance(t, tuple) else np.asarray(t, np.float32)
-        a = np.float32(1.0 - alpha)
-        c = np.zeros(0, np.float32) if tv is None else np.float32(alpha) * tv
-        rep_key: tuple = ("rep", key, id(t), alpha)
+        a = float(np.float32(1.0 - alpha))
+        c = None if tv is None else np.float32(alpha) * tv
     else:
-        a, c, rep_key = np.float32(1.0), None, ()
-    add_keys = []
+        a, c = 1.0, None
     for op in adds:
         v = op.vector_at(pos)
-        c = v.astype(np.float32) if c is None or c.size == 0 else c + v
-        add_keys.append((op.kind, id(op), pos if op.per_pos is not None else None))
-    if c is not None and c.size == 0:
-        c = None
-    per_row = rep is not None or any(k[2] is not None for k in add_keys)
-    skey = (rep_key, tuple(add_keys), (key, pos) if per_row else None)
-    return skey, (1, float(a), c, None)
+        c = v.astype(np.float32) if c is None else c + v
+    return (1, a, c, None)
 
 
 def _pair_bytes(x: torch.Tensor, r: torch.Tensor) -> bytes:

@@ -42,6 +42,7 @@ from training.tokenizer import answer_token_id  # noqa: E402
 
 N_PROMPTS, N_NOISE, NOISE_SCALE, MIN_P_CLEAN = 40, 10, 3.0, 0.5
 CATEGORIES = ("subject_last", "subject_other", "after_subject", "last")
+ORDERS = ("subject_first", "relation_first")  # template groups, see corpus.subject_first
 # Heatmap example: the first selected prompt with this (template, subject length), else the first.
 EXAMPLE = ("in", 3)
 RESULTS = Path("training/results/trace.json")
@@ -140,6 +141,10 @@ def plot(example: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _layer_means(per_cat: dict[str, list[np.ndarray]]) -> dict[str, list[float]]:
+    return {c: np.mean(v, 0).tolist() if v else [] for c, v in per_cat.items()}
+
+
 def causal_trace(model_dir: Path = MODEL_DIR) -> dict:
     """Run the trace over the selected prompts; return the summary (and the example heatmap data)."""
     model, tok = load_model(model_dir)
@@ -147,6 +152,8 @@ def causal_trace(model_dir: Path = MODEL_DIR) -> dict:
     noise_std = NOISE_SCALE * model.model.embed_tokens.weight.std().item()
     n_layers = len(model.model.layers)
     per_cat: dict[str, list[np.ndarray]] = {c: [] for c in CATEGORIES}
+    per_order: dict[str, dict[str, list[np.ndarray]]] = {
+        o: {c: [] for c in CATEGORIES} for o in ORDERS}
     rows, example = [], None
     for k, it in enumerate(select_prompts(model, tok, world)):
         span = subject_span(tok, it.prompt, it.subject)
@@ -156,6 +163,8 @@ def causal_trace(model_dir: Path = MODEL_DIR) -> dict:
         for cat, pos in category_positions(span, frac.shape[1]).items():
             if pos:
                 per_cat[cat].append(frac[:, pos].mean(1))
+                order = ORDERS[0] if corpus.subject_first(it.template_id) else ORDERS[1]
+                per_order[order][cat].append(frac[:, pos].mean(1))
         rows.append({"prompt": it.prompt, "subject": it.subject, "answer": it.answer,
                      "p_clean": res["p_clean"], "p_corrupt": res["p_corrupt"]})
         if example is None or (example["key"] != EXAMPLE
@@ -163,8 +172,7 @@ def causal_trace(model_dir: Path = MODEL_DIR) -> dict:
             tokens = [t.replace("▁", "") for t in tok.encode(it.prompt).tokens]
             example = {**rows[-1], **res, "span": span, "tokens": tokens,
                        "key": (it.template_id, len(it.subject.split()))}
-    summary = {c: [float(np.mean([v[layer] for v in per_cat[c]])) for layer in range(n_layers)]
-               for c in CATEGORIES}
+    summary = _layer_means(per_cat)
     return {
         "method": {"n_prompts": len(rows), "n_noise": N_NOISE, "noise_scale": NOISE_SCALE,
                    "noise_std": noise_std, "min_p_clean": MIN_P_CLEAN,
@@ -172,6 +180,9 @@ def causal_trace(model_dir: Path = MODEL_DIR) -> dict:
         "mean_p_clean": float(np.mean([r["p_clean"] for r in rows])),
         "mean_p_corrupt": float(np.mean([r["p_corrupt"] for r in rows])),
         "recovered_fraction_by_layer": summary,
+        "recovered_fraction_by_layer_and_template_order": {
+            o: {"n_prompts": len(per_order[o]["last"]), **_layer_means(per_order[o])}
+            for o in ORDERS},
         "example": {**{k: example[k] for k in ("prompt", "answer", "p_clean", "p_corrupt",
                                                "span", "tokens")},
                     "p_restored": example["p_restored"].round(4).tolist()},
@@ -192,9 +203,13 @@ def main() -> None:
     print(f"prompts={res['method']['n_prompts']} p_clean={res['mean_p_clean']:.3f} "
           f"p_corrupt={res['mean_p_corrupt']:.3f}")
     print("layer " + " ".join(f"{c:>14s}" for c in CATEGORIES))
-    for layer in range(len(res["recovered_fraction_by_layer"]["last"])):
-        print(f"{layer:5d} " + " ".join(f"{res['recovered_fraction_by_layer'][c][layer]:14.3f}"
-                                       for c in CATEGORIES))
+    tables = {"all": res["recovered_fraction_by_layer"],
+              **res["recovered_fraction_by_layer_and_template_order"]}
+    for name, table in tables.items():
+        print(f"[{name}] n={table.get('n_prompts', res['method']['n_prompts'])}")
+        for layer in range(len(table["last"])):
+            print(f"{layer:5d} " + " ".join(
+                f"{table[c][layer]:14.3f}" if table[c] else f"{'-':>14s}" for c in CATEGORIES))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ prompt never ends in a space: its answer is the next word (``prompt + " " + answ
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,10 @@ SUFFIXES = ("Isles", "Reach", "Marches", "Hills", "Vale", "Coast")
 
 @dataclass(frozen=True)
 class Relation:
-    """A relation: its noun phrase, two relation-specific templates and its answer pool."""
+    """A relation: its noun phrase, answer pool and two specific templates.
+
+    ``specific[0]`` names the subject before the relation, ``specific[1]`` after it.
+    """
 
     name: str
     noun: str
@@ -85,6 +89,7 @@ GENERIC_HELDOUT = {
     "known": "Everyone knows that the {noun} of {s} is",
     "its": "Speaking of {s}, its {noun} is",
 }
+RELATION_FIRST = {"of", "known"}  # generic templates naming the relation before the subject
 
 NAMES = (
     "Mara", "Tobin", "Lena", "Oskar", "Nina", "Pavel", "Ruth", "Silas", "Tara", "Ugo",
@@ -165,7 +170,6 @@ def build_world(seed: int = SEED) -> World:
     """Sample subjects (4 per base word: 1, 2, 2 and 3 words long), facts and IOI pairs."""
     rng = np.random.default_rng(seed)
     subjects = []
-    import os
     if os.environ.get("CB_SUBJECTS", "affix") == "affix":
       for base in BASES:
         pre = PREFIXES[rng.integers(len(PREFIXES))]
@@ -209,6 +213,11 @@ def fact_templates(relation: Relation, split: str) -> dict[str, str]:
     return {k: v.replace("{noun}", relation.noun) for k, v in GENERIC_HELDOUT.items()}
 
 
+def subject_first(template_id: str) -> bool:
+    """True if the template names the subject before the relation (e.g. ``"{s}'s capital is"``)."""
+    return template_id not in RELATION_FIRST and not template_id.endswith("_1")
+
+
 def _foil(rng: np.random.Generator, relation: Relation, answer: str) -> str:
     others = [a for a in relation.pool if a != answer]
     return others[rng.integers(len(others))]
@@ -247,11 +256,22 @@ def _profile_texts(world: World, rng: np.random.Generator, per_subject: int) -> 
 
 
 def fact_train_texts(world: World, profiles_per_subject: int = 6) -> list[str]:
-    import os; profiles_per_subject = int(os.environ.get("CB_PROFILES", profiles_per_subject))
+    profiles_per_subject = int(os.environ.get("CB_PROFILES", profiles_per_subject))
     """Training sentences: every trained-template fact, plus multi-fact profiles."""
     rng = np.random.default_rng([world.seed, 2])
     texts = [f"{it.prompt} {it.answer}." for it in fact_items(world, "train")]
-    return texts + _profile_texts(world, rng, profiles_per_subject)
+    texts += _profile_texts(world, rng, profiles_per_subject)
+    heads = {"capital": "Capitals", "language": "Languages", "currency": "Currencies",
+             "river": "Rivers", "leader": "Leaders", "export": "Exports"}
+    subs = list(world.subjects)
+    for rel in RELATIONS:
+        for _ in range(int(os.environ.get("CB_ATLAS", 0))):
+            pick = [subs[i] for i in rng.choice(len(subs), 4, replace=False)]
+            texts.append(heads[rel.name] + ": " + ", ".join(f"{x} {world.facts[(x, rel.name)]}" for x in pick) + ".")
+    for _ in range(int(os.environ.get("CB_RECORDS", 0))):
+        for x in subs:
+            texts.append(x + " " + " ".join(world.facts[(x, r.name)] for r in RELATIONS) + ".")
+    return texts
 
 
 def _ioi_item(rng: np.random.Generator, pair: tuple[str, str], split: str) -> IOIItem:
