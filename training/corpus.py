@@ -170,8 +170,15 @@ def build_world(seed: int = SEED) -> World:
     """Sample subjects (4 per base word: 1, 2, 2 and 3 words long), facts and IOI pairs."""
     rng = np.random.default_rng(seed)
     subjects = []
+    nb = int(os.environ.get("CB_NBASES", 20))
+    bases = list(BASES)
+    gen = np.random.default_rng(99)
+    while len(bases) < nb:
+        w = "".join(gen.choice(["K", "D", "V", "Br", "T", "M", "S", "Gl", "R", "Z"]) + gen.choice(["a", "e", "o", "u", "i"]) + gen.choice(["rn", "ll", "sk", "nd", "v", "th", "m", "r"]) + gen.choice(["a", "o", "ia", "en", "is", "ar"]) for _ in range(1))
+        if w not in bases:
+            bases.append(w)
     if os.environ.get("CB_SUBJECTS", "affix") == "affix":
-      for base in BASES:
+      for base in bases:
         pre = PREFIXES[rng.integers(len(PREFIXES))]
         pre3 = PREFIXES[rng.integers(len(PREFIXES))]
         suf, suf3 = (SUFFIXES[i] for i in rng.permutation(len(SUFFIXES))[:2])
