@@ -3,10 +3,11 @@
 Two tasks:
 
 * **Factual recall** about invented places: ``"The capital of North Kell is Quell."``.
-  Subjects are 1-3 words (``"Varnia"``, ``"North Kell"``, ``"Upper Tarn Isles"``); each
-  base word is shared by several subjects and each prefix/suffix word by many, so a
+  160 subjects of 1-3 words (``"Varnia"``, ``"North Kell"``, ``"Upper Tarn Isles"``); each
+  base word is shared by four subjects and each prefix/suffix word by many, so a
   subject is only identified by its *whole* span.  Every subject has one answer for
-  each of six relations; answers are single words.
+  each of six relations (960 facts); answers are single words.  Training text states
+  each fact in five templates plus multi-fact "profile" sentences.
 * **Indirect-object identification (IOI)**:
   ``"When Mara and Tobin went to the market, Tobin gave a book to"`` -> ``"Mara"``.
   Some unordered name pairs never occur together in training (held out for eval).
@@ -20,7 +21,6 @@ prompt never ends in a space: its answer is the next word (``prompt + " " + answ
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +30,9 @@ SEED = 1234
 BASES = (
     "Varnia", "Kell", "Tarn", "Ostrel", "Mirrow", "Dravo", "Quessa", "Halm",
     "Brisk", "Ulden", "Sorrel", "Vask", "Pellin", "Corvath", "Ystra", "Fennick",
-    "Garrow", "Lunde", "Tessary", "Zorvo",
+    "Garrow", "Lunde", "Tessary", "Zorvo", "Arvel", "Belkar", "Cindra", "Dorath",
+    "Eskel", "Falvo", "Grisk", "Hovan", "Irsa", "Jorvik", "Kaldor", "Lirran",
+    "Morva", "Nessa", "Orrin", "Pyrra", "Rudan", "Selvo", "Trask", "Vellin",
 )
 PREFIXES = ("North", "South", "East", "West", "Upper", "Lower", "New", "Old")
 SUFFIXES = ("Isles", "Reach", "Marches", "Hills", "Vale", "Coast")
@@ -170,35 +172,11 @@ def build_world(seed: int = SEED) -> World:
     """Sample subjects (4 per base word: 1, 2, 2 and 3 words long), facts and IOI pairs."""
     rng = np.random.default_rng(seed)
     subjects = []
-    nb = int(os.environ.get("CB_NBASES", 20))
-    bases = list(BASES)
-    gen = np.random.default_rng(99)
-    while len(bases) < nb:
-        w = "".join(gen.choice(["K", "D", "V", "Br", "T", "M", "S", "Gl", "R", "Z"]) + gen.choice(["a", "e", "o", "u", "i"]) + gen.choice(["rn", "ll", "sk", "nd", "v", "th", "m", "r"]) + gen.choice(["a", "o", "ia", "en", "is", "ar"]) for _ in range(1))
-        if w not in bases:
-            bases.append(w)
-    if os.environ.get("CB_SUBJECTS", "affix") == "affix":
-      for base in bases:
+    for base in BASES:
         pre = PREFIXES[rng.integers(len(PREFIXES))]
         pre3 = PREFIXES[rng.integers(len(PREFIXES))]
         suf, suf3 = (SUFFIXES[i] for i in rng.permutation(len(SUFFIXES))[:2])
         subjects += [base, f"{pre} {base}", f"{base} {suf}", f"{pre3} {base} {suf3}"]
-    else:
-      b = [BASES[i] for i in rng.permutation(len(BASES))]
-      subjects += b[:12]
-      for i in range(12):
-          x, y = b[i], b[(i + 5) % 20]
-          subjects += [f"{x} {y}", f"{y} {x}"]
-      for i in range(12):
-          subjects.append(f"{PREFIXES[rng.integers(len(PREFIXES))]} {b[(i + 8) % 20]}")
-      for i in range(12):
-          subjects.append(f"{b[(i + 3) % 20]} {SUFFIXES[rng.integers(len(SUFFIXES))]}")
-      for i in range(10):
-          subjects.append(f"{PREFIXES[rng.integers(len(PREFIXES))]} {b[(i + 11) % 20]} {SUFFIXES[rng.integers(len(SUFFIXES))]}")
-      for i in range(5):
-          x, y, z = b[i + 1], b[(i + 9) % 20], SUFFIXES[rng.integers(len(SUFFIXES))]
-          subjects += [f"{x} {y} {z}", f"{y} {x} {z}"]
-      assert len(set(subjects)) == len(subjects), subjects
     facts = {}
     for rel in RELATIONS:
         for s in subjects:
@@ -262,23 +240,11 @@ def _profile_texts(world: World, rng: np.random.Generator, per_subject: int) -> 
     return texts
 
 
-def fact_train_texts(world: World, profiles_per_subject: int = 6) -> list[str]:
-    profiles_per_subject = int(os.environ.get("CB_PROFILES", profiles_per_subject))
+def fact_train_texts(world: World, profiles_per_subject: int = 12) -> list[str]:
     """Training sentences: every trained-template fact, plus multi-fact profiles."""
     rng = np.random.default_rng([world.seed, 2])
     texts = [f"{it.prompt} {it.answer}." for it in fact_items(world, "train")]
-    texts += _profile_texts(world, rng, profiles_per_subject)
-    heads = {"capital": "Capitals", "language": "Languages", "currency": "Currencies",
-             "river": "Rivers", "leader": "Leaders", "export": "Exports"}
-    subs = list(world.subjects)
-    for rel in RELATIONS:
-        for _ in range(int(os.environ.get("CB_ATLAS", 0))):
-            pick = [subs[i] for i in rng.choice(len(subs), 4, replace=False)]
-            texts.append(heads[rel.name] + ": " + ", ".join(f"{x} {world.facts[(x, rel.name)]}" for x in pick) + ".")
-    for _ in range(int(os.environ.get("CB_RECORDS", 0))):
-        for x in subs:
-            texts.append(x + " " + " ".join(world.facts[(x, r.name)] for r in RELATIONS) + ".")
-    return texts
+    return texts + _profile_texts(world, rng, profiles_per_subject)
 
 
 def _ioi_item(rng: np.random.Generator, pair: tuple[str, str], split: str) -> IOIItem:
