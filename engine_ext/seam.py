@@ -245,71 +245,66 @@ def _on_schedule(state: Any, scheduler_output: Any) -> None:
             state.register(new.req_id, sp.extra_args)
 
 
-def _wrap_execute_model(cls: Any) -> None:
-    orig = cls.execute_model
+def _wrap_method(cls: Any, name: str, make: Any) -> None:
+    """Replace `cls.name` by `make(original)` once (idempotent across repeated installs)."""
+    orig = getattr(cls, name)
     if getattr(orig, "_cb_wrapped", False):
         return
+    wrapper = functools.wraps(orig)(make(orig))
+    wrapper._cb_wrapped = True
+    setattr(cls, name, wrapper)
 
-    @functools.wraps(orig)
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        state = _runner_state(self)
-        if state is not None:
-            _on_schedule(state, scheduler_output)
-        out = orig(self, scheduler_output, *args, **kwargs)
-        if state is not None:
-            state.after_forward()
-        return out
 
-    execute_model._cb_wrapped = True
-    cls.execute_model = execute_model
+def _plan_step(state: Any, req_ids: Any, query_start_loc: Any, num_computed: Any, num_rows: int) -> None:
+    from .row_plan import RowPlan
+
+    req_ids = list(req_ids)
+    state.plan_step(RowPlan.from_query_start(req_ids, query_start_loc, num_computed, num_rows,
+                                             [state.prompt_lens.get(r, -1) for r in req_ids]))
+
+
+def _wrap_execute_model(cls: Any) -> None:
+    def make(orig):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            state = _runner_state(self)
+            if state is not None:
+                _on_schedule(state, scheduler_output)
+            out = orig(self, scheduler_output, *args, **kwargs)
+            if state is not None:
+                state.after_forward()
+            return out
+        return execute_model
+
+    _wrap_method(cls, "execute_model", make)
 
 
 def _wrap_v1_model_forward(cls: Any) -> None:
-    from .row_plan import RowPlan
+    def make(orig):
+        def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+            state = _runner_state(self)
+            if state is not None:
+                ib, n = self.input_batch, self.input_batch.num_reqs
+                rows = positions.shape[0] if positions is not None else input_ids.shape[0]
+                _plan_step(state, ib.req_ids[:n], self.query_start_loc.np[: n + 1], ib.num_computed_tokens_cpu[:n], rows)
+            return orig(self, input_ids, positions, *args, **kwargs)
+        return _model_forward
 
-    orig = cls._model_forward
-    if getattr(orig, "_cb_wrapped", False):
-        return
-
-    @functools.wraps(orig)
-    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
-        state = _runner_state(self)
-        if state is not None:
-            ib = self.input_batch
-            n = ib.num_reqs
-            rows = positions.shape[0] if positions is not None else input_ids.shape[0]
-            req_ids = ib.req_ids[:n]
-            plan = RowPlan.from_query_start(req_ids, self.query_start_loc.np[: n + 1],
-                                            ib.num_computed_tokens_cpu[:n], rows,
-                                            [state.prompt_lens.get(r, -1) for r in req_ids])
-            state.plan_step(plan)
-        return orig(self, input_ids, positions, *args, **kwargs)
-
-    _model_forward._cb_wrapped = True
-    cls._model_forward = _model_forward
+    _wrap_method(cls, "_model_forward", make)
 
 
 def _wrap_v2_prepare_inputs(cls: Any) -> None:
-    from .row_plan import RowPlan
+    def make(orig):
+        def prepare_inputs(self, scheduler_output, batch_desc, *args, **kwargs):
+            batch = orig(self, scheduler_output, batch_desc, *args, **kwargs)
+            state = _runner_state(self)
+            if state is not None:
+                n = batch.num_reqs
+                _plan_step(state, batch.req_ids[:n], batch.query_start_loc_np[: n + 1],
+                           batch.num_computed_tokens_np[:n], batch.num_tokens_after_padding)
+            return batch
+        return prepare_inputs
 
-    orig = cls.prepare_inputs
-    if getattr(orig, "_cb_wrapped", False):
-        return
-
-    @functools.wraps(orig)
-    def prepare_inputs(self, scheduler_output, batch_desc, *args, **kwargs):
-        batch = orig(self, scheduler_output, batch_desc, *args, **kwargs)
-        state = _runner_state(self)
-        if state is not None:
-            n = batch.num_reqs
-            plan = RowPlan.from_query_start(batch.req_ids[:n], batch.query_start_loc_np[: n + 1],
-                                            batch.num_computed_tokens_np[:n], batch.num_tokens_after_padding,
-                                            [state.prompt_lens.get(r, -1) for r in batch.req_ids[:n]])
-            state.plan_step(plan)
-        return batch
-
-    prepare_inputs._cb_wrapped = True
-    cls.prepare_inputs = prepare_inputs
+    _wrap_method(cls, "prepare_inputs", make)
 
 
 _INSTALLED = False
