@@ -61,6 +61,10 @@ class EngineConfig:
     max_capture_rows: int = 8192
     source_store_bytes: int = 256 * 1024 * 1024
     limits: Limits = field(default_factory=Limits)
+    #: run vLLM's engine core in its own process (None: vLLM's default, i.e. the
+    #: VLLM_ENABLE_V1_MULTIPROCESSING setting). Several engines in one process need True: vLLM's
+    #: distributed state is process-global, so an in-process engine's shutdown breaks the others.
+    multiprocess: bool | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -281,7 +285,8 @@ class Engine:
         if self.attention_backend:
             kwargs["attention_config"] = {"backend": self.attention_backend}
         kwargs.update(self.config.engine_kwargs)
-        return LLMEngine.from_engine_args(EngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
+        return LLMEngine.from_engine_args(EngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS,
+                                          enable_multiprocessing=bool(self.config.multiprocess))
 
     def _make_info(self, hf_config: Any, startup: float, worker: dict) -> EngineInfo:
         import torch

@@ -45,7 +45,9 @@ def test_qwen_sites_match_the_reference(tmp_path, arch, engine):
     path = _tiny(tmp_path, arch)
     prompt = "The capital of Varnia is"
     ref = HFReference(path)
-    with Engine(model=str(path), device="cpu") as eng:
+    # its own engine-core process: vLLM's distributed state is process-global, and shutting down a
+    # second in-process engine would tear down the shared one's
+    with Engine(model=str(path), device="cpu", multiprocess=True) as eng:
         assert eng.info.architecture.lower().startswith(arch)
         ids = eng.tokenize(prompt)
         gen = eng.capture(prompt, ["L0.pre_attn", "L1.post_attn", "L1.post_block"], "all_prompt")
