@@ -353,23 +353,8 @@ class HFReference:
             return self.model(input_ids=x).logits[0].float()
 
     def greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceGeneration:
-        import torch
-
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        prompt_ids = list(ids)
-        out, lps, gaps = [], [], []
-        eos = self.tokenizer.eos_token_id
-        for _ in range(max_tokens):
-            logp = torch.log_softmax(self.logits(ids)[-1], dim=-1)
-            top2 = torch.topk(logp, 2)
-            tid = int(top2.indices[0])
-            out.append(tid)
-            lps.append(float(top2.values[0]))
-            gaps.append(float(top2.values[0] - top2.values[1]))
-            ids.append(tid)
-            if tid == eos:
-                break
-        return ReferenceGeneration(prompt_ids, out, lps, gaps)
+        """Greedy continuation without interventions (stops after EOS)."""
+        return self.generate(prompt, max_tokens)
 
     # ---- interventions ---------------------------------------------------------------------
     def _check(self, edits: Sequence[RefEdit], capture: Iterable[Any] | str) -> tuple[list[RefEdit], list[SiteKey]]:
