@@ -240,7 +240,7 @@ def _profile_texts(world: World, rng: np.random.Generator, per_subject: int) -> 
     return texts
 
 
-def fact_train_texts(world: World, profiles_per_subject: int = 12) -> list[str]:
+def fact_train_texts(world: World, profiles_per_subject: int = 18) -> list[str]:
     """Training sentences: every trained-template fact, plus multi-fact profiles."""
     rng = np.random.default_rng([world.seed, 2])
     texts = [f"{it.prompt} {it.answer}." for it in fact_items(world, "train")]

@@ -36,11 +36,11 @@ class TrainConfig:
     """Architecture, optimisation and data-mix hyperparameters."""
 
     seed: int = corpus.SEED
-    hidden: int = 192
-    layers: int = 8
-    heads: int = 6
-    kv_heads: int = 3
-    intermediate: int = 256
+    hidden: int = 256
+    layers: int = 6
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 384
     steps: int = 1500
     batch_size: int = 64
     ioi_fraction: float = 0.4
