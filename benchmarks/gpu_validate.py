@@ -44,7 +44,7 @@ def _model_path(name: str, scratch: str) -> str | None:
     return str(path)
 
 
-def _prompts(eng, model: str) -> dict:
+def _prompts(model: str) -> dict:
     if model == "bundled":
         from engine_ext import BUNDLED_MODEL_PATH
 
@@ -74,7 +74,7 @@ def run_checks(args) -> dict:
                  max_model_len=None if args.model == "bundled" else 512, gpu_memory_utilization=0.45).start()
     res["startup_s"] = round(time.perf_counter() - t0, 1)
     res["runner_class"] = eng.info.runner
-    P = _prompts(eng, args.model)
+    P = _prompts(args.model)
     ids = P["prompt"] if isinstance(P["prompt"], list) else eng.tokenize(P["prompt"])
     L = eng.info.num_layers
     layers = [0, L // 2, L - 1]
@@ -136,7 +136,7 @@ def run_checks(args) -> dict:
         prompts = [ids] + [o if isinstance(o, list) else eng.tokenize(o) for o in P["others"]]
         eng.capture(prompts[2], [f"L{L // 2}.post_attn"], "all_prompt", keep_as="nb", return_values=False)
         v = np.ones(eng.info.hidden_size, np.float32)
-        specs = [None, Interventions(steer=(Steer.make([f"L1.pre_attn"], v),)),
+        specs = [None, Interventions(steer=(Steer.make(["L1.pre_attn"], v),)),
                  Interventions(patch=(Patch.make(f"L{L // 2}.post_attn", "all_prompt", {"run": "nb"}),)),
                  Interventions(capture=Capture.make([f"L{L - 1}.post_block"], "all"))]
         params = GenerationParams(max_tokens=8)

@@ -31,7 +31,7 @@ from .engine_loop import EngineLoop
 from .errors import EngineDeadError, SpecError
 from .generation import Generation, GenerationDelta, GenerationParams, InterventionResult
 from .program import Limits, ModelDims, PromptInfo, compile_program, program_to_extra_args
-from .specs import HOOKS, Interventions, Steer, positions_from_json, site_from_index
+from .specs import Interventions, Steer, positions_from_json, site_from_index
 
 logger = logging.getLogger("causalboard.engine")
 

@@ -13,7 +13,7 @@ skips it).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,10 +361,3 @@ class WorkerProgram:
 def _site_name(index: int) -> str:
     return f"L{index // len(HOOKS)}.{HOOKS[index % len(HOOKS)]}"
 
-
-def sites_touched(program: WorkerProgram) -> set[int]:
-    return {a.site for a in program.adds} | {s for s, _ in program.replaces} | set(program.capture_sites)
-
-
-def positions_list(values: Sequence[int]) -> list[int]:
-    return [int(v) for v in values]

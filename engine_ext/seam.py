@@ -148,7 +148,7 @@ def _register_ops() -> None:
 _STATES_BY_CONFIG: dict[int, Any] = {}
 
 
-def _state_for_current_config(layer_module: Any) -> int:
+def _state_for_current_config() -> int:
     """The WorkerState id of the engine whose model is being built (0 = not a causalboard engine)."""
     import torch
     from vllm.config import get_current_vllm_config
@@ -210,7 +210,7 @@ def _patch_layer_class(module_name: str, class_name: str) -> None:
         orig_init(self, *args, **kwargs)
         prefix = sig.bind(self, *args, **kwargs).arguments.get("prefix", "")
         self._cb_layer = extract_layer_index(prefix)
-        self._cb_state = _state_for_current_config(self)
+        self._cb_state = _state_for_current_config()
 
     cls.__init__ = __init__
     cls.forward = _site_forward

@@ -168,7 +168,7 @@ class WorkerState:
                     if skey not in slot_of:
                         sval = cache.get(skey)
                         if sval is None:
-                            sval = _slot_value(rep, here, pos, key)
+                            sval = _slot_value(rep, here, pos)
                             if skey[2] is None:  # position-independent: reuse in later steps
                                 cache[skey] = sval
                     else:
@@ -353,7 +353,7 @@ def _slot_key(rep: tuple[float, Any] | None, adds: list[AddOp], pos: int, key: s
     return ((), add_keys, (key, pos) if per_row else None)
 
 
-def _slot_value(rep: tuple[float, Any] | None, adds: list[AddOp], pos: int, key: str) -> tuple:
+def _slot_value(rep: tuple[float, Any] | None, adds: list[AddOp], pos: int) -> tuple:
     """(mode, a, c, pair) for one row at one site: patch (replace/lerp) first, then adds.
     Mode 2 writes a stored pair back as is (bit-exact replacement); mode 1 is new = a*s + c."""
     if rep is not None:

@@ -150,7 +150,6 @@ def causal_trace(model_dir: Path = MODEL_DIR) -> dict:
     model, tok = load_model(model_dir)
     world = corpus.build_world(json.loads((model_dir / "tasks.json").read_text())["seed"])
     noise_std = NOISE_SCALE * model.model.embed_tokens.weight.std().item()
-    n_layers = len(model.model.layers)
     per_cat: dict[str, list[np.ndarray]] = {c: [] for c in CATEGORIES}
     per_order: dict[str, dict[str, list[np.ndarray]]] = {
         o: {c: [] for c in CATEGORIES} for o in ORDERS}
