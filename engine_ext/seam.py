@@ -399,5 +399,11 @@ class CausalboardWorkerExtension:
             return True
         if action == "has":
             return run_id in st.store
+        if action == "info":
+            run = st.store._runs.get(run_id)
+            if run is None:
+                return None
+            return {"sites": sorted({int(k[0]) for k in run.values}), "positions": sorted({int(k[1]) for k in run.values}),
+                    "bytes": int(run.nbytes), "leases": int(run.leases)}
         raise ValueError(f"unknown store action {action!r}")
 

@@ -72,6 +72,18 @@ else
   "${PIP[@]}" install -q -r "$REQ"
 fi
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e .
+if [[ "$DEVICE" == cpu && ! -x /usr/bin/chromium && "${CAUSALBOARD_SKIP_BROWSER:-0}" != 1 ]]; then
+  # The browser tests drive Debian's Chromium through Playwright (`playwright install` cannot
+  # download its own build on these machines).
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "setup: installing Debian's chromium for the browser tests"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; } \
+      || { echo "setup: could not install chromium (apt-get failed)" >&2; exit 1; }
+  else
+    echo "setup: /usr/bin/chromium is missing; install Debian's 'chromium' package (root needed) for the browser tests" >&2
+  fi
+fi
 "$VENV/bin/python" -c 'import vllm, torch, transformers, fastapi, panel' 2>/dev/null \
   || { echo "setup: the environment does not import (vllm/torch/transformers/fastapi/panel)" >&2; exit 1; }
 echo "$WANT" > "$STAMP"

@@ -1,0 +1,54 @@
+"""The causalboard dashboard (Panel/Bokeh), served at /dashboard by the API process and usable
+as components inside JupyterLab (`TracingView`, `SteeringView`).
+
+`mount(app)` installs Panel's ASGI application on the API's FastAPI app
+(`panel.io.fastapi.add_applications`, Panel ≥ 1.10): Panel claims `/dashboard` (+ its
+websocket) and `/static/...`; every other path still goes to the API's routes.
+
+Each browser session builds its page with `app.create_page(api_url)`; the page calls the API
+over HTTP like any client. `api_url` is `app.state.dashboard_api_url` when set (e.g. behind a
+proxy), else the scheme and `Host` of the request that opened the page — the API and the
+dashboard share the process, so that address reaches the API.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+DASHBOARD_PATH = "/dashboard"
+
+
+def mount(app: FastAPI) -> None:
+    """Serve the dashboard at /dashboard on `app` (the API's FastAPI app)."""
+    from panel.io.fastapi import add_applications
+
+    if not hasattr(app.state, "dashboard_api_url"):
+        app.state.dashboard_api_url = None
+
+    def page():
+        from .app import create_page
+
+        return create_page(session_api_url(app), ask_api_key=bool(getattr(app.state, "api_key", None)))
+
+    add_applications({DASHBOARD_PATH: page}, app=app, title="causalboard")
+
+
+def session_api_url(app: FastAPI) -> str:
+    """The API's base URL as seen from the current Bokeh session (see the module docstring)."""
+    import panel as pn
+
+    explicit = getattr(app.state, "dashboard_api_url", None)
+    if explicit:
+        return str(explicit).rstrip("/")
+    request = pn.state.curdoc.session_context.request if pn.state.curdoc and pn.state.curdoc.session_context else None
+    host = getattr(request, "host", None) if request is not None else None
+    if not host:
+        headers = request.headers if request is not None else {}
+        host = headers.get("host") or headers.get("Host")
+    if not host:
+        return "http://127.0.0.1:8000"
+    protocol = getattr(request, "protocol", None) or "http"
+    return f"{'https' if protocol in ('https', 'wss') else 'http'}://{host}"
+
+
+__all__ = ["DASHBOARD_PATH", "mount", "session_api_url"]
