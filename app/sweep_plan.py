@@ -333,10 +333,7 @@ def _module_source(engine: Engine, req: PatchSweepRequest, clean_ids: list[int] 
 
 def named_vector(engine: Engine, name: str) -> np.ndarray | None:
     """The float32 values of a registered vector, or None."""
-    getter = getattr(engine, "vector", None) or getattr(engine, "get_vector", None)
-    if getter is None or name not in engine.list_vectors():
-        return None
-    vec = getter(name)
+    vec = engine.named_vector(name)
     return None if vec is None else np.asarray(vec, dtype=np.float32)
 
 

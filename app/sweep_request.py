@@ -79,7 +79,7 @@ class PatchSweepRequest(BaseModel):
     stream: bool = Field(False, description="Stream cells as server-sent events.")
     noise: NoiseSpec | None = Field(None, description="Noise corruption of the prompt instead of a corrupt prompt.")
     subject: SpanPosition | None = Field(None, description="Subject span of the corrupt prompt, marked in figures.")
-    noise_floor_samples: int = Field(3, ge=1, le=16, description="Unpatched baseline re-runs spread through the cell batch.")
+    noise_floor_samples: int = Field(6, ge=1, le=32, description="Unpatched baseline re-runs spread through the cell batch.")
     max_concurrency: int = Field(64, ge=1, le=1024, description="Cells in flight at once.")
 
     def hook_list(self) -> list[str]:

@@ -183,6 +183,10 @@ class SweepService:
         elif base.clean is not None and req.clean_baseline is not None:
             base.notes.append(f"clean_baseline {req.clean_baseline} ignored: the clean run was measured ({base.clean:.6g})")
 
+        info = eng.info
+        if info.device == "cuda" and (info.enforce_eager or not info.batch_invariant):
+            base.notes.append("batch-dependent GPU numerics (eager mode or batch invariance off): cells can differ from "
+                              "their solo runs by more than the measured noise floor; see docs/validation.md")
         solo = [plan.basis_of(await self._score(plan.corrupt_ids, plan, plan.noise_for(k))) for k in range(plan.noise_samples)]
         base.corrupt_solo0 = solo[0]
         base.corrupt = sum(solo) / len(solo)
@@ -209,7 +213,8 @@ class SweepService:
 
     async def _score(self, ids: list[int], plan: SweepPlan, noise, patch=None) -> dict[int, float]:
         spec = Interventions(patch=(patch,) if patch is not None else (), noise=noise, score_token_ids=plan.score_ids)
-        gen = await self.engine.agenerate(ids, GenerationParams(max_tokens=1), spec)
+        # fresh: baselines are computed like the (never prefix-cached) patched cells
+        gen = await self.engine.agenerate(ids, GenerationParams(max_tokens=1), spec, fresh=True)
         if gen.intervention is not None and gen.intervention.voided:
             raise _Voided("; ".join(gen.intervention.errors) or "voided")
         return gen.scores[0]
@@ -247,6 +252,7 @@ class SweepService:
                     results.put_nowait(("baseline", None, None, str(exc)))
 
         state = "done"
+        waiter: asyncio.Future | None = None
         try:
             for i, cell in enumerate(plan.cells):
                 if i in nf_at:
@@ -294,6 +300,8 @@ class SweepService:
             logger.exception("sweep %s failed", plan.sweep_id)
             run.emit({"type": "error", "error": f"{type(exc).__name__}: {exc}"})
         finally:
+            if waiter is not None:
+                waiter.cancel()
             for t in tasks:
                 t.cancel()
             if tasks:

@@ -180,14 +180,17 @@ def run_throughput(args) -> dict:
     from engine_ext import Engine, GenerationParams
     from engine_ext.specs import Interventions, Steer
 
+    bi = {"on": True, "off": False, "default": None}[args.batch_invariant]
     eng = Engine(model=_model_path(args.model, args.scratch), device="cuda", enforce_eager=False,
-                 max_model_len=None if args.model == "bundled" else 1024, gpu_memory_utilization=0.6).start()
+                 max_model_len=None if args.model == "bundled" else 1024, gpu_memory_utilization=0.6,
+                 batch_invariant=bi).start()
     L, H = eng.info.num_layers, eng.info.hidden_size
     v = (np.random.default_rng(0).standard_normal(H) * 0.01).astype(np.float32)
     steer = Interventions(steer=(Steer.make([f"L{L // 2}.post_block"], v),))
     steer_all = Interventions(steer=(Steer.make([f"L{l}.post_block" for l in range(L)], v),))
     prompt = list(range(10, 42))
-    out: dict = {"model": args.model, "runner_class": eng.info.runner, "tokens_per_request": args.tokens}
+    out: dict = {"model": args.model, "runner_class": eng.info.runner, "tokens_per_request": args.tokens,
+                 "batch_invariant": eng.info.batch_invariant}
     params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
     eng.generate([prompt] * 2, GenerationParams(max_tokens=8, ignore_eos=True))
     for batch in (1, 32):
@@ -212,6 +215,7 @@ def main() -> int:
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--batch-invariant", choices=["on", "off", "default"], default="default")
     ap.add_argument("--scratch", default=os.environ.get("CB_SCRATCH", "/tmp"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

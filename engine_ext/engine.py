@@ -16,6 +16,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import os
 import platform
 import queue
 import time
@@ -65,6 +66,10 @@ class EngineConfig:
     #: VLLM_ENABLE_V1_MULTIPROCESSING setting). Several engines in one process need True: vLLM's
     #: distributed state is process-global, so an in-process engine's shutdown breaks the others.
     multiprocess: bool | None = None
+    #: GPU only: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a request's numbers
+    #: do not depend on what it is batched with (sweep cells then equal their solo runs exactly;
+    #: see docs/validation.md). None: on for CUDA, off (unavailable) on CPU.
+    batch_invariant: bool | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -86,6 +91,7 @@ class EngineInfo:
     startup_seconds: float
     runner: str = ""
     embedding_std: float = 1.0
+    batch_invariant: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -197,6 +203,7 @@ class Engine:
         self.dtype = config.dtype or defaults.dtype
         self.enforce_eager = defaults.enforce_eager if config.enforce_eager is None else config.enforce_eager
         self.attention_backend = config.attention_backend or defaults.attention_backend
+        self.batch_invariant = (self.device == "cuda") if config.batch_invariant is None else bool(config.batch_invariant)
         self.model_path = Path(config.model).expanduser().resolve() if config.model else bundled_model_path()
         if not (self.model_path / "config.json").is_file():
             raise SpecError("model", f"{self.model_path} is not a local Hugging Face model folder (no config.json)")
@@ -205,6 +212,7 @@ class Engine:
         self._info: EngineInfo | None = None
         self._dims: ModelDims | None = None
         self._named: dict[str, int] = {}  # mirror of the workers' named vectors: name -> dimension
+        self._named_values: dict[str, Any] = {}  # client-side copy of each named vector (float32)
         self._global: list[Steer] = []
         self.tokenizer: Any = None
 
@@ -284,6 +292,10 @@ class Engine:
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         if self.attention_backend:
             kwargs["attention_config"] = {"backend": self.attention_backend}
+        if self.batch_invariant:
+            if self.device != "cuda":
+                raise SpecError("batch_invariant", "vLLM's batch-invariant kernels exist only on CUDA GPUs")
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM's workers at start-up
         kwargs.update(self.config.engine_kwargs)
         return LLMEngine.from_engine_args(EngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS,
                                           enable_multiprocessing=bool(self.config.multiprocess))
@@ -322,6 +334,7 @@ class Engine:
             startup_seconds=round(startup, 2),
             runner=worker.get("runner", ""),
             embedding_std=float(worker.get("embedding_std", 1.0)),
+            batch_invariant=self.batch_invariant,
         )
 
     @property
@@ -367,8 +380,11 @@ class Engine:
         return pos
 
     # ---- generation ------------------------------------------------------------------------
-    def _prepare(self, prompt: Prompt, params: GenerationParams, spec: Interventions | None = None) -> _Prepared:
-        """Validate and build the vLLM request. Raises `SpecError` naming the field."""
+    def _prepare(self, prompt: Prompt, params: GenerationParams, spec: Interventions | None = None,
+                 fresh: bool = False) -> _Prepared:
+        """Validate and build the vLLM request. Raises `SpecError` naming the field. `fresh`:
+        compute the whole prompt (no prefix-cache reuse), like every request that modifies the
+        stream — so an unpatched baseline goes through the same computation as patched cells."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -420,6 +436,8 @@ class Engine:
                     prep.cache_salt = f"cb-{program['hash']}-{prep.key}"
                 if spec.capture is not None and program["capture"]["pos"][:-1]:
                     skip_cache_read = True  # cached prompt positions would not be recomputed/captured
+        if fresh and prep.cache_salt is None:
+            prep.cache_salt = f"cb-fresh-{self._new_id()}"
         prep.sampling = SamplingParams(
             max_tokens=params.max_tokens,
             temperature=params.temperature,
@@ -514,10 +532,10 @@ class Engine:
                 loop.abort(rid)
 
     async def agenerate(self, prompt: Prompt, params: GenerationParams | None = None,
-                        interventions: Interventions | None = None) -> Generation:
-        """Async `generate` for one prompt."""
+                        interventions: Interventions | None = None, *, fresh: bool = False) -> Generation:
+        """Async `generate` for one prompt (`fresh`: see `_prepare`)."""
         params = params or GenerationParams()
-        prep = self._prepare(prompt, params, interventions)
+        prep = self._prepare(prompt, params, interventions, fresh)
         gen = Generation(prep.key or "", prep.text, prep.ids)
         async for delta in self._astream(prep, params, interventions):
             gen.extend(delta)
@@ -563,16 +581,23 @@ class Engine:
             raise SpecError("name", f"at most {self.config.limits.max_named_vectors} named vectors")
         self._rpc("cb_register_vector", name, vec.astype("<f4").tobytes())
         self._named[name] = int(vec.shape[0])
+        self._named_values[name] = vec.astype("<f4").copy()
 
     def delete_vector(self, name: str) -> bool:
         if any(s.name == name for s in self._global):
             raise SpecError("name", f"vector {name!r} is used by the global steering; clear it first")
         found = any(self._rpc("cb_delete_vector", name))
         self._named.pop(name, None)
+        self._named_values.pop(name, None)
         return found
 
     def list_vectors(self) -> dict[str, int]:
         return dict(self._named)
+
+    def named_vector(self, name: str) -> Any:
+        """A copy of the registered vector `name` (float32 numpy array), or None."""
+        vec = self._named_values.get(name)
+        return None if vec is None else vec.copy()
 
     def set_global_steer(self, steers: Sequence[Steer]) -> None:
         """Replace the server-wide steering (applies to every request; composes with per-request
@@ -623,6 +648,12 @@ class Engine:
 
     def has_source(self, run_id: str) -> bool:
         return all(self._rpc("cb_store", "has", run_id))
+
+    def source_info(self, run_id: str) -> dict | None:
+        """What a stored run holds on the first rank: `{"sites": [site index], "positions": [...],
+        "bytes", "leases"}`, or None when it is not stored (on any rank)."""
+        infos = self._rpc("cb_store", "info", run_id)
+        return infos[0] if infos and all(i is not None for i in infos) else None
 
     def lease_source(self, run_id: str) -> bool:
         """Protect a stored run from eviction until `release_source` (e.g. for a sweep's life)."""
