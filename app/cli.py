@@ -2,7 +2,13 @@
 
     causalboard serve                 # API on http://127.0.0.1:8000 (HOST, PORT, MODEL env override)
     causalboard generate "The capital of Varnia is" --max-tokens 4
+    causalboard sweep --prompt "Kaldor is ruled by" --clean-prompt "Quessa is ruled by" \
+        --answer " Hadrian" --metric recovered --out trace.npz --figure trace.pdf
+    causalboard export trace.npz --out figures/ --formats pdf,png,csv
     causalboard version
+
+`sweep` and `export` talk to a running server (`--url`, env CAUSALBOARD_URL); see `causalboard
+sweep --help` and app/cli_sweep.py.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .server import create_app
 
-    app = create_app(config=_engine_config(args))
+    app = create_app(config=_engine_config(args), api_key=args.api_key)
     app.state.announce = f"http://{args.host}:{args.port}"
     print(f"causalboard: starting the engine, then serving on {app.state.announce}", flush=True)
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown (the lifespan then closes the engine)
@@ -82,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on mutating endpoints (env CAUSALBOARD_API_KEY)")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -92,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--logprobs", type=int, default=0)
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from .cli_sweep import add_parsers as add_sweep_parsers
+
+    add_sweep_parsers(sub)
 
     ver = sub.add_parser("version", help="print versions")
     ver.set_defaults(func=cmd_version)

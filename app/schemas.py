@@ -6,11 +6,21 @@ silently ignored option. Field descriptions and bounds become the OpenAPI page.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine_ext.generation import MAX_TOP_LOGPROBS, GenerationParams
+
+from .schemas_interventions import (
+    ForkPatchEntry,
+    InterventionResultBody,
+    InterventionsSpec,
+    PackedTable,
+    SourceStoreUsage,
+    VectorSpec,
+    unsupported,
+)
 
 MAX_PROMPT_CHARS = 100_000
 
@@ -42,6 +52,9 @@ class GenerateRequest(SamplingFields):
         0, ge=0, le=MAX_TOP_LOGPROBS, description="Top alternatives per generated token (the chosen token's logprob is always returned)."
     )
     stream: bool = Field(False, description="Stream token deltas as server-sent events.")
+    interventions: InterventionsSpec | None = Field(
+        None, description="Per-request steer / patch / capture / noise / score_token_ids (see docs/concepts.md). "
+                          "A capture with keep_as needs the API key when the server has one.")
 
     def params(self) -> GenerationParams:
         return GenerationParams(
@@ -65,10 +78,15 @@ class GenerateResponse(BaseModel):
     logprobs: list[float] = Field(description="Logprob of each generated token.")
     top_logprobs: list[dict[str, float]] = Field(description="Per generated token: token id -> logprob (top-k).")
     finish_reason: str | None
+    scores: list[dict[str, float]] = Field(
+        default_factory=list, description="Per generated token: logprob of each requested score_token_ids id.")
+    intervention: InterventionResultBody | None = Field(None, description="Present when the request had interventions.")
 
 
 class CompletionRequest(SamplingFields):
-    """OpenAI-style `/v1/completions` (one prompt, n = 1)."""
+    """OpenAI-style `/v1/completions` (one prompt, n = 1), with the reference fork's extra fields
+    (steering vectors, patches, exact scoring, patch_source capture) and causalboard's native
+    `interventions`. Fork fields causalboard cannot honour are refused with 400, never ignored."""
 
     model: str | None = Field(None, description="Ignored if it names the served model; 404 otherwise.")
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
@@ -77,6 +95,27 @@ class CompletionRequest(SamplingFields):
     n: Literal[1] = 1
     echo: Literal[False] = False
     user: str | None = None
+    # ---- the reference fork's per-request fields
+    steering_vectors: VectorSpec = Field(None, description="Fork: steering at every position (dict or packed form).")
+    prefill_steering_vectors: VectorSpec = Field(None, description="Fork: steering at prompt positions only.")
+    decode_steering_vectors: VectorSpec = Field(None, description="Fork: steering at generated positions only.")
+    steering_name: str | None = Field(None, description="Fork: steer with a registered steering module (scale 1).")
+    patch: list[ForkPatchEntry] | None = Field(None, description="Fork: activation patches, one site and position each.")
+    patch_vectors: PackedTable | None = Field(None, description="Fork: the table that patch[i].source_inline indexes.")
+    logprob_token_ids: list[int] | None = Field(
+        None, description="Fork: exact logprobs of these ids at every generated step; `logprobs` must then be omitted "
+                          "or equal their count. Returned as top_logprobs and as `scores`.")
+    capture: dict | None = Field(
+        None, description="Fork: capture consumers; only {'patch_source': {'run', 'hooks': {hook: 'all' | [layers]}, "
+                          "'positions'}} (stores a source run; needs the API key when one is set).")
+    capture_wait: bool | None = Field(None, description="Fork: accepted; a capture is always durable when the response returns.")
+    steering_clamps: Any = unsupported()
+    prefill_steering_clamps: Any = unsupported()
+    decode_steering_clamps: Any = unsupported()
+    steering: Any = unsupported("The fork's declarative steering gates. Not supported by causalboard: refused with 400 naming the field.")
+    conversation_id: Any = unsupported()
+    # ---- causalboard
+    interventions: InterventionsSpec | None = Field(None, description="Native per-request interventions (as on /v1/generate).")
 
     def params(self) -> GenerationParams:
         return GenerationParams(
@@ -85,7 +124,7 @@ class CompletionRequest(SamplingFields):
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
-            logprobs=self.logprobs or 0,
+            logprobs=0 if self.logprob_token_ids is not None else self.logprobs or 0,
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
         )
@@ -126,3 +165,11 @@ class StatusResponse(BaseModel):
     versions: dict[str, str]
     startup_seconds: float
     in_flight_requests: int
+    source_store: SourceStoreUsage | None = Field(None, description="Source-run store usage (as GET /v1/patch_source).")
+    checksum: dict | None = Field(
+        None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches', "
+                          "'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
+    global_steering: list[str] = Field(default_factory=list, description="Sites the global steering touches.")
+    named_vectors: int = Field(0, description="Registered named vectors (module vectors included).")
+    api_key_required: bool = Field(False, description="Whether mutating endpoints need 'Authorization: Bearer <key>'.")
+    sweeps: dict | None = Field(None, description="Patch-sweep service status, when the server runs one.")

@@ -132,9 +132,13 @@ class SweepService:
         for k in finished[: max(0, len(finished) - KEEP_FINISHED)]:
             del self.runs[k]
 
-    async def cancel_all(self) -> None:
+    async def cancel_all(self, timeout: float = 10.0) -> None:
+        """Cancel every running sweep and wait (up to `timeout`) for their cleanup."""
+        tasks = [r.task for r in self.runs.values() if r.task is not None and not r.task.done()]
         for run in list(self.runs.values()):
             run.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
 
     # ---- phase 1: prepare ---------------------------------------------------------------------
     async def start(self, req: PatchSweepRequest) -> SweepRun:

@@ -5,7 +5,7 @@ as components inside JupyterLab (`TracingView`, `SteeringView`).
 (`panel.io.fastapi.add_applications`, Panel ≥ 1.10): Panel claims `/dashboard` (+ its
 websocket) and `/static/...`; every other path still goes to the API's routes.
 
-Each browser session builds its page with `app.create_page(api_url)`; the page calls the API
+Each browser session builds its page with `create_page(api_url)` (`app/dashboard/app.py`); the page calls the API
 over HTTP like any client. `api_url` is `app.state.dashboard_api_url` when set (e.g. behind a
 proxy), else the scheme and `Host` of the request that opened the page — the API and the
 dashboard share the process, so that address reaches the API.
@@ -13,9 +13,21 @@ dashboard share the process, so that address reaches the API.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
 from fastapi import FastAPI
 
 DASHBOARD_PATH = "/dashboard"
+#: uvicorn serves WebSockets (which the Bokeh page needs) only with one of these installed
+WEBSOCKET_LIBRARIES = ("websockets", "wsproto")
+
+logger = logging.getLogger("causalboard.dashboard")
+
+
+def websocket_library() -> str | None:
+    """The WebSocket library uvicorn will use, or None (then /dashboard loads but stays blank)."""
+    return next((name for name in WEBSOCKET_LIBRARIES if importlib.util.find_spec(name) is not None), None)
 
 
 def mount(app: FastAPI) -> None:
@@ -24,6 +36,9 @@ def mount(app: FastAPI) -> None:
 
     if not hasattr(app.state, "dashboard_api_url"):
         app.state.dashboard_api_url = None
+    if websocket_library() is None:
+        logger.warning("the dashboard at %s needs a WebSocket library for uvicorn (install %s); without one the "
+                       "page cannot connect", DASHBOARD_PATH, " or ".join(WEBSOCKET_LIBRARIES))
 
     def page():
         from .app import create_page
@@ -51,4 +66,4 @@ def session_api_url(app: FastAPI) -> str:
     return f"{'https' if protocol in ('https', 'wss') else 'http'}://{host}"
 
 
-__all__ = ["DASHBOARD_PATH", "mount", "session_api_url"]
+__all__ = ["DASHBOARD_PATH", "mount", "session_api_url", "websocket_library"]

@@ -1,0 +1,139 @@
+"""`causalboard sweep` / `causalboard export` as subprocesses against the real test server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.sweep_result import SweepResult
+
+from .conftest import REPO, free_port
+
+EXE = Path(sys.executable).parent / "causalboard"
+HAVE_EXPORT = (REPO / "app" / "export.py").exists()
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("CAUSALBOARD_URL", "CAUSALBOARD_API_KEY")}
+    return subprocess.run([str(EXE), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _pair(tasks) -> dict:
+    return next(p for p in tasks["pairs"] if p["equal_length"])
+
+
+def _sweep_args(server_url: str, tasks) -> list[str]:
+    pair = _pair(tasks)
+    return ["sweep", "--url", server_url, "--prompt", pair["corrupt_prompt"], "--clean-prompt", pair["clean_prompt"],
+            "--answer-id", str(pair["answer_id"]), "--foil-id", str(pair["foil_id"]), "--metric", "recovered",
+            "--layers", "0:6:2", "--subject", pair["subject_corrupt"]]
+
+
+@pytest.fixture(scope="module")
+def saved_sweep(server_url, tasks, tmp_path_factory):
+    """One CLI sweep saved as .npz (and a figure when app/export.py exists)."""
+    out = tmp_path_factory.mktemp("cli")
+    args = [*_sweep_args(server_url, tasks), "--out", str(out / "x.npz")]
+    if HAVE_EXPORT:
+        args += ["--figure", str(out / "x.png")]
+    proc = run_cli(*args)
+    return proc, out
+
+
+def test_sweep_writes_result_and_prints_summary(saved_sweep, tasks, engine):
+    proc, out = saved_sweep
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = SweepResult.load(out / "x.npz")
+    pair = _pair(tasks)
+    assert res.layers == [0, 2, 4] and res.metric == "recovered"
+    assert res.positions == list(range(len(engine.tokenize(pair["corrupt_prompt"]))))
+    assert not np.isnan(res.to_numpy()).any()
+    # stdout: the header, baselines with the noise floor, the top cells with token strings
+    text = proc.stdout
+    assert "metric recovered" in text and "noise floor" in text and "top cells:" in text
+    best = res.top(1)[0]
+    assert f"L{best['layer']} pos {best['position']} {best['token']!r}" in text
+    assert "sweep" in proc.stderr and "cell" in proc.stderr  # the progress bar went to stderr
+
+
+def test_sweep_figure(saved_sweep):
+    if not HAVE_EXPORT:
+        pytest.skip("app/export.py does not exist yet: --figure (app.export.plot_sweep) is not testable")
+    proc, out = saved_sweep
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_export_command(saved_sweep, tmp_path):
+    proc, out = saved_sweep
+    assert proc.returncode == 0
+    bad = run_cli("export", str(tmp_path / "missing.npz"), "--out", str(tmp_path / "e"))
+    assert bad.returncode == 2 and "no such file" in bad.stderr
+    bad = run_cli("export", str(out / "x.npz"), "--out", str(tmp_path / "e"), "--formats", "png,gif")
+    assert bad.returncode == 2 and "gif" in bad.stderr
+    if not HAVE_EXPORT:
+        pytest.skip("app/export.py does not exist yet: `causalboard export` cannot write files")
+    done = run_cli("export", str(out / "x.npz"), "--out", str(tmp_path / "e"), "--formats", "png,csv", "--stem", "trace")
+    assert done.returncode == 0, done.stderr[-3000:]
+    e = tmp_path / "e"
+    assert sorted(p.name for p in e.iterdir()) == ["trace.csv", "trace.manifest.json", "trace_post_block.png"]
+    assert done.stdout.split() == [str(e / n) for n in ("trace.csv", "trace_post_block.png", "trace.manifest.json")]
+    assert (e / "trace_post_block.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = (e / "trace.csv").read_text().splitlines()
+    res = SweepResult.load(out / "x.npz")
+    assert len(rows) == 1 + len(res.layers) * len(res.positions)  # header + one row per cell
+    bad_stem = run_cli("export", str(out / "x.npz"), "--out", str(tmp_path / "f"), "--stem", "../up")
+    assert bad_stem.returncode == 2, bad_stem.stderr
+
+
+def test_bad_layers_exit_2_naming_the_field(server_url, tasks):
+    args = _sweep_args(server_url, tasks)
+    i = args.index("--layers")
+    unparsable = run_cli(*args[:i + 1], "zero:six", *args[i + 2:])
+    assert unparsable.returncode == 2 and "layers:" in unparsable.stderr, unparsable.stderr
+    out_of_range = run_cli(*args[:i + 1], "0:99", *args[i + 2:], "--no-progress")
+    assert out_of_range.returncode == 2, out_of_range.stderr
+    assert "field: layers" in out_of_range.stderr and "refused" in out_of_range.stderr
+    assert out_of_range.stdout == ""
+
+
+def test_unreachable_server_exits_1(tasks):
+    proc = run_cli(*_sweep_args(f"http://127.0.0.1:{free_port()}", tasks), "--no-progress")
+    assert proc.returncode == 1 and "cannot talk to the server" in proc.stderr
+
+
+def test_option_parsing_builds_the_request():
+    from app.cli import build_parser
+    from app.cli_sweep import OptionError, build_request, parse_layers, parse_positions, parse_span
+
+    assert parse_layers("0:6") == {"start": 0, "stop": 6}
+    assert parse_layers("0:6:2") == {"start": 0, "stop": 6, "step": 2}
+    assert parse_layers(":4") == {"start": 0, "stop": 4}
+    assert parse_layers("1, 3,5") == [1, 3, 5] and parse_layers("2") == [2]
+    for bad in ("", "a:b", "0:", "1:2:3:4", "1,,2", "x"):
+        with pytest.raises(OptionError) as info:
+            parse_layers(bad)
+        assert info.value.field == "layers"
+    assert parse_positions(None) == "all_prompt" and parse_positions(["all_prompt"]) == "all_prompt"
+    assert parse_positions(["3,4", "span:Tarn Vale@1", "span:a@b"]) == [
+        3, 4, {"span": "Tarn Vale", "occurrence": 1}, {"span": "a@b", "occurrence": 0}]
+    with pytest.raises(OptionError):
+        parse_positions(["all_prompt", "3"])
+    assert parse_span("@2", "subject") == {"span": "@2", "occurrence": 0}  # no text before the @: all text
+    with pytest.raises(OptionError):
+        parse_positions(["span:"])
+    args = build_parser().parse_args([
+        "sweep", "--prompt", "P", "--answer", " A", "--foil-id", "7", "--hooks", "pre_attn, post_block", "--layers", "0:4",
+        "--positions", "span:Kaldor", "--noise-span", "Kaldor@0", "--noise-scale", "2.5", "--alpha", "0.5", "--keep-source"])
+    assert build_request(args) == {
+        "prompt": "P", "answer_token": " A", "foil_token_id": 7, "alpha": 0.5, "hooks": ["pre_attn", "post_block"],
+        "layers": {"start": 0, "stop": 4}, "positions": [{"span": "Kaldor", "occurrence": 0}],
+        "noise": {"span": "Kaldor", "occurrence": 0, "scale": 2.5}, "keep_source": True}
+    with pytest.raises(OptionError) as info:
+        build_request(build_parser().parse_args(["sweep", "--prompt", "P", "--noise-seed", "1"]))
+    assert info.value.field == "noise"

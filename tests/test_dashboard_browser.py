@@ -1,0 +1,240 @@
+"""The causal-tracing dashboard in a real browser (Chromium via Playwright) against the real API
+and engine (`server_url`: uvicorn on the shared CPU vLLM engine, the dashboard mounted at
+/dashboard). Screenshots go to `<out>/screenshots/dashboard-*.png`.
+
+What is checked is what the browser really shows: the Bokeh data sources inside the page (not
+the server's Python objects), the status text, downloads — and the API's own view of each sweep
+(`GET /v1/patch_sweep/{id}`) to confirm the page's numbers and that Cancel really cancelled.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+import time
+
+import pytest
+
+pytest_plugins = ["tests.browser"]
+pytest.register_assert_rewrite("tests.browser")
+
+from tests.browser import bokeh_columns, bokeh_figures, drag, screenshot, wait_until  # noqa: E402
+pytestmark = pytest.mark.vllm
+
+SWEEP_TIMEOUT = 120.0
+
+
+def open_dashboard(page, server_url: str, status: dict) -> None:
+    page.goto(f"{server_url}/dashboard")
+    page.get_by_role("button", name="Run sweep").wait_for()
+    # the header is filled from GET /v1/status once the session has loaded
+    page.locator('[data-cb="model"]', has_text=status["model"]).wait_for()
+    assert page.locator('[data-cb="device"]').inner_text() == status["device"]
+    assert f"vllm {status['versions']['vllm']}" in page.locator('[data-cb="versions"]').inner_text()
+
+
+def shown_cells(page) -> dict[str, list[dict]]:
+    """hook -> the cells of that hook's heatmap as the browser holds them."""
+    out: dict[str, list[dict]] = {}
+    for cols in bokeh_columns(page, "status_text"):
+        hook = cols["hook"][0] if cols["hook"] else None
+        out[hook] = [{k: cols[k][i] for k in ("layer", "position", "value", "status_text")} for i in range(len(cols["layer"]))]
+    return out
+
+
+def filled(page) -> int:
+    return sum(1 for cells in shown_cells(page).values() for c in cells if c["value"] is not None)
+
+
+def phase(page) -> str:
+    loc = page.locator('[data-cb="phase"]')
+    return loc.first.inner_text() if loc.count() else ""
+
+
+def progress(page) -> tuple[int, int]:
+    loc = page.locator('[data-cb="progress"]')
+    if not loc.count():
+        return 0, 0
+    return int(loc.get_attribute("data-done")), int(loc.get_attribute("data-total"))
+
+
+def sweep_id(page) -> str:
+    return page.locator('[data-cb="sweep-id"]').inner_text()
+
+
+def cell_center(fig: dict, n_layers: int, n_positions: int, layer_index: int, position_index: int,
+                dx: float = 0.0, dy: float = 0.0) -> tuple[float, float]:
+    """Page pixels of a cell's centre (layers bottom-up, positions left to right), moved by
+    `dx` cell widths to the right and `dy` cell heights up."""
+    cw, ch = fig["w"] / n_positions, fig["h"] / n_layers
+    return fig["x"] + (position_index + 0.5 + dx) * cw, fig["y"] + (n_layers - 1 - layer_index + 0.5 - dy) * ch
+
+
+def server_summary(http, sid: str) -> dict:
+    return wait_until(lambda: (lambda s: s if "layers" in s else None)(http.get(f"/v1/patch_sweep/{sid}").json()),
+                      timeout=30, message=f"the summary of {sid}")
+
+
+def test_sweep_fills_live_then_zoom_export_and_replace(page, server_url, http, tasks):
+    status = http.get("/v1/status").json()
+    open_dashboard(page, server_url, status)
+    pair = next(p for p in tasks["pairs"] if p["equal_length"] and p.get("hf_top1", True))
+    assert page.get_by_label("Clean prompt", exact=True).input_value() == pair["clean_prompt"]  # defaults: a real fact pair
+    screenshot(page, "dashboard-idle")
+
+    # ---- a sweep with the defaults: cells arrive in the browser, status ends "finished"
+    page.get_by_role("button", name="Run sweep").click()
+    seen = []
+    deadline = time.monotonic() + SWEEP_TIMEOUT
+    while phase(page) != "finished":
+        assert time.monotonic() < deadline, f"sweep did not finish (phase {phase(page)!r})"
+        seen.append(filled(page))
+        time.sleep(0.05)
+    done, total = progress(page)
+    n_layers = status["num_layers"]
+    n_tokens = http.post("/v1/tokenize", json={"prompt": pair["corrupt_prompt"]}).json()["count"]
+    assert total == n_layers * n_tokens == done  # one hook (post_block) x all layers x all positions
+    assert filled(page) == total
+    assert seen == sorted(seen), "the number of filled cells went down"
+    sid = sweep_id(page)
+    summary = server_summary(http, sid)
+    assert not summary["cancelled"] and summary["cells_done"] == total
+
+    # the numbers the browser shows are the API's
+    cells = shown_cells(page)["post_block"]
+    grid = summary["grid"]
+    for c in cells:
+        want = grid[summary["layers"].index(c["layer"])][summary["positions"].index(c["position"])]
+        assert math.isclose(c["value"], want, rel_tol=1e-12, abs_tol=1e-12), (c, want)
+    # noise floor and checksum are shown
+    nf = page.locator('[data-cb="noise-floor"]').inner_text()
+    assert math.isclose(float(nf), summary["noise_floor"], rel_tol=1e-3, abs_tol=1e-12)
+    assert page.locator('[data-cb="checksum"]').inner_text().startswith("consistent")
+    assert summary["checksum"]["consistent"] is True
+    assert "prefix 1" in page.locator('[data-cb="alignment"]').inner_text()
+    # hover shows the exact value of a cell
+    fig = bokeh_figures(page)[0]
+    assert fig["title"].startswith("post_block")
+    page.mouse.move(*cell_center(fig, n_layers, n_tokens, 0, 1))
+    page.get_by_text("status:").first.wait_for()
+    assert page.get_by_text("value:").first.is_visible()
+    screenshot(page, "dashboard-sweep-finished")
+    assert summary["subject_positions"] == [1]  # the default pair's subject, marked * on the axis
+    kept = summary["captured_source_run"]
+    assert summary["source_kept"] and kept in runs_in_store(http)
+
+    # ---- zoom: drag a box over layers 1-3 x positions 1-3, re-sweep it from the kept clean run
+    # Bokeh's box select takes the cells whose centre is inside the box: start and end a little
+    # beyond the corner cells' centres
+    drag(page, cell_center(fig, n_layers, n_tokens, 1, 1, -0.3, -0.3), cell_center(fig, n_layers, n_tokens, 3, 3, 0.3, 0.3))
+    zoom = page.get_by_role("button", name="Zoom into selection")
+    wait_until(lambda: zoom.is_enabled(), timeout=10, message="the zoom button")
+    time.sleep(0.5)  # the selection reaches the server with the next websocket message
+    zoom.click()
+    wait_until(lambda: sweep_id(page) != sid and phase(page) == "finished", timeout=SWEEP_TIMEOUT, message="the zoom sweep")
+    zsum = server_summary(http, sweep_id(page))
+    assert zsum["layers"] == [1, 2, 3] and zsum["positions"] == [1, 2, 3]
+    assert zsum["source"]["run_id"] == kept and not zsum["auto_captured"]  # reused, not re-captured
+    assert filled(page) == 9
+    assert any("zoom" in f["title"] for f in bokeh_figures(page))
+    page.mouse.move(5, 5)  # no tooltip over the picture
+    screenshot(page, "dashboard-zoom")
+
+    # ---- export: the CSV matches the summary; the manifest lists the downloaded CSV's checksum
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="CSV").click()
+    csv_bytes = read_download(dl.value)
+    rows = list(csv.DictReader(io.StringIO(csv_bytes.decode())))
+    assert len(rows) == 9 and {r["status"] for r in rows} <= {"ok", "within_noise"}
+    assert dl.value.suggested_filename == f"sweep-{zsum['sweep_id']}.csv"
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Manifest JSON").click()
+    manifest = json.loads(read_download(dl.value))
+    assert manifest["files"][f"sweep-{zsum['sweep_id']}.csv"]["sha256"] == hashlib.sha256(csv_bytes).hexdigest()
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="PNG").click()
+    assert read_download(dl.value)[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # ---- a new (non-zoom) sweep drops the kept clean run first
+    page.get_by_role("button", name="Run sweep").click()
+    wait_until(lambda: sweep_id(page) not in (sid, zsum["sweep_id"]) and phase(page) == "finished",
+               timeout=SWEEP_TIMEOUT, message="the replacing sweep")
+    assert kept not in runs_in_store(http)
+    assert not page.cb_errors, page.cb_errors
+
+
+def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
+    status = http.get("/v1/status").json()
+    open_dashboard(page, server_url, status)
+    # a slow sweep: every hook, one cell in flight
+    for hook in ("pre_attn", "post_attn"):
+        page.get_by_role("button", name=hook).click()
+    cells_in_flight = page.get_by_label("Cells in flight")
+    cells_in_flight.fill("1")
+    cells_in_flight.press("Enter")
+    time.sleep(0.3)
+
+    # ---- starting a new sweep cancels the running one
+    page.get_by_role("button", name="Run sweep").click()
+    wait_until(lambda: phase(page) == "running" and progress(page)[0] >= 2, timeout=SWEEP_TIMEOUT, message="first cells")
+    first = sweep_id(page)
+    page.get_by_role("button", name="Run sweep").click()
+    wait_until(lambda: sweep_id(page) != first if page.locator('[data-cb="sweep-id"]').count() else False,
+               timeout=SWEEP_TIMEOUT, message="the second sweep's start")
+    assert server_summary(http, first)["cancelled"] is True
+
+    # ---- Cancel: cells were arriving live; after Cancel nothing more arrives and the API says cancelled
+    wait_until(lambda: phase(page) == "running" and 3 <= filled(page), timeout=SWEEP_TIMEOUT, message="live cells")
+    done, total = progress(page)
+    assert 0 < filled(page) < total  # seen mid-sweep in the browser: the heatmaps fill live
+    page.get_by_role("button", name="Cancel").click()
+    page.locator('[data-cb="phase"]', has_text="cancelled").wait_for()
+    second = sweep_id(page)
+    summary = server_summary(http, second)
+    assert summary["cancelled"] is True and summary["cells_done"] < summary["cells_total"]
+    # the page then shows the server's final (cancelled) summary, and nothing arrives after it
+    page.locator('[data-cb="progress"][data-final="1"]').wait_for()
+    shown = filled(page)
+    assert shown == summary["cells_done"] - summary["cells_voided"]
+    time.sleep(2.0)
+    assert filled(page) == shown
+    assert server_summary(http, second)["cells_done"] == summary["cells_done"]
+    assert page.get_by_role("button", name="Cancel").is_disabled()
+    assert len(bokeh_figures(page)) == 3  # one heatmap per hook
+    page.mouse.move(5, 5)
+    screenshot(page, "dashboard-cancelled")
+    assert not page.cb_errors, page.cb_errors
+
+
+def test_noise_corruption_of_the_subject_span(page, server_url, http, tasks):
+    status = http.get("/v1/status").json()
+    open_dashboard(page, server_url, status)
+    page.get_by_role("button", name="noise on a span").click()
+    span = page.get_by_label("Noise span (text in the prompt)")
+    span.wait_for()
+    assert not page.get_by_label("Corrupt prompt", exact=True).is_visible()
+    pair = next(p for p in tasks["pairs"] if p["equal_length"] and p.get("hf_top1", True))
+    assert span.input_value() == pair["subject_clean"]
+    page.get_by_role("button", name="Run sweep").click()
+    wait_until(lambda: phase(page) == "finished", timeout=SWEEP_TIMEOUT, message="the noise sweep")
+    summary = server_summary(http, sweep_id(page))
+    assert summary["prompt"] == pair["clean_prompt"] and summary["noise"]["scale"] == 3.0
+    noised = summary["noise"]["positions"]
+    assert noised and f"noise on positions {', '.join(map(str, noised))}" in page.locator('[data-cb="alignment"]').inner_text()
+    done, total = progress(page)
+    assert done == total == summary["cells_total"] and filled(page) == total
+    page.mouse.move(5, 5)
+    screenshot(page, "dashboard-noise")
+    assert not page.cb_errors, page.cb_errors
+
+
+def runs_in_store(http) -> list[str]:
+    return [r["run_id"] for r in http.get("/v1/status").json()["source_store"]["runs"]]
+
+
+def read_download(download) -> bytes:
+    with open(download.path(), "rb") as fh:
+        return fh.read()
