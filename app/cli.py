@@ -29,6 +29,7 @@ def _engine_config(args: argparse.Namespace):
         device=args.device,
         enforce_eager=args.eager,
         max_model_len=args.max_model_len,
+        batch_invariant=args.batch_invariant,
     )
 
 
@@ -39,6 +40,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     eager.add_argument("--eager", dest="eager", action="store_true", default=None, help="force enforce_eager")
     eager.add_argument("--compiled", dest="eager", action="store_false", help="torch.compile (+ CUDA graphs on GPU)")
     p.add_argument("--max-model-len", type=int, default=None)
+    bi = p.add_mutually_exclusive_group()
+    bi.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None,
+                    help="vLLM batch-invariant kernels (GPU default: on; exact sweeps, slower decoding; docs/validation.md)")
+    bi.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                    help="faster decoding on the GPU; sweep cells then vary with their batch")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -131,8 +131,10 @@ def pytest_runtest_makereport(item, call):
     setattr(item, f"cb_rep_{report.when}", report)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    """Module-scoped on purpose: Playwright's sync API keeps an event loop running in the main
+    thread until it stops, which would break every later test that calls asyncio.run()."""
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is missing (the project's setup installs Debian's chromium with apt)")
     try:

@@ -368,16 +368,16 @@ def test_status_reports_store_checksum_steering_and_vectors(http, engine, tasks,
         http.delete("/v1/steering/vectors/api-status")
 
 
-def test_status_passes_the_sweep_service_status_through(engine):
+def test_status_reports_the_sweep_service(engine, tasks):
     from fastapi.testclient import TestClient
 
     from app.server import create_app
 
-    class FakeSweeps:
-        def status(self) -> dict:
-            return {"running": 1, "recent": ["sw-1"]}
-
+    pair = next(p for p in tasks["pairs"] if p["equal_length"])
     app = create_app(engine)
     with TestClient(app) as c:
-        app.state.sweep_service = FakeSweeps()
-        assert c.get("/v1/status").json()["sweeps"] == {"running": 1, "recent": ["sw-1"]}
+        assert c.get("/v1/status").json()["sweeps"] == {"active": 0, "sweeps": [], "recent": 0}
+        r = c.post("/v1/patch_sweep", json={"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"],
+                                            "answer_token_id": pair["answer_id"], "layers": [0]})
+        assert r.status_code == 200
+        assert c.get("/v1/status").json()["sweeps"] == {"active": 0, "sweeps": [], "recent": 1}
