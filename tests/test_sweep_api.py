@@ -366,3 +366,35 @@ def test_replay_after_last_event_id(http, tasks):
     assert full[-2][1]["type"] == "summary" and full[-2][1]["grid"] == res["grid"]
     assert http.get("/v1/patch_sweep/sw-nope/events").status_code == 404
     assert math.isclose(http.get(f"/v1/patch_sweep/{sid}").json()["corrupt"], res["corrupt"])
+
+
+def test_store_pressure_during_a_sweep_evicts_other_runs_not_the_leased_source(http, engine, tasks):
+    """Under a tiny store budget, captures made while a sweep runs evict unleased runs; the
+    sweep's leased source survives and no cell is voided or left unpatched."""
+    pair = equal_pair(tasks, 7)
+    engine.capture(pair["clean_prompt"], [f"L{l}.post_block" for l in range(engine.info.num_layers)], "all_prompt",
+                   keep_as="pressured-src", return_values=False)
+    reps = (engine.info.max_model_len - 8) // len(engine.tokenize(pair["clean_prompt"]))
+    long_prompt = " ".join([pair["clean_prompt"]] * reps)
+    fillers = []
+    body = pair_body(pair, clean_prompt=None, source_run="pressured-src", clean_baseline=0.0, metric="logprob",
+                     max_concurrency=1, noise_floor_samples=1, stream=True)
+    events = []
+    with http.stream("POST", "/v1/patch_sweep", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] == "cell" and len(fillers) < 3:
+                    name = f"pressure-{len(fillers)}"
+                    engine.capture(long_prompt, [f"L{l}.post_block" for l in range(engine.info.num_layers)], "all_prompt",
+                                   keep_as=name, return_values=False)  # > 1 MiB each: the 2 MiB store must evict
+                    fillers.append(name)
+                    assert engine.has_source("pressured-src")
+    summary = events[-1]
+    assert len(fillers) == 3 and not engine.has_source("pressure-0")  # pressure really evicted something
+    assert summary["cells_voided"] == 0 and summary["cells_done"] == summary["cells_total"]
+    ref = sweep(http, **pair_body(pair, metric="logprob"))  # same cells from a fresh capture
+    assert np.allclose(np.array(summary["grid"], dtype=float), np.array(ref["grid"], dtype=float), atol=1e-5)
+    for name in fillers + ["pressured-src"]:
+        engine.drop_source(name)
+    assert_store_clean(engine)
