@@ -169,9 +169,15 @@ def test_sweep_fills_live_then_zoom_export_and_replace(page, server_url, http, t
 def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
     status = http.get("/v1/status").json()
     open_dashboard(page, server_url, status)
-    # a slow sweep: every hook, one cell in flight
+    # a slow sweep: every hook, one cell in flight, long prompts (~630 cells), so that it is still
+    # running when the second one starts, however fast the machine
     for hook in ("pre_attn", "post_attn"):
         page.get_by_role("button", name=hook).click()
+    filler = " ".join(["The capital of Varnia is Saltmarsh"] * 5)
+    for label in ("Clean prompt", "Corrupt prompt"):
+        box = page.get_by_label(label, exact=True)
+        box.fill(f"{filler} {box.input_value()}")
+        box.press("Tab")
     cells_in_flight = page.get_by_label("Cells in flight")
     cells_in_flight.fill("1")
     cells_in_flight.press("Enter")

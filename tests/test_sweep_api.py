@@ -51,10 +51,21 @@ def pair_body(pair, **extra) -> dict:
             "answer_token_id": pair["answer_id"], "foil_token_id": pair["foil_id"], **extra}
 
 
+_RUNS_BEFORE: set[str] = set()
+
+
+@pytest.fixture(autouse=True)
+def _store_snapshot(engine):
+    """Remember which runs other tests left in the shared engine's store."""
+    _RUNS_BEFORE.clear()
+    _RUNS_BEFORE.update(r["run_id"] for r in engine.source_store_usage()["runs"])
+
+
 def assert_store_clean(engine):
+    """No lease held and no run left behind by this test."""
     usage = engine.source_store_usage()
     assert all(r["leases"] == 0 for r in usage["runs"]), usage
-    assert not [r for r in usage["runs"] if r["run_id"].startswith("sweep-")], usage
+    assert not [r for r in usage["runs"] if r["run_id"] not in _RUNS_BEFORE], usage
 
 
 # ---- values ------------------------------------------------------------------------------------
