@@ -317,6 +317,7 @@ class TracingView(pn.viewable.Viewer):
         if gen != self._generation:
             return
         self._task = asyncio.current_task()
+        self._task_loop = asyncio.get_running_loop()
         try:
             if drop is not None:
                 with contextlib.suppress(CausalboardError, httpx.HTTPError):
@@ -371,7 +372,17 @@ class TracingView(pn.viewable.Viewer):
         self._generation += 1
         task, self._task = self._task, None
         if task is not None and not task.done():
-            task.cancel()
+            # Bokeh may call us from a worker thread: cancel on the task's own loop
+            self._task_loop.call_soon_threadsafe(task.cancel)
+            sweep_id = self.state.sweep_id
+            if sweep_id is not None:
+                # closing the stream makes the server cancel the sweep; say it explicitly too, so
+                # the cells stop even if the disconnect is noticed late
+                async def cancel_on_server() -> None:
+                    with contextlib.suppress(CausalboardError, httpx.HTTPError):
+                        await self.client.cancel_sweep(sweep_id)
+
+                asyncio.run_coroutine_threadsafe(cancel_on_server(), self._task_loop)
 
     # ---- periodic flush (holds the Bokeh document lock when served) -------------------------
     def _ensure_flusher(self) -> None:
