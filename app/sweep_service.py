@@ -8,8 +8,9 @@ A sweep has two phases:
    request per noise sample). Then the `start` event is logged.
 2. *Fan-out* (a background task): one request per cell (x noise samples), at most
    `max_concurrency` in flight, scored exactly on the answer/foil ids; unpatched corrupt
-   baselines are re-run at evenly spaced points *inside* the cell batch — their largest
-   deviation from the solo baseline is the noise floor. Cells are logged as they complete;
+   baselines are re-run at evenly spaced points *inside* the cell batch, and as many cells are
+   run a second time after all others — the largest deviation (baseline vs its solo run,
+   repeat vs first run) is the noise floor. Cells are logged as they complete;
    a cell whose patch could not be applied (source run dropped/evicted, capacity) is voided
    (`value: null` + `error`), never reported with an unpatched value. Finally the checksum
    status and the summary are logged, the lease is released and an auto-captured run is
@@ -234,19 +235,25 @@ class SweepService:
         in_batch: list[float] = []
         tasks: list[asyncio.Task] = []
 
-        async def cell_job(cell: SweepCell) -> None:
+        # cells run a second time after all the others (other batch neighbours): their
+        # differences join the baseline re-runs in the noise floor
+        repeat_at = sorted({int((j + 0.5) * n / k_nf) for j in range(k_nf)})
+        raw: dict[tuple[str, int, int], float] = {}
+        repeats: dict[tuple[str, int, int], float] = {}
+
+        async def cell_job(cell: SweepCell, kind: str = "cell") -> None:
             async with sem:
                 try:
                     vals = await asyncio.gather(*(self._score(plan.corrupt_ids, plan, plan.noise_for(k), plan.patch_for(cell))
                                                   for k in range(plan.noise_samples)))
-                    results.put_nowait(("cell", cell, sum(plan.basis_of(v) for v in vals) / len(vals), None))
+                    results.put_nowait((kind, cell, sum(plan.basis_of(v) for v in vals) / len(vals), None))
                 except _Voided as exc:
-                    results.put_nowait(("cell", cell, None, str(exc)))
+                    results.put_nowait((kind, cell, None, str(exc)))
                 except (asyncio.CancelledError, EngineDeadError):
                     raise
                 except Exception as exc:  # one cell failing must not take the sweep down
                     logger.exception("sweep %s: cell %s failed", plan.sweep_id, cell)
-                    results.put_nowait(("cell", cell, None, f"{type(exc).__name__}: {exc}"))
+                    results.put_nowait((kind, cell, None, f"{type(exc).__name__}: {exc}"))
 
         async def baseline_job() -> None:
             async with sem:
@@ -262,6 +269,7 @@ class SweepService:
                 if i in nf_at:
                     tasks.append(asyncio.create_task(baseline_job()))
                 tasks.append(asyncio.create_task(cell_job(cell)))
+            tasks += [asyncio.create_task(cell_job(plan.cells[i], "repeat")) for i in repeat_at]
             pending = len(tasks)
             last_progress = 0.0
             while pending:
@@ -276,11 +284,15 @@ class SweepService:
                     continue
                 kind, cell, value, error = waiter.result()
                 pending -= 1
-                if kind == "baseline":
+                if kind in ("baseline", "repeat"):
                     if value is not None:
-                        in_batch.append(value)
-                        run.emit({"type": "noise_floor", **self._noise_floor(in_batch, base), "final": len(in_batch) == k_nf})
+                        (in_batch.append(value) if kind == "baseline" else repeats.__setitem__(cell.key, value))
+                        if in_batch:
+                            run.emit({"type": "noise_floor", **self._noise_floor(in_batch, base, _pairs(raw, repeats)),
+                                      "final": len(in_batch) + len(repeats) == k_nf + len(repeat_at)})
                     continue
+                if value is not None:
+                    raw[cell.key] = value
                 shown = None if value is None else self._metric(value, base)
                 run.values[cell.key] = shown
                 event = {"type": "cell", "hook": cell.hook, "layer": cell.layer, "position": cell.position, "value": shown}
@@ -314,7 +326,7 @@ class SweepService:
             await self._cleanup(run, base, keep=keep)
             if state == "done":
                 await self._emit_checksum(run)
-            run.summary = self._summary(run, base, in_batch, cancelled=state != "done")
+            run.summary = self._summary(run, base, in_batch, _pairs(raw, repeats), cancelled=state != "done")
             run.emit({"type": "summary", **run.summary})
             run.close(state)
 
@@ -347,11 +359,15 @@ class SweepService:
             return (basis_value - base.corrupt) / (base.clean - base.corrupt)
         return basis_value
 
-    def _noise_floor(self, in_batch: list[float], base: _Baselines) -> dict:
-        dev = max(abs(v - base.corrupt_solo0) for v in in_batch)
+    def _noise_floor(self, in_batch: list[float], base: _Baselines, repeated: list[dict] | None = None) -> dict:
+        """Largest deviation (metric units) of an in-batch baseline from the solo baseline, or of
+        a repeated cell from its first run."""
+        repeated = repeated or []
+        dev = max([abs(v - base.corrupt_solo0) for v in in_batch] + [abs(r["repeat"] - r["first"]) for r in repeated])
         if base.metric == "recovered":
             dev /= abs(base.clean - base.corrupt)
-        return {"value": dev, "solo": base.corrupt_solo0, "in_batch": list(in_batch), "units": base.metric}
+        return {"value": dev, "solo": base.corrupt_solo0, "in_batch": list(in_batch), "cell_repeats": repeated,
+                "units": base.metric}
 
     def _progress(self, run: SweepRun) -> dict:
         elapsed = time.monotonic() - run.started
@@ -373,9 +389,9 @@ class SweepService:
                        "samples": req.noise.samples} if req.noise else None),
         }
 
-    def _summary(self, run: SweepRun, base: _Baselines, in_batch: list[float], cancelled: bool) -> dict:
+    def _summary(self, run: SweepRun, base: _Baselines, in_batch: list[float], repeated: list[dict], cancelled: bool) -> dict:
         plan = run.plan
-        nf = self._noise_floor(in_batch, base) if in_batch else None
+        nf = self._noise_floor(in_batch, base, repeated) if in_batch else None
         floor = nf["value"] if nf else None
         threshold = max(floor, MIN_EFFECT) if floor is not None else None
         corrupt_metric = 0.0 if base.metric == "recovered" else base.corrupt
@@ -412,6 +428,12 @@ class SweepService:
             "elapsed_s": round(time.monotonic() - run.started, 3), "cancelled": cancelled,
             "notes": notes, "versions": dict(eng.info.versions),
         }
+
+
+def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int, int], float]) -> list[dict]:
+    """Repeated cells whose both runs have a value (basis units)."""
+    return [{"hook": k[0], "layer": k[1], "position": k[2], "first": raw[k], "repeat": v}
+            for k, v in sorted(repeats.items()) if k in raw]
 
 
 class _Voided(Exception):

@@ -138,10 +138,13 @@ def test_unequal_lengths_are_aligned_and_the_middle_skipped(http, engine, tasks)
 def test_noise_floor_is_reported_and_flags_cells(http, tasks):
     res = sweep(http, **pair_body(equal_pair(tasks, 1), metric="logprob", noise_floor_samples=3))
     nf = res["noise_floor_detail"]
-    assert len(nf["in_batch"]) == 3 and nf["units"] == "logprob"
-    assert res["noise_floor"] == max(abs(v - nf["solo"]) for v in nf["in_batch"])
-    thr = res["within_noise_threshold"]
+    assert len(nf["in_batch"]) == 3 and len(nf["cell_repeats"]) == 3 and nf["units"] == "logprob"
+    assert res["noise_floor"] == max([abs(v - nf["solo"]) for v in nf["in_batch"]] +
+                                     [abs(r["repeat"] - r["first"]) for r in nf["cell_repeats"]])
     grid = np.array(res["grid"], dtype=float)
+    for r in nf["cell_repeats"]:  # the grid shows each repeated cell's first run
+        assert grid[res["layers"].index(r["layer"]), res["positions"].index(r["position"])] == r["first"]
+    thr = res["within_noise_threshold"]
     flagged = {(c["layer"], c["position"]) for c in res["within_noise"]}
     for i, layer in enumerate(res["layers"]):
         for j, pos in enumerate(res["positions"]):
