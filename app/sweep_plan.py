@@ -17,7 +17,7 @@ import numpy as np
 from engine_ext import Engine, GenerationParams
 from engine_ext.errors import SpecError
 from engine_ext.seam import SUPPORTED_HOOKS
-from engine_ext.specs import HOOKS, InlineSource, MeanSource, Noise, Patch, RunSource, Site, ZeroSource, site_from_index
+from engine_ext.specs import HOOKS, InlineSource, MeanSource, Noise, Patch, RunSource, Site, ZeroSource
 
 from .alignment import UNALIGNED_REASON, Alignment, align_positions
 from .sweep_request import LayerRange, PatchSweepRequest
@@ -325,16 +325,10 @@ def _module_source(engine: Engine, req: PatchSweepRequest, clean_ids: list[int] 
             raise SpecError("source_module", "'mean' needs the run to average: give clean_prompt or a stored source_run")
         _check_budget(engine, len(run_sites) * len(clean_ids), "clean_prompt")
         return SourcePlan("mean", req.source_run or f"sweep-{uuid.uuid4().hex[:12]}", name="mean", capture=True, capture_sites=run_sites)
-    vector = named_vector(engine, name)
+    vector = engine.named_vector(name)  # a float32 copy, or None
     if vector is None:
         raise PlanError(404, "source_module", f"no registered vector named {name!r} (built in: 'zeros', 'mean')")
     return SourcePlan("vector", name=name, vector=vector)
-
-
-def named_vector(engine: Engine, name: str) -> np.ndarray | None:
-    """The float32 values of a registered vector, or None."""
-    vec = engine.named_vector(name)
-    return None if vec is None else np.asarray(vec, dtype=np.float32)
 
 
 def _check_budget(engine: Engine, n_values: int, field_name: str) -> None:
@@ -347,4 +341,4 @@ def _check_budget(engine: Engine, n_values: int, field_name: str) -> None:
                         f"the store budget is {budget} bytes — sweep fewer layers/hooks or raise source_store_bytes")
 
 
-__all__ = ["PlanError", "SweepCell", "SourcePlan", "SweepPlan", "build_plan", "named_vector", "site_from_index"]
+__all__ = ["PlanError", "SweepCell", "SourcePlan", "SweepPlan", "build_plan"]

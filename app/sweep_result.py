@@ -182,8 +182,10 @@ class SweepResult:
         """The summary object (wire contract above); `from_summary(to_summary())` round-trips."""
         out = dict(self.meta)
         out.update(layers=list(self.layers), positions=list(self.positions), metric=self.metric, hooks=list(self.hooks))
-        hook_grids = [{"hook": h, "grid": _to_lists(self.grids[h]), "argmax": _argmax(self.grids[h], self.layers, self.positions)}
-                      for h in self.hooks]
+        hook_grids = []
+        for h in self.hooks:
+            grid = _to_lists(self.grids[h])
+            hook_grids.append({"hook": h, "grid": grid, "argmax": argmax_cell(grid, self.layers, self.positions)})
         out.update(hook=self.hooks[0], grid=hook_grids[0]["grid"], argmax=hook_grids[0]["argmax"],
                    hook_grids=hook_grids if len(self.hooks) > 1 else None)
         return out
@@ -222,8 +224,12 @@ def _to_lists(arr: np.ndarray) -> list[list[float | None]]:
     return [[None if math.isnan(v) else float(v) for v in row] for row in arr.tolist()]
 
 
-def _argmax(arr: np.ndarray, layers: list[int], positions: list[int]) -> dict | None:
-    if np.all(np.isnan(arr)):
-        return None
-    i, j = np.unravel_index(np.nanargmax(arr), arr.shape)
-    return {"layer": layers[i], "position": positions[j], "value": float(arr[i, j])}
+def argmax_cell(grid: list[list[float | None]], layers: list[int], positions: list[int]) -> dict | None:
+    """`{"layer", "position", "value"}` of the largest value (the first one on ties), or None
+    when the grid has no value (the fork's `argmax`)."""
+    best = None
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v is not None and (best is None or v > best["value"]):
+                best = {"layer": layers[i], "position": positions[j], "value": v}
+    return best

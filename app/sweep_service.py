@@ -38,6 +38,7 @@ from engine_ext.specs import Capture, Interventions, site_from_index
 
 from .sweep_plan import PlanError, SweepCell, SweepPlan, build_plan
 from .sweep_request import PatchSweepRequest
+from .sweep_result import argmax_cell
 
 logger = logging.getLogger("causalboard.sweep")
 
@@ -74,11 +75,14 @@ class SweepRun:
 
     def emit(self, event: dict) -> None:
         self.log.append((len(self.log), event))
-        wake, self._wake = self._wake, asyncio.Event()
-        wake.set()
+        self._notify()
 
     def close(self, state: str) -> None:
         self.state = state
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every `follow` waiting for news."""
         wake, self._wake = self._wake, asyncio.Event()
         wake.set()
 
@@ -286,7 +290,10 @@ class SweepService:
                 pending -= 1
                 if kind in ("baseline", "repeat"):
                     if value is not None:
-                        (in_batch.append(value) if kind == "baseline" else repeats.__setitem__(cell.key, value))
+                        if kind == "baseline":
+                            in_batch.append(value)
+                        else:
+                            repeats[cell.key] = value
                         if in_batch:
                             run.emit({"type": "noise_floor", **self._noise_floor(in_batch, base, _pairs(raw, repeats)),
                                       "final": len(in_batch) + len(repeats) == k_nf + len(repeat_at)})
@@ -398,7 +405,7 @@ class SweepService:
         hook_grids, within = [], []
         for hook in plan.hooks:
             grid = [[run.values.get((hook, l, p)) for p in plan.positions] for l in plan.layers]
-            hook_grids.append({"hook": hook, "grid": grid, "argmax": _argmax(grid, plan.layers, plan.positions)})
+            hook_grids.append({"hook": hook, "grid": grid, "argmax": argmax_cell(grid, plan.layers, plan.positions)})
             if threshold is not None:
                 within += [{"hook": hook, "layer": l, "position": p} for l in plan.layers for p in plan.positions
                            if run.values.get((hook, l, p)) is not None and abs(run.values[(hook, l, p)] - corrupt_metric) <= threshold]
@@ -438,12 +445,3 @@ def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int,
 
 class _Voided(Exception):
     """A request the workers voided (its patch could not be applied)."""
-
-
-def _argmax(grid: list[list[float | None]], layers: list[int], positions: list[int]) -> dict | None:
-    best = None
-    for i, row in enumerate(grid):
-        for j, v in enumerate(row):
-            if v is not None and (best is None or v > best["value"]):
-                best = {"layer": layers[i], "position": positions[j], "value": v}
-    return best

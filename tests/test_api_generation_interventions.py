@@ -5,28 +5,18 @@ request through the Python `Engine` or the native form."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from app.fork_vectors import pack_vectors
 from engine_ext import GenerationParams
 from engine_ext.specs import Capture, Interventions, Patch, Steer
+from tests.sse import sse_data
 
 
 def _vec(engine, seed=0, norm=30.0) -> np.ndarray:
     v = np.random.default_rng(seed).standard_normal(engine.info.hidden_size).astype(np.float32)
     return (v / np.linalg.norm(v) * norm).astype(np.float32)
-
-
-def _sse(text: str) -> list:
-    out = []
-    for block in text.strip().split("\n\n"):
-        data = [line[len("data: "):] for line in block.splitlines() if line.startswith("data: ")]
-        if data:
-            out.append(data[0] if data[0] == "[DONE]" else json.loads(data[0]))
-    return out
 
 
 def _post(http, path, body, status=200):
@@ -89,7 +79,7 @@ def test_generate_stream_carries_the_intervention_result(http, engine, tasks):
                              "capture": {"sites": ["L0.post_attn"], "positions": "all_generated"}}}
     with http.stream("POST", "/v1/generate", json={**req, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = _sse(r.read().decode())
+        events = sse_data(r.read().decode())
     done = events[-2]
     assert done["type"] == "done" and events[-1] == "[DONE]"
     plain = _post(http, "/v1/generate", req)
@@ -217,7 +207,7 @@ def test_completions_stream_with_scores(http, engine, tasks):
     req = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "logprob_token_ids": ids,
            "steering_vectors": {"post_block": {"0": _vec(engine, 28, 3.0).tolist()}}}
     with http.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
-        events = _sse(r.read().decode())
+        events = sse_data(r.read().decode())
     assert events[-1] == "[DONE]"
     streamed = [s for e in events[:-1] for s in e["choices"][0]["scores"]]
     plain = _post(http, "/v1/completions", req)

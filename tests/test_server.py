@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
+
+from tests.sse import sse_data
 
 
 def test_health_and_status(http, engine):
@@ -29,20 +29,11 @@ def test_generate_matches_engine(http, engine, tasks):
     assert all(len(t) == 2 for t in body["top_logprobs"])
 
 
-def _sse_events(text: str) -> list:
-    out = []
-    for block in text.strip().split("\n\n"):
-        data = [line[len("data: "):] for line in block.splitlines() if line.startswith("data: ")]
-        if data:
-            out.append(data[0] if data[0] == "[DONE]" else json.loads(data[0]))
-    return out
-
-
 def test_generate_stream_sse(http, tasks):
     prompt = tasks["ioi"][0]["prompt"]
     with http.stream("POST", "/v1/generate", json={"prompt": prompt, "max_tokens": 3, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = _sse_events(r.read().decode())
+        events = sse_data(r.read().decode())
     assert events[0]["type"] == "start"
     assert [e["type"] for e in events[1:-2]] == ["token"] * (len(events) - 3)
     done = events[-2]
@@ -61,7 +52,7 @@ def test_openai_completions(http, tasks):
     assert len(choice["logprobs"]["token_logprobs"]) == 1
     assert body["usage"]["completion_tokens"] == 1
     with http.stream("POST", "/v1/completions", json={"prompt": item["prompt"], "max_tokens": 2, "stream": True}) as r:
-        events = _sse_events(r.read().decode())
+        events = sse_data(r.read().decode())
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from engine_ext.hf_reference import RefEdit
+from tests.sse import sse_events
 
 LOGPROB_ATOL = 2e-3
 
@@ -24,18 +25,17 @@ def sweep(http, **body) -> dict:
     return r.json()
 
 
-def sse_events(text: str) -> list:
-    """(id, data) pairs of an SSE body; data is a dict or '[DONE]'."""
-    out = []
-    for block in text.strip().split("\n\n"):
-        eid, data = None, None
-        for line in block.splitlines():
-            if line.startswith("id: "):
-                eid = int(line[4:])
-            elif line.startswith("data: "):
-                data = line[6:]
-        out.append((eid, data if data == "[DONE]" else json.loads(data)))
-    return out
+def stream_sweep(http, body: dict, on_event=None) -> list[dict]:
+    """POST a streaming sweep and read its events as they arrive; `on_event(events)` is called
+    after each one and may return True to close the stream there (a client disconnect)."""
+    events: list[dict] = []
+    with http.stream("POST", "/v1/patch_sweep", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if on_event is not None and on_event(events):
+                    break
+    return events
 
 
 def equal_pair(tasks, k=0):
@@ -267,14 +267,7 @@ def test_disconnect_cancels_remaining_cells_and_releases_leases(http, engine, ta
     body = {"prompt": f["prompt"], "noise": {"span": f["subject"], "samples": 8}, "answer_token_id": f["answer_id"],
             "metric": "recovered", "recovered_basis": "prob", "hooks": ["pre_attn", "post_attn", "post_block"],
             "max_concurrency": 2, "stream": True}
-    seen = []
-    with http.stream("POST", "/v1/patch_sweep", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                ev = json.loads(line[6:])
-                seen.append(ev)
-                if sum(e["type"] == "cell" for e in seen) >= 3:
-                    break
+    seen = stream_sweep(http, body, lambda evs: sum(e["type"] == "cell" for e in evs) >= 3)
     start = seen[0]
     _wait_idle(engine)
     deadline = time.time() + 20
@@ -293,14 +286,11 @@ def test_a_dropped_source_voids_cells_instead_of_reporting_unpatched_values(http
                    keep_as="doomed-run", return_values=False)
     body = pair_body(pair, clean_prompt=None, source_run="doomed-run", clean_baseline=0.0, metric="logprob",
                      max_concurrency=1, noise_floor_samples=1, stream=True)
-    events = []
-    with http.stream("POST", "/v1/patch_sweep", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                ev = json.loads(line[6:])
-                events.append(ev)
-                if sum(e["type"] == "cell" for e in events) == 2:
-                    assert engine.drop_source("doomed-run")  # even though the sweep holds a lease
+    def drop_after_two_cells(evs: list[dict]) -> None:
+        if evs[-1]["type"] == "cell" and sum(e["type"] == "cell" for e in evs) == 2:
+            assert engine.drop_source("doomed-run")  # even though the sweep holds a lease
+
+    events = stream_sweep(http, body, drop_after_two_cells)
     cells = [e for e in events if e["type"] == "cell"]
     summary = events[-1]
     assert summary["type"] == "summary" and not summary["cancelled"]
@@ -393,17 +383,15 @@ def test_store_pressure_during_a_sweep_evicts_other_runs_not_the_leased_source(h
     fillers = []
     body = pair_body(pair, clean_prompt=None, source_run="pressured-src", clean_baseline=0.0, metric="logprob",
                      max_concurrency=1, noise_floor_samples=1, stream=True)
-    events = []
-    with http.stream("POST", "/v1/patch_sweep", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                events.append(json.loads(line[6:]))
-                if events[-1]["type"] == "cell" and len(fillers) < 3:
-                    name = f"pressure-{len(fillers)}"
-                    engine.capture(long_prompt, [f"L{l}.post_block" for l in range(engine.info.num_layers)], "all_prompt",
-                                   keep_as=name, return_values=False)  # > 1 MiB each: the 2 MiB store must evict
-                    fillers.append(name)
-                    assert engine.has_source("pressured-src")
+    def capture_a_filler(evs: list[dict]) -> None:
+        if evs[-1]["type"] == "cell" and len(fillers) < 3:
+            name = f"pressure-{len(fillers)}"
+            engine.capture(long_prompt, [f"L{l}.post_block" for l in range(engine.info.num_layers)], "all_prompt",
+                           keep_as=name, return_values=False)  # > 1 MiB each: the 2 MiB store must evict
+            fillers.append(name)
+            assert engine.has_source("pressured-src")
+
+    events = stream_sweep(http, body, capture_a_filler)
     summary = events[-1]
     assert len(fillers) == 3 and not engine.has_source("pressure-0")  # pressure really evicted something
     assert summary["cells_voided"] == 0 and summary["cells_done"] == summary["cells_total"]

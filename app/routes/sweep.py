@@ -14,18 +14,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..auth import require_api_key
 from ..errors import error_response
 from ..schemas import ErrorResponse
 from ..sse import DONE, sse_event
 from ..sweep_plan import PlanError
 from ..sweep_request import PatchSweepRequest
 from ..sweep_service import SweepRun, SweepService
-
-try:  # the API-key dependency (app/auth.py); sweeps are open when it is absent
-    from ..auth import require_api_key as _auth
-except ImportError:  # pragma: no cover
-    async def _auth() -> None:
-        return None
 
 router = APIRouter(tags=["patching"])
 
@@ -34,10 +29,8 @@ _SSE = {"content": {"text/event-stream": {}}, "description": "The summary (JSON)
 
 
 def sweep_service(request: Request) -> SweepService:
-    app = request.app
-    if getattr(app.state, "sweep_service", None) is None:
-        app.state.sweep_service = SweepService(app.state.engine)
-    return app.state.sweep_service
+    """The app's sweep service (created by `create_app`)."""
+    return request.app.state.sweep_service
 
 
 async def _sse(run: SweepRun, after: int, cancel_on_disconnect: bool) -> AsyncIterator[str]:
@@ -51,7 +44,7 @@ async def _sse(run: SweepRun, after: int, cancel_on_disconnect: bool) -> AsyncIt
             run.cancel()
 
 
-@router.post("/v1/patch_sweep", responses={**_ERRORS, 200: _SSE}, dependencies=[Depends(_auth)])
+@router.post("/v1/patch_sweep", responses={**_ERRORS, 200: _SSE}, dependencies=[Depends(require_api_key)])
 async def patch_sweep(req: PatchSweepRequest, request: Request):
     """Activation-patching sweep over layers x positions (x hooks): one request per cell,
     patched from the clean run (auto-captured from `clean_prompt`, or a stored `source_run`),
@@ -98,7 +91,7 @@ async def sweep_events(sweep_id: str, request: Request, last_event_id: str | Non
                              headers={"Cache-Control": "no-cache"})
 
 
-@router.delete("/v1/patch_sweep/{sweep_id}", responses=_ERRORS, dependencies=[Depends(_auth)])
+@router.delete("/v1/patch_sweep/{sweep_id}", responses=_ERRORS, dependencies=[Depends(require_api_key)])
 async def cancel_sweep(sweep_id: str, request: Request):
     """Cancel a running sweep (its summary then says `cancelled: true`)."""
     run = sweep_service(request).get(sweep_id)
