@@ -13,7 +13,8 @@ which registers the fixtures below (and the hook that tells `page` whether the t
 * `page` — a fresh browser context + page (1400x1000, downloads accepted, 30 s default
   timeout; fails at once when uvicorn has no WebSocket library, since no served page could connect); on failure a full-page screenshot is saved as `FAILED-<test>.png`. Uncaught page
   errors, failed requests and HTTP error answers are collected in `page.cb_errors` (assert it
-  is empty at the end of a test).
+  is empty at the end of a test). When the test also uses the `http` fixture, closing the page
+  must leave no sweep running on the server (checked for up to `TAB_CLOSE_CLEANUP_S`).
 
 Helpers: `screenshot(page, name)` saves `<out>/screenshots/<name>.png` (out = `$CAUSALBOARD_TEST_OUT`
 or `test-output`); `wait_until(predicate, timeout)`; `bokeh_figures(page)` (the browser-side
@@ -33,6 +34,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("CAUSALBOARD_CHROMIUM", "/usr/bin/chromium")
 #: flags verified with Debian's chromium as root (docs: shared research notes, "Browser tests")
+# The environment the test session started with: vLLM's multiprocess engines set process-wide
+# variables (LD_PRELOAD of torch's libgomp, thread settings) that a browser must not inherit.
+_START_ENV = dict(os.environ)
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 VIEWPORT = {"width": 1400, "height": 1000}
@@ -142,7 +146,7 @@ def browser():
     except ImportError:
         pytest.skip("the playwright package is not installed")
     with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, env=_START_ENV)
         try:
             yield b
         finally:
@@ -155,6 +159,7 @@ def page(browser, request):
 
     if websocket_library() is None:  # a product defect, not a missing test tool: fail, do not skip
         pytest.fail("uvicorn has no WebSocket library (websockets or wsproto): the served dashboard cannot connect")
+    http = request.getfixturevalue("http") if "http" in request.fixturenames else None
     context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
     context.set_default_timeout(30_000)
     pg = context.new_page()
@@ -172,3 +177,18 @@ def page(browser, request):
             except Exception as exc:  # the page may be gone; the test's own error matters more
                 print(f"could not save the failure screenshot: {exc}")
         context.close()
+        if http is not None:
+            _expect_no_running_sweeps(http)
+
+
+# How long the server may take to notice a closed tab: the dashboard mounts Panel with an unused
+# session lifetime of 8 s checked every 2 s (app/dashboard/__init__.py), plus slack.
+TAB_CLOSE_CLEANUP_S = 30.0
+
+
+def _expect_no_running_sweeps(http: Any) -> None:
+    """Closing a tab stops the sweeps its session started (the session's cleanup cancels them).
+    Checked after every browser test, so a test that failed mid-sweep cannot leave a sweep
+    (and its leased source run) running into the next test."""
+    wait_until(lambda: http.get("/v1/status").json()["sweeps"]["active"] == 0, timeout=TAB_CLOSE_CLEANUP_S,
+               message="the closed tab's sweeps to be cancelled by its session cleanup")

@@ -70,7 +70,7 @@ def test_sweep_runs_without_zoom_when_the_kept_run_does_not_fit(server_url, http
         return view, state
 
     view, state = run(main())
-    assert not view.error.visible, view.error.object
+    assert not view.error.visible, (view.error.object, http.get("/v1/status").json()["sweeps"], http.get("/v1/patch_source").json())
     assert state.finished and state.cells_done == state.cells_total == 6 * len(state.result.positions)
     assert any(w.startswith("zoom is off for this sweep") for w in state.warnings)
     assert view.kept_run is None and view.b_zoom.disabled

@@ -35,6 +35,7 @@ import html
 import io
 import logging
 import math
+import time
 from typing import Any, Iterable
 
 import httpx
@@ -47,7 +48,12 @@ from .sweep_state import CellStatus, SweepState
 logger = logging.getLogger("causalboard.dashboard")
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-FLUSH_MS = 100
+#: how often the periodic callback moves the stream's events into the view (status, progress)
+FLUSH_MS = 200
+#: while a sweep runs, heatmap cells are pushed to the browser at most this often: every push
+#: re-renders the figures, and a browser sharing a loaded machine with the engine must keep up
+#: (the final summary and any re-layout are pushed at once)
+HEATMAP_PUSH_MS = 500
 #: download buttons: (label, format); "manifest" is the manifest `export_sweep` writes, the others
 #: are `export_bytes` formats
 EXPORTS = (("PDF", "pdf"), ("SVG", "svg"), ("PNG", "png"), ("CSV", "csv"), ("NPZ", "npz"),
@@ -116,6 +122,7 @@ class TracingView(pn.viewable.Viewer):
         self._zoom = False
         self._kept_run: str | None = None  # clean run kept on the server for zooms
         self._fetching = False  # fetching a cancelled sweep's final summary
+        self._heatmaps_pushed_at = 0.0
         self._done = asyncio.Event()
         self._build_widgets(form or default_form(), hooks)
         self._layout = self._build_layout()
@@ -404,11 +411,15 @@ class TracingView(pn.viewable.Viewer):
                 self.state.apply(ev)
                 if kind == "summary":
                     self._adopt_summary(ev)
-        if self.state.axes_changed:
+        rebuilt = self.state.axes_changed
+        if rebuilt:
             self.state.axes_changed = False
             self._build_heatmaps()
             self._update_controls()
-        self._update_heatmaps()
+        now = time.monotonic()
+        if rebuilt or not self._running or now - self._heatmaps_pushed_at >= HEATMAP_PUSH_MS / 1000:
+            self._heatmaps_pushed_at = now
+            self._update_heatmaps()
         self.progress.value = int(1000 * self.state.fraction_done)
         self.status.object = self._status_html()
         if not self._running and not self._fetching and not self._events and self._flusher is not None:
