@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # Exploration (not shipped): train bundled-model variants on the GPU, causal-trace each with HF on CPU.
+# On the GPU host (device tool; no vLLM bundle needed), one "name:training flags" per variant, all in parallel:
+#   timeout 540 bash scripts/model_search_gpu.sh "l8h2:--layers 8 --heads 2 --kv-heads 1 --steps 2500"
+# Writes $OUT/<name>/{train_log.json,eval.txt,trace.json,trace.txt}; models stay in /tmp on the host.
+# Results so far: docs/bundled-model.md, "What we tried".
 set -uo pipefail
 OUT="${OUT:-/tmp/msearch}"; WORK=/tmp/msearch_models
 run_one() {
