@@ -14,7 +14,7 @@ which registers the fixtures below (and the hook that tells `page` whether the t
   timeout; fails at once when uvicorn has no WebSocket library, since no served page could connect); on failure a full-page screenshot is saved as `FAILED-<test>.png`. Uncaught page
   errors, failed requests and HTTP error answers are collected in `page.cb_errors` (assert it
   is empty at the end of a test). When the test also uses the `http` fixture, closing the page
-  must leave no sweep running on the server (checked for up to `TAB_CLOSE_CLEANUP_S`).
+  must leave no sweep running on the server (checked for the dashboard's session clean-up time plus slack).
 
 Helpers: `screenshot(page, name)` saves `<out>/screenshots/<name>.png` (out = `$CAUSALBOARD_TEST_OUT`
 or `test-output`); `wait_until(predicate, timeout)`; `bokeh_figures(page)` (the browser-side
@@ -34,9 +34,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("CAUSALBOARD_CHROMIUM", "/usr/bin/chromium")
 #: flags verified with Debian's chromium as root (docs: shared research notes, "Browser tests")
-# The environment the test session started with: vLLM's multiprocess engines set process-wide
-# variables (LD_PRELOAD of torch's libgomp, thread settings) that a browser must not inherit.
-_START_ENV = dict(os.environ)
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 VIEWPORT = {"width": 1400, "height": 1000}
@@ -146,7 +143,7 @@ def browser():
     except ImportError:
         pytest.skip("the playwright package is not installed")
     with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, env=_START_ENV)
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             yield b
         finally:
@@ -181,14 +178,17 @@ def page(browser, request):
             _expect_no_running_sweeps(http)
 
 
-# How long the server may take to notice a closed tab: the dashboard mounts Panel with an unused
-# session lifetime of 8 s checked every 2 s (app/dashboard/__init__.py), plus slack.
-TAB_CLOSE_CLEANUP_S = 30.0
+def _tab_close_cleanup_s() -> float:
+    """How long the server may take to clean up a closed tab's session: the unused-session
+    lifetime the dashboard is mounted with, one check interval, and slack for a loaded machine."""
+    from app.dashboard import CHECK_UNUSED_SESSIONS_MS, UNUSED_SESSION_LIFETIME_MS
+
+    return (UNUSED_SESSION_LIFETIME_MS + CHECK_UNUSED_SESSIONS_MS) / 1000 + 20.0
 
 
 def _expect_no_running_sweeps(http: Any) -> None:
     """Closing a tab stops the sweeps its session started (the session's cleanup cancels them).
     Checked after every browser test, so a test that failed mid-sweep cannot leave a sweep
     (and its leased source run) running into the next test."""
-    wait_until(lambda: http.get("/v1/status").json()["sweeps"]["active"] == 0, timeout=TAB_CLOSE_CLEANUP_S,
+    wait_until(lambda: http.get("/v1/status").json()["sweeps"]["active"] == 0, timeout=_tab_close_cleanup_s(),
                message="the closed tab's sweeps to be cancelled by its session cleanup")
