@@ -17,7 +17,8 @@ Method (Meng et al. 2022, "Locating and Editing Factual Associations in GPT"):
 Reports, per layer, the mean recovered fraction over ``N_PROMPTS`` correctly answered
 trained-template fact prompts at: the subject's last token, the other subject tokens,
 the tokens between the subject and the last token, and the last token.  Writes
-``training/results/trace.json`` and the heatmap ``docs/img/bundled-model-trace.png``.
+``training/results/trace.json`` and the heatmap ``docs/img/bundled-model-trace.png`` of the
+most typical prompt (closest to the mean table; chosen by that rule, not by hand).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from training.tokenizer import answer_token_id  # noqa: E402
 N_PROMPTS, N_NOISE, NOISE_SCALE, MIN_P_CLEAN = 40, 10, 3.0, 0.5
 CATEGORIES = ("subject_last", "subject_other", "after_subject", "last")
 ORDERS = ("subject_first", "relation_first")  # template groups, see corpus.subject_first
-# Heatmap example: the first selected prompt with this (template, subject length), else the first.
-EXAMPLE = ("in", 3)
+# Heatmap example: the *typical* prompt, i.e. the one whose per-layer recovered fractions at the
+# four categories are closest (Euclidean) to the mean over all prompts; chosen by rule, not by hand.
 RESULTS = Path("training/results/trace.json")
 FIGURE = Path("docs/img/bundled-model-trace.png")
 
@@ -70,7 +71,7 @@ def _run(model: LlamaForCausalLM, embeds: torch.Tensor, answer_id: int,
                 record.append(hidden[0].clone())
             if restore is not None and restore[0] == i:
                 hidden = hidden.clone()
-                rows = torch.arange(hidden.shape[0])
+                rows = torch.arange(hidden.shape[0], device=hidden.device)
                 hidden[rows, restore[1]] = restore[2][restore[1]]
                 return _set_output(output, hidden)
             return None
@@ -86,22 +87,24 @@ def _run(model: LlamaForCausalLM, embeds: torch.Tensor, answer_id: int,
 def trace_prompt(model: LlamaForCausalLM, tok: Tokenizer, prompt: str, span: list[int],
                  answer_id: int, noise_std: float, seed: int) -> dict:
     """p_clean, p_corrupt and the ``[layers, tokens]`` matrix of p_restored for one prompt."""
-    ids = torch.tensor([tok.encode(prompt).ids])
+    device = model.model.embed_tokens.weight.device
+    ids = torch.tensor([tok.encode(prompt).ids], device=device)
     emb = model.model.embed_tokens(ids)
     n_tok, n_layers = ids.shape[1], len(model.model.layers)
     clean: list[torch.Tensor] = []
     p_clean = _run(model, emb, answer_id, record=clean).item()
     gen = torch.Generator().manual_seed(seed)
-    noise = torch.randn(N_NOISE, span[1] - span[0], emb.shape[-1], generator=gen) * noise_std
+    noise = (torch.randn(N_NOISE, span[1] - span[0], emb.shape[-1], generator=gen)
+             * noise_std).to(device)
     corrupt = emb.repeat(N_NOISE, 1, 1)
     corrupt[:, span[0]:span[1]] += noise
     p_corrupt = _run(model, corrupt, answer_id).mean().item()
     batch = corrupt.repeat(n_tok, 1, 1)  # row = position * N_NOISE + noise sample
-    positions = torch.arange(n_tok).repeat_interleave(N_NOISE)
+    positions = torch.arange(n_tok, device=device).repeat_interleave(N_NOISE)
     p_restored = np.zeros((n_layers, n_tok))
     for layer in range(n_layers):
         p = _run(model, batch, answer_id, restore=(layer, positions, clean[layer]))
-        p_restored[layer] = p.view(n_tok, N_NOISE).mean(1).numpy()
+        p_restored[layer] = p.view(n_tok, N_NOISE).mean(1).cpu().numpy()
     return {"p_clean": p_clean, "p_corrupt": p_corrupt, "p_restored": p_restored}
 
 
@@ -145,15 +148,17 @@ def _layer_means(per_cat: dict[str, list[np.ndarray]]) -> dict[str, list[float]]
     return {c: np.mean(v, 0).tolist() if v else [] for c, v in per_cat.items()}
 
 
-def causal_trace(model_dir: Path = MODEL_DIR) -> dict:
+def causal_trace(model_dir: Path = MODEL_DIR, device: str = "cpu") -> dict:
     """Run the trace over the selected prompts; return the summary (and the example heatmap data)."""
     model, tok = load_model(model_dir)
+    model = model.to(device)
     world = corpus.build_world(json.loads((model_dir / "tasks.json").read_text())["seed"])
     noise_std = NOISE_SCALE * model.model.embed_tokens.weight.std().item()
     per_cat: dict[str, list[np.ndarray]] = {c: [] for c in CATEGORIES}
     per_order: dict[str, dict[str, list[np.ndarray]]] = {
         o: {c: [] for c in CATEGORIES} for o in ORDERS}
-    rows, example = [], None
+    per_length: dict[int, dict[str, list[np.ndarray]]] = {}
+    rows, candidates = [], []
     for k, it in enumerate(select_prompts(model, tok, world)):
         span = subject_span(tok, it.prompt, it.subject)
         res = trace_prompt(model, tok, it.prompt, span, answer_token_id(tok, it.answer),
@@ -164,14 +169,17 @@ def causal_trace(model_dir: Path = MODEL_DIR) -> dict:
                 per_cat[cat].append(frac[:, pos].mean(1))
                 order = ORDERS[0] if corpus.subject_first(it.template_id) else ORDERS[1]
                 per_order[order][cat].append(frac[:, pos].mean(1))
+                per_length.setdefault(span[1] - span[0], {c: [] for c in CATEGORIES})[
+                    cat].append(frac[:, pos].mean(1))
         rows.append({"prompt": it.prompt, "subject": it.subject, "answer": it.answer,
                      "p_clean": res["p_clean"], "p_corrupt": res["p_corrupt"]})
-        if example is None or (example["key"] != EXAMPLE
-                               and (it.template_id, len(it.subject.split())) == EXAMPLE):
-            tokens = [t.replace("▁", "") for t in tok.encode(it.prompt).tokens]
-            example = {**rows[-1], **res, "span": span, "tokens": tokens,
-                       "key": (it.template_id, len(it.subject.split()))}
+        tokens = [t.replace("▁", "") for t in tok.encode(it.prompt).tokens]
+        profile = np.stack([frac[:, pos].mean(1) if pos else np.zeros(frac.shape[0])
+                            for pos in category_positions(span, frac.shape[1]).values()])
+        candidates.append({**rows[-1], **res, "span": span, "tokens": tokens, "profile": profile})
     summary = _layer_means(per_cat)
+    mean_profile = np.stack([np.array(summary[c]) for c in CATEGORIES])
+    example = min(candidates, key=lambda c: float(np.linalg.norm(c["profile"] - mean_profile)))
     return {
         "method": {"n_prompts": len(rows), "n_noise": N_NOISE, "noise_scale": NOISE_SCALE,
                    "noise_std": noise_std, "min_p_clean": MIN_P_CLEAN,
@@ -182,7 +190,12 @@ def causal_trace(model_dir: Path = MODEL_DIR) -> dict:
         "recovered_fraction_by_layer_and_template_order": {
             o: {"n_prompts": len(per_order[o]["last"]), **_layer_means(per_order[o])}
             for o in ORDERS},
-        "example": {**{k: example[k] for k in ("prompt", "answer", "p_clean", "p_corrupt",
+        "recovered_fraction_by_layer_and_subject_tokens": {
+            str(n): {"n_prompts": len(per_length[n]["last"]), **_layer_means(per_length[n])}
+            for n in sorted(per_length)},
+        "example": {"selection": "the prompt closest to the mean recovered fractions "
+                                 "(missing categories count as 0)",
+                    **{k: example[k] for k in ("prompt", "answer", "p_clean", "p_corrupt",
                                                "span", "tokens")},
                     "p_restored": example["p_restored"].round(4).tolist()},
         "prompts": rows,
@@ -194,8 +207,9 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--figure", type=Path, default=FIGURE)
+    parser.add_argument("--device", default="cpu", help="torch device (the recorded trace uses cpu)")
     args = parser.parse_args()
-    res = causal_trace(args.model_dir)
+    res = causal_trace(args.model_dir, args.device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")
     plot({**res["example"], "p_restored": np.array(res["example"]["p_restored"])}, args.figure)
@@ -203,7 +217,9 @@ def main() -> None:
           f"p_corrupt={res['mean_p_corrupt']:.3f}")
     print("layer " + " ".join(f"{c:>14s}" for c in CATEGORIES))
     tables = {"all": res["recovered_fraction_by_layer"],
-              **res["recovered_fraction_by_layer_and_template_order"]}
+              **res["recovered_fraction_by_layer_and_template_order"],
+              **{f"subject of {n} tokens": t for n, t in
+                 res["recovered_fraction_by_layer_and_subject_tokens"].items()}}
     for name, table in tables.items():
         print(f"[{name}] n={table.get('n_prompts', res['method']['n_prompts'])}")
         for layer in range(len(table["last"])):

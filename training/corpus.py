@@ -21,6 +21,7 @@ prompt never ends in a space: its answer is the next word (``prompt + " " + answ
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,8 +35,36 @@ BASES = (
     "Eskel", "Falvo", "Grisk", "Hovan", "Irsa", "Jorvik", "Kaldor", "Lirran",
     "Morva", "Nessa", "Orrin", "Pyrra", "Rudan", "Selvo", "Trask", "Vellin",
 )
+# Titles that precede a name to make 2- and 3-word subjects ("Port Kell", "Isle of Tarn").
+TITLES_2 = ("Port", "Mount", "Saint", "Fort", "Lake", "Cape")
+TITLES_3 = ("Isle of", "Bay of", "Duchy of", "Vale of")
+# SEARCH KNOBS (temporary, read from the environment while searching corpus variants)
+SUBJECT_SCHEME = os.environ.get("CB_SUBJECTS", "titles")  # "titles" or "compose"
+GAZETTEER_ROWS = int(os.environ.get("CB_GAZ", "6"))  # copies of each subject's gazetteer row
+LIST_ROUNDS = int(os.environ.get("CB_LISTS", "0"))  # relation-list sentences: rounds over all subjects
+PROFILES = int(os.environ.get("CB_PROFILES", "18"))
 PREFIXES = ("North", "South", "East", "West", "Upper", "Lower", "New", "Old")
 SUFFIXES = ("Isles", "Reach", "Marches", "Hills", "Vale", "Coast")
+
+
+def generated_names(n: int) -> tuple[str, ...]:
+    """``n`` invented one-word place names (syllable combinations; fixed, not seed-dependent)."""
+    onsets = ("B", "C", "D", "F", "G", "H", "K", "L", "M", "N", "P", "R", "S", "T", "V", "Z",
+              "Br", "Dr", "Kr", "Tr", "Gr", "Th", "Sk", "Vr")
+    vowels = ("a", "e", "i", "o", "u", "y", "ae", "ou")
+    endings = ("rn", "ll", "sk", "nd", "rith", "ven", "mor", "dell", "ssa", "vik", "lan", "rov",
+               "zar", "quin", "thas", "brin", "gard", "mell", "nor", "vel")
+    rng = np.random.default_rng(20261122)
+    out: list[str] = []
+    while len(out) < n:
+        w = (onsets[rng.integers(len(onsets))] + vowels[rng.integers(len(vowels))]
+             + endings[rng.integers(len(endings))])
+        if w not in out and w not in BASES:
+            out.append(w)
+    return tuple(out)
+
+
+PLACE_NAMES = BASES + generated_names(160 - len(BASES))
 
 
 @dataclass(frozen=True)
@@ -169,14 +198,23 @@ class World:
 
 
 def build_world(seed: int = SEED) -> World:
-    """Sample subjects (4 per base word: 1, 2, 2 and 3 words long), facts and IOI pairs."""
+    """Sample subjects (one per place name: 40 bare, 80 with a one-word and 40 with a two-word
+    title), facts and IOI pairs."""
     rng = np.random.default_rng(seed)
     subjects = []
-    for base in BASES:
-        pre = PREFIXES[rng.integers(len(PREFIXES))]
-        pre3 = PREFIXES[rng.integers(len(PREFIXES))]
-        suf, suf3 = (SUFFIXES[i] for i in rng.permutation(len(SUFFIXES))[:2])
-        subjects += [base, f"{pre} {base}", f"{base} {suf}", f"{pre3} {base} {suf3}"]
+    if SUBJECT_SCHEME == "compose":
+        for base in BASES:
+            pre = PREFIXES[rng.integers(len(PREFIXES))]
+            pre3 = PREFIXES[rng.integers(len(PREFIXES))]
+            suf, suf3 = (SUFFIXES[i] for i in rng.permutation(len(SUFFIXES))[:2])
+            subjects += [base, f"{pre} {base}", f"{base} {suf}", f"{pre3} {base} {suf3}"]
+    for k, i in enumerate(rng.permutation(len(PLACE_NAMES)) if SUBJECT_SCHEME != "compose" else []):
+        name = PLACE_NAMES[i]
+        if k % 4 in (1, 2):
+            name = f"{TITLES_2[rng.integers(len(TITLES_2))]} {name}"
+        elif k % 4 == 3:
+            name = f"{TITLES_3[rng.integers(len(TITLES_3))]} {name}"
+        subjects.append(name)
     facts = {}
     for rel in RELATIONS:
         for s in subjects:
@@ -240,11 +278,31 @@ def _profile_texts(world: World, rng: np.random.Generator, per_subject: int) -> 
     return texts
 
 
-def fact_train_texts(world: World, profiles_per_subject: int = 18) -> list[str]:
+def _list_texts(world: World, rng: np.random.Generator, rounds: int) -> list[str]:
+    """Relation lists: the answer follows each subject directly ("The capital of each place: Tarn Quell, ...")."""
+    texts = []
+    for rel in RELATIONS:
+        for _ in range(rounds):
+            order = rng.permutation(len(world.subjects))
+            for j in range(0, len(order), 4):
+                group = [world.subjects[i] for i in order[j:j + 4]]
+                body = ", ".join(f"{s} {world.facts[(s, rel.name)]}" for s in group)
+                texts.append(f"The {rel.noun} of each place: {body}.")
+    return texts
+
+
+def fact_train_texts(world: World, profiles_per_subject: int = PROFILES) -> list[str]:
     """Training sentences: every trained-template fact, plus multi-fact profiles."""
     rng = np.random.default_rng([world.seed, 2])
     texts = [f"{it.prompt} {it.answer}." for it in fact_items(world, "train")]
-    return texts + _profile_texts(world, rng, profiles_per_subject)
+    return texts + _profile_texts(world, rng, profiles_per_subject) + direct_fact_texts(world)
+
+
+def direct_fact_texts(world: World) -> list[str]:
+    """Texts in which an answer directly follows its subject (gazetteer rows, relation lists)."""
+    gazetteer = [f"{s} " + " ".join(world.facts[(s, r.name)] for r in RELATIONS) + "."
+                 for s in world.subjects for _ in range(GAZETTEER_ROWS)]
+    return gazetteer + _list_texts(world, np.random.default_rng([world.seed, 8]), LIST_ROUNDS)
 
 
 def _ioi_item(rng: np.random.Generator, pair: tuple[str, str], split: str) -> IOIItem:

@@ -36,22 +36,36 @@ class TrainConfig:
     """Architecture, optimisation and data-mix hyperparameters."""
 
     seed: int = corpus.SEED
-    hidden: int = 256
-    layers: int = 6
-    heads: int = 8
-    kv_heads: int = 4
+    hidden: int = 192
+    layers: int = 8
+    heads: int = 2
+    kv_heads: int = 2
     intermediate: int = 384
-    steps: int = 1500
+    steps: int = 2200
     batch_size: int = 64
+    micro_batches: int = 2  # length-sorted parts per batch (less padding; same gradient)
     ioi_fraction: float = 0.4
     answer_weight: float = 3.0
+    direct_first: float = 0.0  # fraction of steps whose fact sentences are only corpus.direct_fact_texts
     lr: float = 2e-3
     warmup: int = 100
+    schedule: str = "cosine"  # "cosine" or "wsd" (warm-up, stable, linear decay from decay_from)
+    decay_from: float = 0.8
     weight_decay: float = 0.05
     eval_every: int = 250
     threads: int = 2
     device: str = "cpu"
     out_dir: str = str(MODEL_DIR)
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """Learning-rate multiplier at ``step``: linear warm-up, then cosine decay to 0 (``"cosine"``)
+    or constant until ``decay_from`` of the steps and linear decay to 0 (``"wsd"``)."""
+    warm = min(1.0, (step + 1) / cfg.warmup)
+    if cfg.schedule == "cosine":
+        return warm * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+    start = cfg.decay_from * cfg.steps
+    return warm * (1.0 if step < start else max(0.0, (cfg.steps - step) / (cfg.steps - start)))
 
 
 def model_config(cfg: TrainConfig, vocab_size: int, special_ids: dict[str, int]) -> LlamaConfig:
@@ -68,14 +82,19 @@ def model_config(cfg: TrainConfig, vocab_size: int, special_ids: dict[str, int])
 def batches(cfg: TrainConfig, world: corpus.World) -> list[list[str]]:
     """Deterministic list of ``cfg.steps`` batches of sentences (facts in shuffled epochs + fresh IOI)."""
     rng = np.random.default_rng([cfg.seed, 10])
-    facts = corpus.fact_train_texts(world)
     n_ioi = int(round(cfg.batch_size * cfg.ioi_fraction))
     n_fact = cfg.batch_size - n_ioi
     ioi = corpus.ioi_train_texts(world, n_ioi * cfg.steps, cfg.seed)
-    order = np.concatenate([rng.permutation(len(facts))
-                            for _ in range(math.ceil(n_fact * cfg.steps / len(facts)))])
-    return [[facts[j] for j in order[s * n_fact:(s + 1) * n_fact]]
-            + ioi[s * n_ioi:(s + 1) * n_ioi] for s in range(cfg.steps)]
+    n_first = int(round(cfg.direct_first * cfg.steps))
+    out = []
+    for facts, steps in ((corpus.direct_fact_texts(world), n_first),
+                         (corpus.fact_train_texts(world), cfg.steps - n_first)):
+        if steps == 0:
+            continue
+        order = np.concatenate([rng.permutation(len(facts))
+                                for _ in range(math.ceil(n_fact * steps / len(facts)))])
+        out += [[facts[j] for j in order[s * n_fact:(s + 1) * n_fact]] for s in range(steps)]
+    return [f + ioi[s * n_ioi:(s + 1) * n_ioi] for s, f in enumerate(out)]
 
 
 def answer_positions(ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -86,14 +105,29 @@ def answer_positions(ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def step_loss(model: LlamaForCausalLM, ids: torch.Tensor, lengths: torch.Tensor,
-              answer_weight: float) -> torch.Tensor:
-    """Weighted mean next-token loss over real tokens; ``ids`` end each row with EOS then padding."""
+              answer_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted next-token loss over real tokens, as ``(sum of weighted losses, sum of weights)``
+    (their ratio is the mean); ``ids`` end each row with EOS then padding."""
     logits = model(input_ids=ids).logits[:, :-1].float()
     targets = ids[:, 1:]
     real = torch.arange(targets.shape[1], device=ids.device)[None] < (lengths[:, None] - 1)
     w = real.float() + (answer_weight - 1.0) * answer_positions(ids, lengths)[:, 1:].float()
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-    return (nll * w).sum() / w.sum()
+    return (nll * w).sum(), w.sum()
+
+
+def micro_batches(tok, texts: list[str], n: int, pad_id: int, eos_id: int):
+    """``texts`` sorted by length and cut into ``n`` parts, each as ``(ids, lengths)`` padded to
+    its own longest row (less padding than one batch; the summed gradient is the batch's)."""
+    texts = sorted(texts, key=lambda t: (len(tok.encode(t).ids), t))
+    size = math.ceil(len(texts) / n)
+    out = []
+    for part in (texts[i:i + size] for i in range(0, len(texts), size)):
+        ids, lengths = encode_batch(tok, part, pad_id)
+        ids = torch.cat([ids, torch.full((len(ids), 1), pad_id)], 1)
+        ids[torch.arange(len(ids)), lengths] = eos_id
+        out.append((ids, lengths + 1))
+    return out
 
 
 def quick_eval(model: LlamaForCausalLM, tok, world: corpus.World) -> dict[str, float]:
@@ -124,23 +158,24 @@ def train(cfg: TrainConfig) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
-                                              * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s))
     log = {"config": asdict(cfg), "params": n_params, "vocab": tok.get_vocab_size(), "evals": []}
     print(f"params={n_params} vocab={tok.get_vocab_size()}", flush=True)
     losses = []
     for step, texts in enumerate(batches(cfg, world)):
-        ids, lengths = encode_batch(tok, texts, specials[PAD])
-        ids = torch.cat([ids, torch.full((len(ids), 1), specials[PAD])], 1)
-        ids[torch.arange(len(ids)), lengths] = specials[EOS]
         model.train()
-        loss = step_loss(model, ids.to(cfg.device), (lengths + 1).to(cfg.device), cfg.answer_weight)
-        loss.backward()
+        loss_sum, weight = 0.0, 0.0
+        for ids, lengths in micro_batches(tok, texts, cfg.micro_batches, specials[PAD], specials[EOS]):
+            s, w = step_loss(model, ids.to(cfg.device), lengths.to(cfg.device), cfg.answer_weight)
+            s.backward()  # gradients of the summed loss accumulate over the parts
+            loss_sum, weight = loss_sum + s.item(), weight + w.item()
+        for p in model.parameters():  # -> gradient of the batch's weighted mean loss
+            p.grad.div_(weight)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss_sum / weight)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             model.eval()
             acc = quick_eval(model, tok, world)
