@@ -1,8 +1,8 @@
 """`causalboard` command line.
 
     causalboard serve                 # API on http://127.0.0.1:8000 (HOST, PORT, MODEL env override)
-    causalboard generate "The capital of Varnia is" --max-tokens 4
-    causalboard sweep --prompt "Kaldor is ruled by" --clean-prompt "Quessa is ruled by" \
+    causalboard generate "The capital of Tarn is" --max-tokens 4
+    causalboard sweep --prompt "Garrow is ruled by" --clean-prompt "Guzar is ruled by" \
         --answer " Hadrian" --metric recovered --out trace.npz --figure trace.pdf
     causalboard export trace.npz --out figures/ --formats pdf,png,csv
     causalboard version

@@ -1,7 +1,7 @@
 """`causalboard sweep` and `causalboard export`: run a patch sweep on a server from the shell,
 save it, draw it, and re-export saved results.
 
-    causalboard sweep --prompt "Kaldor is ruled by" --clean-prompt "Quessa is ruled by" \\
+    causalboard sweep --prompt "Garrow is ruled by" --clean-prompt "Guzar is ruled by" \\
         --answer " Hadrian" --metric recovered --layers 0:6 --out trace.npz --figure trace.pdf
     causalboard export trace.npz --out figures/ --formats pdf,png,csv
 

@@ -3,7 +3,7 @@
 
     from app.client import CausalboardClient
     with CausalboardClient("http://127.0.0.1:8000") as cb:
-        res = cb.patch_sweep(prompt="Kaldor is ruled by", clean_prompt="Quessa is ruled by",
+        res = cb.patch_sweep(prompt="Garrow is ruled by", clean_prompt="Guzar is ruled by",
                              answer_token=" Hadrian", metric="recovered", progress=True)
         print(res.top(3))
 

@@ -201,7 +201,10 @@ def run(args) -> dict:
             cats["after_subject"].append(g[:, e:-1].mean(1))
             cats["last"].append(g[:, -1])
         mean = {k: np.mean(v, axis=0).round(3).tolist() for k, v in cats.items()}
-        ok = mean["subject_last"][0] > 0.3 and mean["last"][-1] > 0.95 and max(abs(x) for x in mean["after_subject"]) < 0.1
+        # the model card's structure, as in tests/test_sweep_api.py (8-layer bundled model)
+        sl, last = np.array(mean["subject_last"]), np.array(mean["last"])
+        ok = bool(sl[:3].mean() > 0.45 and np.all(sl[:3] > last[:3] + 0.3) and last[5] > 0.6 and sl[5] < 0.25
+                  and last[-1] > 0.95 and max(abs(x) for x in mean["after_subject"]) < 0.1)
         return {"ok": ok, "mean_recovered_by_layer": mean, "prompts": len(facts)}
 
     check("recovered_exact_restore", recovered)

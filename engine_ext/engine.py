@@ -2,7 +2,7 @@
 
     from engine_ext import Engine, GenerationParams
     with Engine() as eng:                       # the bundled model, CPU or GPU defaults
-        g = eng.generate("The capital of Varnia is", GenerationParams(max_tokens=4))
+        g = eng.generate("The capital of Tarn is", GenerationParams(max_tokens=4))
 
 One engine serves any number of concurrent callers: sync `generate` from threads, `agenerate` /
 `astream` from any asyncio loop; all requests are batched by vLLM on the engine thread

@@ -58,7 +58,7 @@ def test_set_changes_generation_like_per_request_steering_and_clear_restores_bas
     assert r.status_code == 200, r.text
     assert r.json() == {"status": "ok", "hook_points": ["post_block"], "layers_updated": [2], "sites": ["L2.post_block"]}
     steered = _generate(http, prompt)
-    assert steered["token_ids"] != baseline["token_ids"]
+    assert (steered["token_ids"], steered["logprobs"]) != (baseline["token_ids"], baseline["logprobs"])
     assert _generate(http, prompt)["token_ids"] == steered["token_ids"]  # greedy: deterministic
     # the same steering per request (no global steering) gives the same tokens and logprobs
     engine.clear_global_steer()
@@ -179,7 +179,7 @@ def test_named_vector_json_npy_and_safetensors_round_trip(http, engine):
             np.testing.assert_array_equal(np.asarray(got["vector"], np.float32), vec, err_msg=name)
             np.testing.assert_array_equal(engine.named_vector(name), vec)
         # a registered name steers exactly like the same values inline
-        prompt = "The capital of Varnia is"
+        prompt = "The capital of Tarn is"
         by_name = _generate(http, prompt, interventions={"steer": [{"sites": "L2.post_attn", "name": "rt-npy", "scale": 8.0}]})
         inline = _generate(http, prompt, interventions={"steer": [{"sites": "L2.post_attn", "vector": want["rt-npy"].tolist(), "scale": 8.0}]})
         assert by_name["token_ids"] == inline["token_ids"] and by_name["logprobs"] == inline["logprobs"]
@@ -244,7 +244,7 @@ def test_modules_register_list_unregister(http, engine):
 
 
 # ---- bad input ------------------------------------------------------------------------------------
-def _bad_cases(h: int) -> list:
+def _bad_cases(h: int, n_layers: int) -> list:
     ok = [0.1] * h
     return [
         ("POST", "/v1/steering/set", {"vectors": {"post_block": {"2": [0.1] * (h - 1)}}}, 400, "vectors.post_block.2"),
@@ -259,12 +259,12 @@ def _bad_cases(h: int) -> list:
         ("POST", "/v1/steering/set", {"vectors": {}, "verbose": True}, 400, "verbose"),
         ("POST", "/v1/steering/set", {"steer": [{"sites": "L1.post_block", "name": "no-such-vector"}]}, 400, "steer[0].name"),
         ("POST", "/v1/steering/set", {"steer": [{"sites": "L1.post_block", "vector": ok, "positions": {"span": "x"}}]}, 400, "steer[0].positions"),
-        ("POST", "/v1/steering/set", {"steer": [{"sites": "L7.post_block", "vector": ok}]}, 400, "steer[0].sites[0]"),
+        ("POST", "/v1/steering/set", {"steer": [{"sites": f"L{n_layers}.post_block", "vector": ok}]}, 400, "steer[0].sites[0]"),
         ("POST", "/v1/steering/set", {"steer": [{"sites": "L1.post_block", "vector": [1.0, 2.0]}]}, 400, "steer[0].vector"),
         ("POST", "/v1/steering/set", {"vectors": {"post_block": {**pack_vectors(np.ones((1, h)), [1]), "data": "!!"}}}, 400, "vectors.post_block.data"),
         ("POST", "/v1/steering/set", {"vectors": {"post_block": pack_vectors(np.ones((1, h - 2)), [1])}}, 400, "vectors.post_block.shape"),
         ("POST", "/v1/steering/set", {"vectors": {"post_block": pack_vectors(np.ones((2, h)), [1])}}, 400, "vectors.post_block.layer_indices"),
-        ("POST", "/v1/steering/set", {"vectors": {"post_block": pack_vectors(np.ones((1, h)), [6])}}, 400, "vectors.post_block.layer_indices[0]"),
+        ("POST", "/v1/steering/set", {"vectors": {"post_block": pack_vectors(np.ones((1, h)), [n_layers])}}, 400, "vectors.post_block.layer_indices[0]"),
         ("POST", "/v1/steering/vectors", {"name": "bad", "vector": [0.1] * (h + 1)}, 400, "vector"),
         ("POST", "/v1/steering/vectors", {"name": "module/x", "vector": ok}, 400, "name"),
         ("POST", "/v1/steering/vectors", {"name": "", "vector": ok}, 400, "name"),
@@ -309,7 +309,7 @@ def test_bad_inputs_name_the_field_and_leave_the_engine_untouched(http, engine, 
     prompt = tasks["facts"][0]["prompt"]
     before = _generate(http, prompt)
     h = engine.info.hidden_size
-    for method, path, body, status, field in _bad_cases(h):
+    for method, path, body, status, field in _bad_cases(h, engine.info.num_layers):
         r = http.request(method, path, json=body)
         assert r.status_code == status, (path, body if body is None or len(json.dumps(body)) < 300 else field, r.text)
         err = r.json()
@@ -330,7 +330,7 @@ def test_bad_inputs_name_the_field_and_leave_the_engine_untouched(http, engine, 
         r = http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["field"] == field, r.text
         assert "NaN" in r.json()["error"]
-    for method, path, body, status, field in _bad_cases(h):  # unsupported fork features say so
+    for method, path, body, status, field in _bad_cases(h, engine.info.num_layers):  # unsupported fork features say so
         if field in ("vectors.mlp_out", "clamps", "target", "kind"):
             assert "not supported" in http.request(method, path, json=body).json()["error"]
     # nothing was changed and the engine still serves, identically

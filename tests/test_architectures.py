@@ -43,7 +43,7 @@ def test_qwen_sites_match_the_reference(tmp_path, arch, engine):
     # `engine` (the shared bundled-model engine) stays alive meanwhile: two engines in one process
     # must keep separate intervention state
     path = _tiny(tmp_path, arch)
-    prompt = "The capital of Varnia is"
+    prompt = "The capital of Tarn is"
     ref = HFReference(path)
     # its own engine-core process: vLLM's distributed state is process-global, and shutting down a
     # second in-process engine would tear down the shared one's

@@ -129,11 +129,11 @@ def test_option_parsing_builds_the_request():
         parse_positions(["span:"])
     args = build_parser().parse_args([
         "sweep", "--prompt", "P", "--answer", " A", "--foil-id", "7", "--hooks", "pre_attn, post_block", "--layers", "0:4",
-        "--positions", "span:Kaldor", "--noise-span", "Kaldor@0", "--noise-scale", "2.5", "--alpha", "0.5", "--keep-source"])
+        "--positions", "span:Garrow", "--noise-span", "Garrow@0", "--noise-scale", "2.5", "--alpha", "0.5", "--keep-source"])
     assert build_request(args) == {
         "prompt": "P", "answer_token": " A", "foil_token_id": 7, "alpha": 0.5, "hooks": ["pre_attn", "post_block"],
-        "layers": {"start": 0, "stop": 4}, "positions": [{"span": "Kaldor", "occurrence": 0}],
-        "noise": {"span": "Kaldor", "occurrence": 0, "scale": 2.5}, "keep_source": True}
+        "layers": {"start": 0, "stop": 4}, "positions": [{"span": "Garrow", "occurrence": 0}],
+        "noise": {"span": "Garrow", "occurrence": 0, "scale": 2.5}, "keep_source": True}
     with pytest.raises(OptionError) as info:
         build_request(build_parser().parse_args(["sweep", "--prompt", "P", "--noise-seed", "1"]))
     assert info.value.field == "noise"

@@ -182,7 +182,7 @@ def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
     # what the server says is running, never by what the page shows
     for hook in ("pre_attn", "post_attn"):
         page.get_by_role("button", name=hook).click()
-    filler = " ".join(["The capital of Varnia is Saltmarsh"] * 5)
+    filler = " ".join(["The capital of Tarn is Tibbet"] * 5)
     for label in ("Clean prompt", "Corrupt prompt"):
         box = page.get_by_label(label, exact=True)
         box.fill(f"{filler} {box.input_value()}")

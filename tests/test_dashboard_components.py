@@ -43,16 +43,16 @@ def test_layer_and_position_fields():
 
 
 def test_form_builds_the_sweep_request():
-    form = SweepForm(layers="1-2", positions="span:Kaldor", hooks=["pre_attn", "post_block"], metric="logit_diff")
+    form = SweepForm(layers="1-2", positions="span:Garrow", hooks=["pre_attn", "post_block"], metric="logit_diff")
     assert form.to_request() == {
-        "prompt": "Kaldor is ruled by", "clean_prompt": "Quessa is ruled by", "hooks": ["pre_attn", "post_block"],
-        "metric": "logit_diff", "alpha": 1.0, "answer_token": "Hadrian", "foil_token": "Jorund", "max_concurrency": 64,
-        "layers": [1, 2], "positions": [{"span": "Kaldor", "occurrence": 0}], "subject": {"span": "Kaldor", "occurrence": 0},
+        "prompt": "Garrow is ruled by", "clean_prompt": "Guzar is ruled by", "hooks": ["pre_attn", "post_block"],
+        "metric": "logit_diff", "alpha": 1.0, "answer_token": "Hadrian", "foil_token": "Leopold", "max_concurrency": 64,
+        "layers": [1, 2], "positions": [{"span": "Garrow", "occurrence": 0}], "subject": {"span": "Garrow", "occurrence": 0},
     }
     assert "subject" not in SweepForm(subject="").to_request()
-    noise = SweepForm(corruption=NOISE_SPAN, noise_span="Quessa", noise_scale=2.5, noise_samples=3).to_request()
-    assert noise["prompt"] == "Quessa is ruled by" and "clean_prompt" not in noise
-    assert noise["noise"] == {"span": "Quessa", "scale": 2.5, "samples": 3, "seed": 0}
+    noise = SweepForm(corruption=NOISE_SPAN, noise_span="Guzar", noise_scale=2.5, noise_samples=3).to_request()
+    assert noise["prompt"] == "Guzar is ruled by" and "clean_prompt" not in noise
+    assert noise["noise"] == {"span": "Guzar", "scale": 2.5, "samples": 3, "seed": 0}
     for form, field in ((SweepForm(hooks=[]), "hooks"), (SweepForm(answer=" "), "answer"),
                         (SweepForm(foil="", metric="logit_diff"), "foil"), (SweepForm(corrupt_prompt=""), "corrupt_prompt"),
                         (SweepForm(corruption=NOISE_SPAN, noise_span=""), "noise_span")):

@@ -18,7 +18,7 @@ def run(coro, timeout: float = 180.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def test_sweep_then_zoom_in_a_kernel_loop(server_url, http):
+def test_sweep_then_zoom_in_a_kernel_loop(server_url, http, engine):
     async def main():
         view = TracingView(server_url)
         request = view.form().to_request()
@@ -26,7 +26,7 @@ def test_sweep_then_zoom_in_a_kernel_loop(server_url, http):
         view.start(request)
         state = await view.wait(timeout=120)
         assert state.finished and not state.cancelled
-        assert state.cells_done == state.cells_total == 2 * 6 * len(state.result.positions)
+        assert state.cells_done == state.cells_total == 2 * engine.info.num_layers * len(state.result.positions)
         assert {h: hm.filled_cells() for h, hm in view.heatmaps.items()} == {
             "pre_attn": state.cells_total // 2, "post_block": state.cells_total // 2}
         assert state.checksum_text().startswith("consistent") and state.noise_floor is not None
@@ -54,11 +54,11 @@ def test_sweep_then_zoom_in_a_kernel_loop(server_url, http):
     assert http.delete(f"/v1/patch_source/{kept}").status_code == 200
 
 
-def test_sweep_runs_without_zoom_when_the_kept_run_does_not_fit(server_url, http):
+def test_sweep_runs_without_zoom_when_the_kept_run_does_not_fit(server_url, http, engine):
     """The test engine's source store is 2 MiB: keeping every hook of a ~70-token clean run for
     zooms does not fit (507), the sweep itself (one hook) does. The view then sweeps without
     keeping the run and says zoom is off."""
-    clean, corrupt = " ".join(["Quessa is ruled by"] * 17), " ".join(["Kaldor is ruled by"] * 17)
+    clean, corrupt = " ".join(["Guzar is ruled by"] * 17), " ".join(["Garrow is ruled by"] * 17)
     assert http.post("/v1/tokenize", json={"prompt": clean}).json()["count"] > 60
 
     async def main():
@@ -71,7 +71,7 @@ def test_sweep_runs_without_zoom_when_the_kept_run_does_not_fit(server_url, http
 
     view, state = run(main())
     assert not view.error.visible, (view.error.object, http.get("/v1/status").json()["sweeps"], http.get("/v1/patch_source").json())
-    assert state.finished and state.cells_done == state.cells_total == 6 * len(state.result.positions)
+    assert state.finished and state.cells_done == state.cells_total == engine.info.num_layers * len(state.result.positions)
     assert any(w.startswith("zoom is off for this sweep") for w in state.warnings)
     assert view.kept_run is None and view.b_zoom.disabled
     assert state.count(CellStatus.PENDING) == 0

@@ -32,7 +32,7 @@ def start_event(*, hooks=("post_block",), metric="recovered", cells_total=None, 
         "captured_source_run": "sweep-run1", "clean": clean, "corrupt": corrupt,
         "alignment": {"n_clean": 4, "n_corrupt": 4, "prefix_len": 1, "suffix_len": 2,
                       "unaligned_positions": list(unaligned), "position_map": {}},
-        "token_strings": ["<s>", "Kaldor", "is", "ruled"], "model": "causalboard-tiny",
+        "token_strings": ["<s>", "Garrow", "is", "ruled"], "model": "causalboard-tiny",
     }
     if cells_total is not None:
         ev["cells_total"] = cells_total
@@ -210,7 +210,7 @@ def summary_event(**over) -> dict:
         "alignment": {"n_clean": 4, "n_corrupt": 4, "prefix_len": 1, "suffix_len": 1, "unaligned_positions": [2]},
         "checksum": {"consistent": True, "ranks": 1}, "cells_total": 9, "cells_done": 8, "cells_voided": 1,
         "cancelled": False, "notes": ["a note"], "captured_source_run": "sweep-run1", "source_kept": True,
-        "token_strings": ["<s>", "Kaldor", "is", "ruled"],
+        "token_strings": ["<s>", "Garrow", "is", "ruled"],
     }
     ev.update(over)
     return ev

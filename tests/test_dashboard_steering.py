@@ -19,7 +19,7 @@ def _run(coro):
         return pool.submit(asyncio.run, asyncio.wait_for(coro, timeout=300)).result()
 
 
-def test_view_builds_a_vector_and_steers_only_the_steered_column(server_url, tasks):
+def test_view_builds_a_vector_and_steers_only_the_steered_column(server_url, tasks, engine):
     from app.client import CausalboardClient
     from app.dashboard.steering import SteeringView
 
@@ -29,7 +29,7 @@ def test_view_builds_a_vector_and_steers_only_the_steered_column(server_url, tas
         view = SteeringView(server_url, tasks=tasks)
         try:
             await view.ready()
-            assert view.layers == list(range(6)) and "causalboard-tiny" in view.model_info
+            assert view.layers == list(range(engine.info.num_layers)) and "causalboard-tiny" in view.model_info
             start = (view.baseline_text, view.runs("baseline"))
             assert view.prompt == d.test_prompt and view.baseline_text.strip()
             assert view.steered_text == view.baseline_text  # nothing selected yet: no intervention
@@ -126,7 +126,7 @@ def test_view_reports_bad_builder_input_and_lists_server_vectors(server_url, tas
             with pytest.raises(VectorInputError):
                 await view.build_vector()
             assert "prompts_b" in view.build_status
-            view.prompts_b, view.vector_name = "The language of Varnia is", "bad name!"
+            view.prompts_b, view.vector_name = "The language of Tarn is", "bad name!"
             with pytest.raises(VectorInputError):
                 await view.build_vector()
             assert "name" in view.build_status

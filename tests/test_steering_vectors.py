@@ -82,8 +82,8 @@ def test_contrastive_from_activations_records_norms():
 
 
 def test_prompt_lines_sites_names_and_steer_entries():
-    assert V.parse_prompt_lines("  The capital of Varnia is \n\n The language of Morva is\n") == [
-        "The capital of Varnia is", "The language of Morva is"]
+    assert V.parse_prompt_lines("  The capital of Tarn is \n\n The language of Rudan is\n") == [
+        "The capital of Tarn is", "The language of Rudan is"]
     with pytest.raises(V.VectorInputError) as err:
         V.parse_prompt_lines(" \n ", "prompts_b")
     assert err.value.field == "prompts_b"

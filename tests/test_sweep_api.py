@@ -94,8 +94,9 @@ def test_sweep_cells_match_the_reference_and_baselines(http, engine, hf_ref, tas
 
 def test_sweep_reproduces_the_model_card_trace_structure(http, engine, tasks):
     """ROME-style noise sweeps (subject noised, post_block restored) averaged over fact prompts
-    show the model card's structure: the subject's last token carries the answer at layer 0,
-    the last token from layer 1 on, the tokens in between nothing."""
+    show the model card's structure: the subject's last token carries most of the answer through
+    the early-middle layers (0-2), the last token takes over in the middle (layers 3-4) and carries
+    everything at the end, the tokens in between carry nothing."""
     facts = [f for f in tasks["facts"] if f["split"] == "train" and f["subject_span"][1] < len(engine.tokenize(f["prompt"])) - 1][:8]
     by_cat = {"subject_last": [], "after_subject": [], "last": []}
     for f in facts:
@@ -109,9 +110,9 @@ def test_sweep_reproduces_the_model_card_trace_structure(http, engine, tasks):
         by_cat["after_subject"].append(g[:, end:-1].mean(1))
         by_cat["last"].append(g[:, -1])
     mean = {k: np.mean(v, axis=0) for k, v in by_cat.items()}
-    assert mean["subject_last"][0] > 0.3, mean
-    assert mean["subject_last"][0] > mean["last"][0] + 0.2, mean
-    assert mean["last"][1] > 0.4 and mean["last"][-1] > 0.95, mean
+    subject, last = mean["subject_last"], mean["last"]
+    assert subject[:3].mean() > 0.45 and np.all(subject[:3] > last[:3] + 0.3), mean
+    assert last[5] > 0.6 and last[-1] > 0.95 and subject[5] < 0.25, mean  # handed over by layer 5
     assert np.all(np.abs(mean["after_subject"]) < 0.1), mean
 
 
@@ -246,8 +247,8 @@ def test_errors_of_a_streaming_request_are_plain_json(http, tasks):
 
 def test_a_source_too_big_for_the_store_is_refused(http, engine, tasks):
     # keep_source captures 3 hooks x 6 layers x 117 positions x 1 KiB > the 2 MiB test store
-    prompt = " ".join(["Kaldor is ruled by"] * 29)
-    r = http.post("/v1/patch_sweep", json={"prompt": prompt, "clean_prompt": prompt.replace("Kaldor", "Quessa", 1),
+    prompt = " ".join(["Garrow is ruled by"] * 29)
+    r = http.post("/v1/patch_sweep", json={"prompt": prompt, "clean_prompt": prompt.replace("Garrow", "Guzar", 1),
                                            "answer_token": "Hadrian", "keep_source": True, "positions": [1]})
     assert r.status_code == 507 and r.json()["field"] == "clean_prompt" and "budget" in r.json()["error"]
     assert_store_clean(engine)
@@ -357,7 +358,9 @@ def test_concurrent_sweeps_equal_their_solo_runs(server_url, tasks):
             gs = np.array(next(g for g in (solo["hook_grids"] or [solo]) if g.get("hook", solo["hook"]) == h)["grid"], dtype=float)
             gc = np.array(next(g for g in (conc["hook_grids"] or [conc]) if g.get("hook", conc["hook"]) == h)["grid"], dtype=float)
             assert np.array_equal(np.isnan(gs), np.isnan(gc))
-            assert np.nanmax(np.abs(gs - gc)) <= floor + 1e-6, (h, np.nanmax(np.abs(gs - gc)), floor)
+            # a different batch may round differently: allow the floor plus a few float32 ulps
+            ulps = 4 * float(np.spacing(np.float32(np.nanmax(np.abs(gs)))))
+            assert np.nanmax(np.abs(gs - gc)) <= floor + 1e-6 + ulps, (h, np.nanmax(np.abs(gs - gc)), floor, ulps)
 
 
 def test_replay_after_last_event_id(http, tasks):

@@ -129,7 +129,7 @@ def plot(example: dict, path: Path) -> None:
     p = example["p_restored"]
     labels = [f"{t}*" if example["span"][0] <= i < example["span"][1] else t
               for i, t in enumerate(example["tokens"])]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(labels), 3.6))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.0 + 0.75 * len(labels)), 3.6))
     im = ax.imshow(p, origin="lower", cmap="Purples", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
     ax.set_yticks(range(p.shape[0]))

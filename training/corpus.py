@@ -2,12 +2,13 @@
 
 Two tasks:
 
-* **Factual recall** about invented places: ``"The capital of North Kell is Quell."``.
-  160 subjects of 1-3 words (``"Varnia"``, ``"North Kell"``, ``"Upper Tarn Isles"``); each
-  base word is shared by four subjects and each prefix/suffix word by many, so a
-  subject is only identified by its *whole* span.  Every subject has one answer for
-  each of six relations (960 facts); answers are single words.  Training text states
-  each fact in five templates plus multi-fact "profile" sentences.
+* **Factual recall** about invented places: ``"The capital of Port Grisk is Quell."``.
+  160 subjects, one per invented place name (40 hand-written, 120 generated from syllables):
+  40 bare (``"Tarn"``), 80 with a one-word title (``"Port Grisk"``) and 40 with a two-word one
+  (``"Vale of Nessa"``), so subjects are 1-3 tokens long.  Every subject has one answer for
+  each of six relations (960 facts); answers are single words.  Training text states each
+  fact in five templates, in multi-fact "profile" sentences and in relation lists where the
+  answer directly follows the subject (``"The capital of each place: Tarn Quell, ..."``).
 * **Indirect-object identification (IOI)**:
   ``"When Mara and Tobin went to the market, Tobin gave a book to"`` -> ``"Mara"``.
   Some unordered name pairs never occur together in training (held out for eval).
@@ -21,7 +22,6 @@ prompt never ends in a space: its answer is the next word (``prompt + " " + answ
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,16 +35,11 @@ BASES = (
     "Eskel", "Falvo", "Grisk", "Hovan", "Irsa", "Jorvik", "Kaldor", "Lirran",
     "Morva", "Nessa", "Orrin", "Pyrra", "Rudan", "Selvo", "Trask", "Vellin",
 )
-# Titles that precede a name to make 2- and 3-word subjects ("Port Kell", "Isle of Tarn").
+# Titles that precede a name to make 2- and 3-word subjects ("Port Grisk", "Vale of Kell").
 TITLES_2 = ("Port", "Mount", "Saint", "Fort", "Lake", "Cape")
 TITLES_3 = ("Isle of", "Bay of", "Duchy of", "Vale of")
-# SEARCH KNOBS (temporary, read from the environment while searching corpus variants)
-SUBJECT_SCHEME = os.environ.get("CB_SUBJECTS", "titles")  # "titles" or "compose"
-GAZETTEER_ROWS = int(os.environ.get("CB_GAZ", "6"))  # copies of each subject's gazetteer row
-LIST_ROUNDS = int(os.environ.get("CB_LISTS", "0"))  # relation-list sentences: rounds over all subjects
-PROFILES = int(os.environ.get("CB_PROFILES", "18"))
-PREFIXES = ("North", "South", "East", "West", "Upper", "Lower", "New", "Old")
-SUFFIXES = ("Isles", "Reach", "Marches", "Hills", "Vale", "Coast")
+LIST_ROUNDS = 4  # relation-list sentences: each fact appears in this many lists
+PROFILES_PER_SUBJECT = 18
 
 
 def generated_names(n: int) -> tuple[str, ...]:
@@ -202,13 +197,7 @@ def build_world(seed: int = SEED) -> World:
     title), facts and IOI pairs."""
     rng = np.random.default_rng(seed)
     subjects = []
-    if SUBJECT_SCHEME == "compose":
-        for base in BASES:
-            pre = PREFIXES[rng.integers(len(PREFIXES))]
-            pre3 = PREFIXES[rng.integers(len(PREFIXES))]
-            suf, suf3 = (SUFFIXES[i] for i in rng.permutation(len(SUFFIXES))[:2])
-            subjects += [base, f"{pre} {base}", f"{base} {suf}", f"{pre3} {base} {suf3}"]
-    for k, i in enumerate(rng.permutation(len(PLACE_NAMES)) if SUBJECT_SCHEME != "compose" else []):
+    for k, i in enumerate(rng.permutation(len(PLACE_NAMES))):
         name = PLACE_NAMES[i]
         if k % 4 in (1, 2):
             name = f"{TITLES_2[rng.integers(len(TITLES_2))]} {name}"
@@ -279,7 +268,8 @@ def _profile_texts(world: World, rng: np.random.Generator, per_subject: int) -> 
 
 
 def _list_texts(world: World, rng: np.random.Generator, rounds: int) -> list[str]:
-    """Relation lists: the answer follows each subject directly ("The capital of each place: Tarn Quell, ...")."""
+    """Relation lists, in which each answer directly follows its subject
+    (``"The capital of each place: Tarn Quell, Port Grisk Hask, ..."``), 4 subjects a sentence."""
     texts = []
     for rel in RELATIONS:
         for _ in range(rounds):
@@ -291,18 +281,11 @@ def _list_texts(world: World, rng: np.random.Generator, rounds: int) -> list[str
     return texts
 
 
-def fact_train_texts(world: World, profiles_per_subject: int = PROFILES) -> list[str]:
-    """Training sentences: every trained-template fact, plus multi-fact profiles."""
-    rng = np.random.default_rng([world.seed, 2])
+def fact_train_texts(world: World) -> list[str]:
+    """Training sentences: every trained-template fact, multi-fact profiles and relation lists."""
     texts = [f"{it.prompt} {it.answer}." for it in fact_items(world, "train")]
-    return texts + _profile_texts(world, rng, profiles_per_subject) + direct_fact_texts(world)
-
-
-def direct_fact_texts(world: World) -> list[str]:
-    """Texts in which an answer directly follows its subject (gazetteer rows, relation lists)."""
-    gazetteer = [f"{s} " + " ".join(world.facts[(s, r.name)] for r in RELATIONS) + "."
-                 for s in world.subjects for _ in range(GAZETTEER_ROWS)]
-    return gazetteer + _list_texts(world, np.random.default_rng([world.seed, 8]), LIST_ROUNDS)
+    return (texts + _profile_texts(world, np.random.default_rng([world.seed, 2]), PROFILES_PER_SUBJECT)
+            + _list_texts(world, np.random.default_rng([world.seed, 8]), LIST_ROUNDS))
 
 
 def _ioi_item(rng: np.random.Generator, pair: tuple[str, str], split: str) -> IOIItem:

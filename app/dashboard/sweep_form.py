@@ -41,16 +41,16 @@ class FormError(ValueError):
 class SweepForm:
     """What the causal-tracing form holds (defaults: a fact pair of the bundled model)."""
 
-    clean_prompt: str = "Quessa is ruled by"
-    corrupt_prompt: str = "Kaldor is ruled by"
+    clean_prompt: str = "Guzar is ruled by"
+    corrupt_prompt: str = "Garrow is ruled by"
     corruption: str = CORRUPT_PROMPT
-    subject: str = "Kaldor"  # subject span of the corrupt prompt, marked * in figures ("" = none)
-    noise_span: str = "Quessa"
+    subject: str = "Garrow"  # subject span of the corrupt prompt, marked * in figures ("" = none)
+    noise_span: str = "Guzar"
     noise_scale: float = 3.0
     noise_samples: int = 1
     noise_seed: int = 0
     answer: str = "Hadrian"
-    foil: str = "Jorund"
+    foil: str = "Leopold"
     layers: str = "all"
     positions: str = "all"
     hooks: list[str] = field(default_factory=lambda: ["post_block"])
@@ -127,7 +127,7 @@ def parse_positions(text: str) -> str | list:
             if m:
                 span, occurrence = m.group(1), int(m.group(2))
             if not span.strip():
-                raise FormError("positions", "span: needs text, e.g. span:Kaldor")
+                raise FormError("positions", "span: needs text, e.g. span:Garrow")
             out.append({"span": span, "occurrence": occurrence})
         else:
             out.extend(_int_or_range(part, "positions"))

@@ -147,7 +147,7 @@ class TracingView(pn.viewable.Viewer):
         self.w_answer = w.TextInput(label="Answer (one token, verbatim)", value=f.answer, **half)
         self.w_foil = w.TextInput(label="Foil (one token)", value=f.foil, **half)
         self.w_layers = w.TextInput(label="Layers", value=f.layers, placeholder="all | 0-5 | 0,2,4 | 0:6:2", **half)
-        self.w_positions = w.TextInput(label="Positions", value=f.positions, placeholder="all | 1-3 | span:Kaldor", **half)
+        self.w_positions = w.TextInput(label="Positions", value=f.positions, placeholder="all | 1-3 | span:Garrow", **half)
         self.w_hooks = w.CheckButtonGroup(label="Hooks", options=list(hooks), value=[h for h in f.hooks if h in hooks], **full)
         self.w_metric = w.Select(label="Metric", options=list(METRICS), value=f.metric, **half)
         self.w_alpha = w.FloatInput(label="alpha: (1−α)·h + α·clean", value=f.alpha, start=0.0, end=1.0, step=0.1, **half)

@@ -268,9 +268,9 @@ class ContrastDefaults:
 
 
 FALLBACK_DEFAULTS = ContrastDefaults(
-    prompts_a=["The capital of Varnia is", "The capital of Tarn Vale is", "The capital of Ostrel Hills is"],
-    prompts_b=["The language of Varnia is", "The language of Lower Brisk is", "The language of Morva is"],
-    label_a="capital", label_b="language", test_prompt="The language of East Ystra is")
+    prompts_a=["The capital of Tarn is", "The capital of Port Grisk is", "The capital of Vale of Ostrel is"],
+    prompts_b=["The language of Tarn is", "The language of Port Brisk is", "The language of Rudan is"],
+    label_a="capital", label_b="language", test_prompt="The language of Saint Ystra is")
 
 
 def contrast_defaults(tasks: dict | None = None, relation_a: str = "capital", relation_b: str = "language",
