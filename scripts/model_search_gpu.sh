@@ -2,7 +2,8 @@
 # Exploration (not shipped): train bundled-model variants on the GPU, causal-trace each with HF on CPU.
 # On the GPU host (device tool; no vLLM bundle needed), one "name:[VAR=value ...] training flags" per variant, all in parallel:
 #   timeout 540 bash scripts/model_search_gpu.sh "l8h2:--layers 8 --heads 2 --kv-heads 1 --steps 2500"
-# Leading VAR=value words are exported for that variant (e.g. CB_GAZ=6 CB_LISTS=2 CB_SUBJECTS=compose, read by training/corpus.py).
+# Leading VAR=value words are exported for that variant. The corpus knobs used in the 2026-11-24 search
+# (CB_GAZ, CB_LISTS, CB_SUBJECTS, CB_PROFILES) exist only at commit 71ae4dc; at later commits the corpus is fixed.
 # Writes $OUT/summary.txt and $OUT/all.json (per variant: train log, accuracy, trace without per-prompt rows);
 # models and raw outputs stay in /tmp on the host.  Results so far: docs/bundled-model.md, "What we tried".
 set -uo pipefail
