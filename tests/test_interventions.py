@@ -186,7 +186,10 @@ def test_noise_corruption_of_the_subject_matches_reference_and_is_seeded(engine,
 def test_unintervened_request_is_unaffected_by_its_batch_neighbours(engine, tasks):
     prompts = [fact(tasks, i)["prompt"] for i in (20, 21, 22, 23)]
     engine.capture(prompts[2], ["L1.post_attn"], "all_prompt", keep_as="nb-src", return_values=False)
-    params = GenerationParams(max_tokens=5)
+    # Every request runs all 5 steps so both runs have the same batch shape at every step: vLLM
+    # is not batch-invariant (a CPU GEMM over 3 rows rounds differently from one over 4), so a
+    # steered neighbour that stops early would move the last bit without any leak between rows.
+    params = GenerationParams(max_tokens=5, ignore_eos=True)
     with_iv = [None,
                Interventions(steer=(Steer.make(["L1.pre_attn", "L3.post_block"], _vec(engine, 4), scale=2.0),)),
                Interventions(patch=(Patch.make("L1.post_attn", "all_prompt", {"run": "nb-src"}),)),
@@ -195,7 +198,9 @@ def test_unintervened_request_is_unaffected_by_its_batch_neighbours(engine, task
     a = engine.generate(prompts, params, with_iv)
     engine.reset_prefix_cache()
     b = engine.generate(prompts, params, [None] * 4)
+    assert [len(g.token_ids) for g in a + b] == [5] * 8
     assert a[0].token_ids == b[0].token_ids and a[0].logprobs == b[0].logprobs  # bit-exact
+    assert a[1].logprobs != b[1].logprobs  # the steered neighbour really was steered
     assert all(g.intervention.status == "ok" for g in a[1:])
     engine.drop_source("nb-src")
 
