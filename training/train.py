@@ -103,7 +103,7 @@ def step_loss(model: LlamaForCausalLM, ids: torch.Tensor, lengths: torch.Tensor,
     """Weighted next-token loss over real tokens, as ``(sum of weighted losses, sum of weights)``
     (their ratio is the mean); ``ids`` end each row with EOS then padding; each sentence's
     answer (its last word) gets weight ``answer_weight``, other real tokens 1."""
-    logits = model(input_ids=ids).logits[:, :-1].float()
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
     targets = ids[:, 1:]
     real = torch.arange(targets.shape[1], device=ids.device)[None] < (lengths[:, None] - 1)
     w = real.float() + (answer_weight - 1.0) * answer_positions(ids, lengths)[:, 1:].float()
