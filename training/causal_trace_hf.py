@@ -164,18 +164,17 @@ def causal_trace(model_dir: Path = MODEL_DIR, device: str = "cpu") -> dict:
         res = trace_prompt(model, tok, it.prompt, span, answer_token_id(tok, it.answer),
                            noise_std, seed=world.seed + k)
         frac = (res["p_restored"] - res["p_corrupt"]) / (res["p_clean"] - res["p_corrupt"])
-        for cat, pos in category_positions(span, frac.shape[1]).items():
-            if pos:
-                per_cat[cat].append(frac[:, pos].mean(1))
-                order = ORDERS[0] if corpus.subject_first(it.template_id) else ORDERS[1]
-                per_order[order][cat].append(frac[:, pos].mean(1))
-                per_length.setdefault(span[1] - span[0], {c: [] for c in CATEGORIES})[
-                    cat].append(frac[:, pos].mean(1))
+        by_cat = {cat: frac[:, pos].mean(1)
+                  for cat, pos in category_positions(span, frac.shape[1]).items() if pos}
+        order = ORDERS[0] if corpus.subject_first(it.template_id) else ORDERS[1]
+        by_length = per_length.setdefault(span[1] - span[0], {c: [] for c in CATEGORIES})
+        for cat, layer_means in by_cat.items():
+            for table in (per_cat, per_order[order], by_length):
+                table[cat].append(layer_means)
         rows.append({"prompt": it.prompt, "subject": it.subject, "answer": it.answer,
                      "p_clean": res["p_clean"], "p_corrupt": res["p_corrupt"]})
         tokens = [t.replace("▁", "") for t in tok.encode(it.prompt).tokens]
-        profile = np.stack([frac[:, pos].mean(1) if pos else np.zeros(frac.shape[0])
-                            for pos in category_positions(span, frac.shape[1]).values()])
+        profile = np.stack([by_cat.get(c, np.zeros(frac.shape[0])) for c in CATEGORIES])
         candidates.append({**rows[-1], **res, "span": span, "tokens": tokens, "profile": profile})
     summary = _layer_means(per_cat)
     mean_profile = np.stack([np.array(summary[c]) for c in CATEGORIES])

@@ -19,7 +19,11 @@ MODEL_DIR = Path("engine_ext/bundled/causalboard-tiny")
 
 def encode_batch(tok: Tokenizer, texts: list[str], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids ``[N, T]`` (with BOS) and each text's length ``[N]``."""
-    encs = [e.ids for e in tok.encode_batch(texts)]
+    return pad_rows([e.ids for e in tok.encode_batch(texts)], pad_id)
+
+
+def pad_rows(encs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows right-padded to ``[N, T]``, and each row's length ``[N]``."""
     lengths = torch.tensor([len(e) for e in encs])
     ids = torch.full((len(encs), int(lengths.max())), pad_id, dtype=torch.long)
     for i, e in enumerate(encs):
