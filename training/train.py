@@ -49,7 +49,8 @@ class TrainConfig:
     heads: int = 2
     kv_heads: int = 2
     intermediate: int = 384
-    steps: int = 2600
+    steps: int = 1950  # optimizer steps trained (<= schedule_steps): the targets are met by then
+    schedule_steps: int = 2600  # horizon of the cosine decay: the learning rate would reach 0 here
     batch_size: int = 64
     micro_batches: int = 3  # length-sorted parts per batch (less padding; same gradient)
     ioi_fraction: float = 0.4
@@ -64,8 +65,11 @@ class TrainConfig:
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
-    """Learning-rate multiplier at ``step``: linear warm-up, then cosine decay to 0."""
-    return min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+    """Learning-rate multiplier at ``step``: linear warm-up, then cosine decay reaching 0 at
+    ``cfg.schedule_steps``.  A run of ``steps < schedule_steps`` is the first ``steps`` of the
+    longer run, step for step (the batches are a prefix too)."""
+    return (min(1.0, (step + 1) / cfg.warmup)
+            * 0.5 * (1 + math.cos(math.pi * step / cfg.schedule_steps)))
 
 
 def model_config(cfg: TrainConfig, vocab_size: int, special_ids: dict[str, int]) -> LlamaConfig:
@@ -141,6 +145,8 @@ def quick_eval(model: LlamaForCausalLM, tok, world: corpus.World) -> dict[str, f
 
 def train(cfg: TrainConfig) -> dict:
     """Run training, save everything, return the log."""
+    if not 0 < cfg.steps <= cfg.schedule_steps:
+        raise ValueError(f"steps must be in 1..schedule_steps ({cfg.schedule_steps}), got {cfg.steps}")
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
