@@ -94,6 +94,7 @@ def run(args) -> dict:
 
     from benchmarks.gpu_validate import _model_path
     from engine_ext import Engine
+    from training.trace_structure import has_model_card_structure, mean_by_category, sweep_trace_facts
 
     res: dict = {"model": args.model, "mode": args.mode, "runner": args.runner, "batch_invariant": args.batch_invariant,
                  "checks": {}, "throughput": {}}
@@ -190,22 +191,12 @@ def run(args) -> dict:
                 "in_flight_after": eng.in_flight, "cells_done": summary.get("cells_done"), "cells_total": summary.get("cells_total"), "runs_left": [x["run_id"] for x in usage["runs"]]}
 
     def trace_structure():
-        facts = [f for f in B["facts"] if f["split"] == "train" and f["subject_span"][1] < len(eng.tokenize(f["prompt"])) - 1][:8]
-        cats = {"subject_last": [], "after_subject": [], "last": []}
-        for f in facts:
-            r = sweep(prompt=f["prompt"], noise={"span": f["subject"], "samples": 4}, answer_token_id=f["answer_id"],
-                      metric="recovered", recovered_basis="prob")
-            g = grid(r)
-            s, e = f["subject_span"]
-            cats["subject_last"].append(g[:, e - 1])
-            cats["after_subject"].append(g[:, e:-1].mean(1))
-            cats["last"].append(g[:, -1])
-        mean = {k: np.mean(v, axis=0).round(3).tolist() for k, v in cats.items()}
-        # the model card's structure, as in tests/test_sweep_api.py (8-layer bundled model)
-        sl, last = np.array(mean["subject_last"]), np.array(mean["last"])
-        ok = bool(sl[:3].mean() > 0.45 and np.all(sl[:3] > last[:3] + 0.3) and last[5] > 0.6 and sl[5] < 0.25
-                  and last[-1] > 0.95 and max(abs(x) for x in mean["after_subject"]) < 0.1)
-        return {"ok": ok, "mean_recovered_by_layer": mean, "prompts": len(facts)}
+        facts = sweep_trace_facts(B["facts"], lambda prompt: len(eng.tokenize(prompt)))
+        mean = mean_by_category(
+            (grid(sweep(prompt=f["prompt"], noise={"span": f["subject"], "samples": 4}, answer_token_id=f["answer_id"],
+                        metric="recovered", recovered_basis="prob")), f["subject_span"]) for f in facts)
+        return {"ok": has_model_card_structure(mean),
+                "mean_recovered_by_layer": {k: v.round(3).tolist() for k, v in mean.items()}, "prompts": len(facts)}
 
     check("recovered_exact_restore", recovered)
     check("pre_attn_equals_previous_post_block", same_stream)

@@ -15,6 +15,7 @@ import pytest
 
 from engine_ext.hf_reference import RefEdit
 from tests.sse import sse_events
+from training.trace_structure import has_model_card_structure, mean_by_category, sweep_trace_facts
 
 LOGPROB_ATOL = 2e-3
 
@@ -97,23 +98,17 @@ def test_sweep_reproduces_the_model_card_trace_structure(http, engine, tasks):
     show the model card's structure: the subject's last token carries most of the answer through
     the early-middle layers (0-2), the last token takes over in the middle (layers 3-4) and carries
     everything at the end, the tokens in between carry nothing."""
-    facts = [f for f in tasks["facts"] if f["split"] == "train" and f["subject_span"][1] < len(engine.tokenize(f["prompt"])) - 1][:8]
-    by_cat = {"subject_last": [], "after_subject": [], "last": []}
+    facts = sweep_trace_facts(tasks["facts"], lambda prompt: len(engine.tokenize(prompt)))
+    assert len(facts) == 8
+    traces = []
     for f in facts:
         res = sweep(http, prompt=f["prompt"], noise={"span": f["subject"], "samples": 4, "scale": 3.0},
                     answer_token_id=f["answer_id"], metric="recovered", recovered_basis="prob")
         assert res["metric"] == "recovered" and res["noise"]["samples"] == 4
-        g = np.array(res["grid"], dtype=float)
-        start, end = f["subject_span"]
-        assert res["subject_positions"] == list(range(start, end))
-        by_cat["subject_last"].append(g[:, end - 1])
-        by_cat["after_subject"].append(g[:, end:-1].mean(1))
-        by_cat["last"].append(g[:, -1])
-    mean = {k: np.mean(v, axis=0) for k, v in by_cat.items()}
-    subject, last = mean["subject_last"], mean["last"]
-    assert subject[:3].mean() > 0.45 and np.all(subject[:3] > last[:3] + 0.3), mean
-    assert last[5] > 0.6 and last[-1] > 0.95 and subject[5] < 0.25, mean  # handed over by layer 5
-    assert np.all(np.abs(mean["after_subject"]) < 0.1), mean
+        assert res["subject_positions"] == list(range(*f["subject_span"]))
+        traces.append((np.array(res["grid"], dtype=float), f["subject_span"]))
+    mean = mean_by_category(traces)
+    assert has_model_card_structure(mean), mean
 
 
 def test_unequal_lengths_are_aligned_and_the_middle_skipped(http, engine, tasks):

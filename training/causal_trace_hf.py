@@ -40,9 +40,9 @@ from training import corpus  # noqa: E402
 from training.modeling import MODEL_DIR, last_token_logits, load_model  # noqa: E402
 from training.tasks import subject_span  # noqa: E402
 from training.tokenizer import answer_token_id  # noqa: E402
+from training.trace_structure import CATEGORIES, category_positions  # noqa: E402
 
 N_PROMPTS, N_NOISE, NOISE_SCALE, MIN_P_CLEAN = 40, 10, 3.0, 0.5
-CATEGORIES = ("subject_last", "subject_other", "after_subject", "last")
 ORDERS = ("subject_first", "relation_first")  # template groups, see corpus.subject_first
 # Heatmap example: the *typical* prompt, i.e. the one whose per-layer recovered fractions at the
 # four categories are closest (Euclidean) to the mean over all prompts; chosen by rule, not by hand.
@@ -106,12 +106,6 @@ def trace_prompt(model: LlamaForCausalLM, tok: Tokenizer, prompt: str, span: lis
         p = _run(model, batch, answer_id, restore=(layer, positions, clean[layer]))
         p_restored[layer] = p.view(n_tok, N_NOISE).mean(1).cpu().numpy()
     return {"p_clean": p_clean, "p_corrupt": p_corrupt, "p_restored": p_restored}
-
-
-def category_positions(span: list[int], n_tok: int) -> dict[str, list[int]]:
-    """Token positions of each summary category (BOS is position 0)."""
-    return {"subject_last": [span[1] - 1], "subject_other": list(range(span[0], span[1] - 1)),
-            "after_subject": list(range(span[1], n_tok - 1)), "last": [n_tok - 1]}
 
 
 def select_prompts(model: LlamaForCausalLM, tok: Tokenizer, world: corpus.World) -> list:
