@@ -49,7 +49,7 @@ def _serve(engine):
         import app.dashboard
 
         app.dashboard.mount = lambda app_: None
-    from app.server import create_app
+    from app.api.app import create_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -65,7 +65,7 @@ def run_checks(args) -> dict:
     import torch
 
     from engine_ext import Engine, GenerationParams
-    from engine_ext.hf_reference import HFReference, RefEdit
+    from engine_ext.reference.hf import HFReference, RefEdit
     from engine_ext.specs import Capture, Interventions, Patch, Steer
 
     res: dict = {"model": args.model, "mode": args.mode, "runner": args.runner, "checks": {}}
@@ -168,7 +168,7 @@ def run_checks(args) -> dict:
                      ("prefix_cache_isolation", prefix_cache), ("missing_source_voided", voided)]:
         check(name, fn)
     res["all_ok"] = all(c.get("ok") for c in checks.values())
-    del ref
+    ref = None  # free the oracle's GPU memory (the checks above are done with it)
     torch.cuda.empty_cache()
     eng.close()
     return res

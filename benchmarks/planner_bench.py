@@ -4,10 +4,10 @@ Llama-3.2-1B-shaped model (16 layers, hidden 2048), every request steering 0, 1 
     .venv/bin/python benchmarks/planner_bench.py
 """
 import time, numpy as np, torch
-from engine_ext.worker_state import WorkerState, WorkerConfig
+from engine_ext.worker.state import WorkerState, WorkerConfig
 from engine_ext.program import compile_program, ModelDims, PromptInfo, program_to_extra_args
 from engine_ext.specs import Interventions, Steer
-from engine_ext.row_plan import RowPlan, ScheduledRequest
+from engine_ext.worker.row_plan import RowPlan, ScheduledRequest
 L, H = 16, 2048
 dims = ModelDims(L, H, 128256, 0.02)
 v = np.random.default_rng(0).standard_normal(H).astype(np.float32)

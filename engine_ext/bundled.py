@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 BUNDLED_MODEL_NAME = "causalboard-tiny"
@@ -15,3 +16,12 @@ def bundled_model_path() -> Path:
             f"the bundled model is missing at {BUNDLED_MODEL_PATH}; rebuild it with `make model`"
         )
     return BUNDLED_MODEL_PATH
+
+
+def bundled_tasks() -> dict | None:
+    """The bundled model's `tasks.json` (fact pairs, IOI prompts, steering contrasts: the
+    defaults of the dashboard's forms and of the notebooks); None when it is not there."""
+    try:
+        return json.loads((BUNDLED_MODEL_PATH / "tasks.json").read_text())
+    except (OSError, ValueError):
+        return None

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import SpecError
+from engine_ext.errors import SpecError
 
 if TYPE_CHECKING:
     import numpy as np

@@ -19,22 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SpecError
-from .specs import (
-    HOOKS,
-    InlineSource,
-    Interventions,
-    MeanSource,
-    Positions,
-    RunSource,
-    Site,
-    Span,
-    ZeroSource,
-    canonical_json,
-    decode_vector,
-    encode_vector,
-    spec_hash,
-)
+from engine_ext.errors import SpecError
+from engine_ext.specs import InlineSource, Interventions, MeanSource, Positions, RunSource, ZeroSource, canonical_json, decode_vector, encode_vector, spec_hash
+from engine_ext.sites import Site, Span, site_from_index
 
 PROGRAM_VERSION = 1
 EXTRA_ARGS_KEY = "causalboard"
@@ -340,13 +327,13 @@ class WorkerProgram:
                     prog.sources.add(src["mean_of"])
                     t = source_mean(src["mean_of"], site)
                     if t is None:
-                        prog.errors.append(f"source run {src['mean_of']!r} has no values at {_site_name(site)} (missing or evicted)")
+                        prog.errors.append(f"source run {src['mean_of']!r} has no values at {site_from_index(site)} (missing or evicted)")
                         continue
                 else:
                     t = None
                 prog.replaces[(site, int(dst))] = (alpha, t)
             if missing:
-                prog.errors.append(f"source run {src['run']!r} has no value at {_site_name(site)} position(s) "
+                prog.errors.append(f"source run {src['run']!r} has no value at {site_from_index(site)} position(s) "
                                    f"{missing} (never captured there, dropped, or evicted)")
         cap = data.get("capture")
         if cap:
@@ -356,8 +343,3 @@ class WorkerProgram:
             prog.keep_as = cap["keep_as"]
             prog.return_captures = bool(cap["return"])
         return prog
-
-
-def _site_name(index: int) -> str:
-    return f"L{index // len(HOOKS)}.{HOOKS[index % len(HOOKS)]}"
-

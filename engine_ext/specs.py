@@ -1,21 +1,11 @@
-"""Plain-data intervention specs: sites, positions, steer / capture / patch / noise.
+"""Plain-data intervention specs: steer / capture / patch / noise, and position selectors.
 
 These are what a client writes (Python, JSON over HTTP). `Engine` validates them against the
-model and the prompt (`resolve.py`) and compiles them into the wire `Program` that travels to
-the workers in `SamplingParams.extra_args`. No code, only data: every spec has one canonical
-JSON form (`to_json`) and one hash (`spec_hash`).
+model and the prompt and compiles them into the wire program (`program.compile_program`) that
+travels to the workers in `SamplingParams.extra_args`. No code, only data: every spec has one
+canonical JSON form (`to_json`) and one hash (`spec_hash`).
 
-Sites
------
-A site is (layer, hook). Hooks are residual-stream points of decoder layer `i`:
-
-* `pre_attn`   — the stream entering layer i (HF `hidden_states[i]`);
-* `post_attn`  — after the attention add of layer i;
-* `post_block` — the stream leaving layer i (HF `hidden_states[i+1]`, before the final norm
-  for the last layer).
-
-Canonical text form: `L{layer}.{hook}`, e.g. `L3.post_attn` (used in the API, capture keys,
-figure labels and docs).
+Sites (`L3.post_attn`), hooks and the selector text syntax are defined in `engine_ext.sites`.
 
 Positions
 ---------
@@ -38,53 +28,8 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
-from .errors import SpecError
-
-HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
-HOOK_INDEX = {h: i for i, h in enumerate(HOOKS)}
-NAMED_POSITIONS = ("last_prompt", "all_prompt", "all_generated", "all")
-PHASES = ("both", "prefill", "decode")
-
-_SITE_RE = re.compile(r"^L(\d+)\.(\w+)$")
-
-
-@dataclass(frozen=True, order=True)
-class Site:
-    layer: int
-    hook: str
-
-    def __post_init__(self) -> None:
-        if self.hook not in HOOK_INDEX:
-            raise SpecError("hook", f"unknown hook {self.hook!r}; expected one of {', '.join(HOOKS)}")
-        if not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 0:
-            raise SpecError("layer", f"must be a non-negative integer, got {self.layer!r}")
-
-    def __str__(self) -> str:
-        return f"L{self.layer}.{self.hook}"
-
-    @classmethod
-    def parse(cls, text: str) -> "Site":
-        m = _SITE_RE.match(text.strip())
-        if not m:
-            raise SpecError("site", f"{text!r} is not a site; write it as L<layer>.<hook>, e.g. L3.post_attn")
-        return cls(int(m.group(1)), m.group(2))
-
-    def index(self) -> int:
-        """Flat index `layer * len(HOOKS) + hook` into the per-site buffers."""
-        return self.layer * len(HOOKS) + HOOK_INDEX[self.hook]
-
-
-def site_from_index(index: int) -> Site:
-    return Site(index // len(HOOKS), HOOKS[index % len(HOOKS)])
-
-
-@dataclass(frozen=True)
-class Span:
-    """The tokens overlapping the `occurrence`-th (0-based) occurrence of `text` in the prompt."""
-
-    text: str
-    occurrence: int = 0
-
+from engine_ext.errors import SpecError
+from engine_ext.sites import NAMED_POSITIONS, PHASES, Site, Span
 
 PositionItem = Union[int, Span]
 Positions = Union[str, tuple[PositionItem, ...]]

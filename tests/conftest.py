@@ -49,7 +49,7 @@ def engine():
 
 @pytest.fixture(scope="session")
 def hf_ref():
-    from engine_ext.hf_reference import HFReference
+    from engine_ext.reference.hf import HFReference
 
     return HFReference(model_path())
 
@@ -59,7 +59,7 @@ def server_url(engine):
     """A real uvicorn server on 127.0.0.1 serving the shared engine."""
     import uvicorn
 
-    from app.server import create_app
+    from app.api.app import create_app
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))

@@ -9,8 +9,8 @@ import pytest
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
-from app.auth import API_KEY_ENV, install_auth, require_api_key
-from app.server import create_app
+from app.api.auth import API_KEY_ENV, install_auth, require_api_key
+from app.api.app import create_app
 
 KEY = "s3cret-key"
 GOOD = {"Authorization": f"Bearer {KEY}"}

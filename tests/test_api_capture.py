@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from app.routes import capture as capture_routes
+from app.api.routes import capture as capture_routes
 
 SITES = ["L0.pre_attn", "L2.post_attn", "L5.post_block"]
 

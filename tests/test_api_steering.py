@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from app.fork_vectors import pack_vectors
+from app.api.compat.fork_vectors import pack_vectors
 from engine_ext import GenerationParams
 from engine_ext.specs import Interventions, Steer
 
@@ -371,7 +371,7 @@ def test_status_reports_store_checksum_steering_and_vectors(http, engine, tasks,
 def test_status_reports_the_sweep_service(engine, tasks):
     from fastapi.testclient import TestClient
 
-    from app.server import create_app
+    from app.api.app import create_app
 
     pair = next(p for p in tasks["pairs"] if p["equal_length"])
     app = create_app(engine)

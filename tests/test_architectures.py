@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine_ext import Engine, GenerationParams, SpecError
-from engine_ext.hf_reference import HFReference, RefEdit
+from engine_ext.reference.hf import HFReference, RefEdit
 from engine_ext.specs import Interventions, Patch, Steer
 
 from .conftest import model_path

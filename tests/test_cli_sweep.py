@@ -10,12 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.sweep_result import SweepResult
+from app.sweep.result import SweepResult
 
 from .conftest import REPO, free_port
 
 EXE = Path(sys.executable).parent / "causalboard"
-HAVE_EXPORT = (REPO / "app" / "export.py").exists()
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -36,11 +35,9 @@ def _sweep_args(server_url: str, tasks) -> list[str]:
 
 @pytest.fixture(scope="module")
 def saved_sweep(server_url, tasks, tmp_path_factory):
-    """One CLI sweep saved as .npz (and a figure when app/export.py exists)."""
+    """One CLI sweep saved as .npz and drawn as a figure."""
     out = tmp_path_factory.mktemp("cli")
-    args = [*_sweep_args(server_url, tasks), "--out", str(out / "x.npz")]
-    if HAVE_EXPORT:
-        args += ["--figure", str(out / "x.png")]
+    args = [*_sweep_args(server_url, tasks), "--out", str(out / "x.npz"), "--figure", str(out / "x.png")]
     proc = run_cli(*args)
     return proc, out
 
@@ -62,8 +59,6 @@ def test_sweep_writes_result_and_prints_summary(saved_sweep, tasks, engine):
 
 
 def test_sweep_figure(saved_sweep):
-    if not HAVE_EXPORT:
-        pytest.skip("app/export.py does not exist yet: --figure (app.export.plot_sweep) is not testable")
     proc, out = saved_sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -76,8 +71,6 @@ def test_export_command(saved_sweep, tmp_path):
     assert bad.returncode == 2 and "no such file" in bad.stderr
     bad = run_cli("export", str(out / "x.npz"), "--out", str(tmp_path / "e"), "--formats", "png,gif")
     assert bad.returncode == 2 and "gif" in bad.stderr
-    if not HAVE_EXPORT:
-        pytest.skip("app/export.py does not exist yet: `causalboard export` cannot write files")
     done = run_cli("export", str(out / "x.npz"), "--out", str(tmp_path / "e"), "--formats", "png,csv", "--stem", "trace")
     assert done.returncode == 0, done.stderr[-3000:]
     e = tmp_path / "e"
@@ -108,31 +101,21 @@ def test_unreachable_server_exits_1(tasks):
 
 
 def test_option_parsing_builds_the_request():
-    from app.cli import build_parser
-    from app.cli_sweep import OptionError, build_request, parse_layers, parse_positions, parse_span
+    from app.cli.main import build_parser
+    from app.cli.sweep import OptionError, build_request
 
-    assert parse_layers("0:6") == {"start": 0, "stop": 6}
-    assert parse_layers("0:6:2") == {"start": 0, "stop": 6, "step": 2}
-    assert parse_layers(":4") == {"start": 0, "stop": 4}
-    assert parse_layers("1, 3,5") == [1, 3, 5] and parse_layers("2") == [2]
-    for bad in ("", "a:b", "0:", "1:2:3:4", "1,,2", "x"):
+    # the selector grammar itself is tested in tests/test_sites.py; here: errors name the field
+    for opt, bad, field in (("--layers", "1,,2", "layers"), ("--positions", "span:", "positions"),
+                            ("--subject", "#1", "subject"), ("--noise-positions", "span:x", "noise.positions")):
         with pytest.raises(OptionError) as info:
-            parse_layers(bad)
-        assert info.value.field == "layers"
-    assert parse_positions(None) == "all_prompt" and parse_positions(["all_prompt"]) == "all_prompt"
-    assert parse_positions(["3,4", "span:Tarn Vale@1", "span:a@b"]) == [
-        3, 4, {"span": "Tarn Vale", "occurrence": 1}, {"span": "a@b", "occurrence": 0}]
-    with pytest.raises(OptionError):
-        parse_positions(["all_prompt", "3"])
-    assert parse_span("@2", "subject") == {"span": "@2", "occurrence": 0}  # no text before the @: all text
-    with pytest.raises(OptionError):
-        parse_positions(["span:"])
+            build_request(build_parser().parse_args(["sweep", "--prompt", "P", opt, bad]))
+        assert info.value.field == field
     args = build_parser().parse_args([
         "sweep", "--prompt", "P", "--answer", " A", "--foil-id", "7", "--hooks", "pre_attn, post_block", "--layers", "0:4",
-        "--positions", "span:Garrow", "--noise-span", "Garrow@0", "--noise-scale", "2.5", "--alpha", "0.5", "--keep-source"])
+        "--positions", "span:Garrow", "--positions", "5-6", "--noise-span", "Garrow#0", "--noise-scale", "2.5", "--alpha", "0.5", "--keep-source"])
     assert build_request(args) == {
         "prompt": "P", "answer_token": " A", "foil_token_id": 7, "alpha": 0.5, "hooks": ["pre_attn", "post_block"],
-        "layers": {"start": 0, "stop": 4}, "positions": [{"span": "Garrow", "occurrence": 0}],
+        "layers": [0, 1, 2, 3], "positions": [{"span": "Garrow", "occurrence": 0}, 5, 6],
         "noise": {"span": "Garrow", "occurrence": 0, "scale": 2.5}, "keep_source": True}
     with pytest.raises(OptionError) as info:
         build_request(build_parser().parse_args(["sweep", "--prompt", "P", "--noise-seed", "1"]))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from app.client import AsyncCausalboardClient, CausalboardClient, CausalboardError
-from app.sweep_result import SweepResult
+from app.sweep.result import SweepResult
 from engine_ext import GenerationParams
 
 
@@ -308,7 +308,7 @@ def test_broken_sweep_stream_resumes_on_the_real_server(server_url, tasks):
 
 
 def test_api_key_is_sent_as_bearer_token(engine):
-    from app.server import create_app
+    from app.api.app import create_app
 
     app = create_app(engine, api_key="client-secret")  # a second app on the shared engine, in process
 

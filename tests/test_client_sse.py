@@ -15,9 +15,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.client import RESUME_TRIES, AsyncCausalboardClient, CausalboardClient, CausalboardError
-from app.sse import DONE, sse_event
-from app.sse_client import SSEMessage, decode_events, iter_messages
+from app.client.http import RESUME_TRIES, AsyncCausalboardClient, CausalboardClient, CausalboardError
+from app.api.sse import DONE, sse_event
+from app.client.sse import SSEMessage, decode_events, iter_messages
 
 from .conftest import free_port
 

@@ -8,40 +8,21 @@ import hashlib
 import json
 import math
 import re
-from pathlib import Path
 from urllib.parse import urljoin
 
 import pytest
 
-from app.dashboard.heatmap import CELL_LOOKS, ColorScale, SweepHeatmap, legend_html, position_labels, visible_token
-from app.dashboard.sweep_form import (NOISE_SPAN, FormError, SweepForm, default_form, parse_layers, parse_positions,
-                                      zoom_request)
-from app.dashboard.sweep_state import CellStatus
-from app.sweep_result import SweepResult
+from engine_ext.errors import SpecError
+
+from app.dashboard.tracing.heatmap import CELL_LOOKS, ColorScale, SweepHeatmap, legend_html, position_labels, visible_token
+from app.dashboard.tracing.form import NOISE_SPAN, SweepForm, default_form, zoom_request
+from app.dashboard.tracing.state import CellStatus
+from app.sweep.result import SweepResult
 from tests.test_dashboard_state import cell, start_event, summary_event
 
 
 
 # ---- form ------------------------------------------------------------------------------------------
-def test_layer_and_position_fields():
-    assert parse_layers("all") is None and parse_layers(" ") is None
-    assert parse_layers("0-2, 5") == [0, 1, 2, 5]
-    assert parse_layers("4,1,1") == [1, 4]
-    assert parse_layers("0:6:2") == {"start": 0, "stop": 6, "step": 2}
-    assert parse_layers(":3") == {"start": 0, "stop": 3, "step": 1}
-    assert parse_positions("all") == "all_prompt" and parse_positions("all_prompt") == "all_prompt"
-    assert parse_positions("1-3, span:Tarn Vale#1, 7") == [1, 2, 3, {"span": "Tarn Vale", "occurrence": 1}, 7]
-    assert parse_positions("span: is") == [{"span": " is", "occurrence": 0}]  # the span text is verbatim
-    for text, field in (("3-1", "layers"), ("x", "layers"), ("1,,2", "layers"), ("5:2", "layers")):
-        with pytest.raises(FormError) as info:
-            parse_layers(text)
-        assert info.value.field == field
-    for text in ("span:", "one", "2-"):
-        with pytest.raises(FormError) as info:
-            parse_positions(text)
-        assert info.value.field == "positions"
-
-
 def test_form_builds_the_sweep_request():
     form = SweepForm(layers="1-2", positions="span:Garrow", hooks=["pre_attn", "post_block"], metric="logit_diff")
     assert form.to_request() == {
@@ -56,7 +37,7 @@ def test_form_builds_the_sweep_request():
     for form, field in ((SweepForm(hooks=[]), "hooks"), (SweepForm(answer=" "), "answer"),
                         (SweepForm(foil="", metric="logit_diff"), "foil"), (SweepForm(corrupt_prompt=""), "corrupt_prompt"),
                         (SweepForm(corruption=NOISE_SPAN, noise_span=""), "noise_span")):
-        with pytest.raises(FormError) as info:
+        with pytest.raises(SpecError) as info:
             form.to_request()
         assert info.value.field == field
 
@@ -67,7 +48,7 @@ def test_zoom_request_reuses_the_kept_run():
     assert z["layers"] == [1, 2, 3] and z["positions"] == [2, 3]
     assert z["source_run"] == "sweep-abc" and z["keep_source"] is True
     assert z["clean_prompt"] == base["clean_prompt"] and z["prompt"] == base["prompt"]
-    assert "layers" in base and base["layers"] == {"start": 0, "stop": 6, "step": 2}  # base untouched
+    assert "layers" in base and base["layers"] == [0, 2, 4]  # base untouched
 
 
 def test_default_form_is_a_real_fact_pair(tmp_path, tasks):
@@ -153,7 +134,7 @@ def test_legend_explains_every_look():
 
 # ---- the tracing view on recorded events ---------------------------------------------------------------
 def test_tracing_view_shows_recorded_events():
-    from app.dashboard.tracing import TracingView
+    from app.dashboard.tracing.view import TracingView
 
     view = TracingView("http://127.0.0.1:9")  # never contacted: replay needs no server
     events = [start_event(hooks=("pre_attn", "post_block"), cells_total=24, token_strings=["<s>", "K<b>", " is", " ruled"],
@@ -181,7 +162,7 @@ def test_tracing_view_shows_recorded_events():
 
 
 def test_form_errors_are_shown_not_sent():
-    from app.dashboard.tracing import TracingView
+    from app.dashboard.tracing.view import TracingView
 
     view = TracingView("http://127.0.0.1:9")
     view.w_layers.value = "3-1"
@@ -190,10 +171,10 @@ def test_form_errors_are_shown_not_sent():
     assert not view.running
 
 
-# ---- export names match app.export ---------------------------------------------------------------
+# ---- export names match app.figures.export ---------------------------------------------------------------
 def test_download_names_and_bytes_match_the_export_manifest(tmp_path):
-    from app import export
-    from app.dashboard.tracing import EXPORTS, export_filename, export_payload
+    from app.figures import export
+    from app.dashboard.tracing.view import EXPORTS, export_filename, export_payload
 
     result = SweepResult.from_summary({k: v for k, v in summary_event().items() if k != "type"})
     stem = "sweep-sw-test"

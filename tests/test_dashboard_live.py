@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from app.dashboard.sweep_state import CellStatus
-from app.dashboard.tracing import TracingView
+from app.dashboard.tracing.state import CellStatus
+from app.dashboard.tracing.view import TracingView
 
 pytestmark = pytest.mark.vllm
 

@@ -1,6 +1,6 @@
 """`SweepState`: folding a patch sweep's SSE events into grids, cell statuses, progress, noise
 floor and checksum (pure; no engine, no browser). The canned events have the shapes the server
-sends (`app/sweep_service.py`; wire contract in `app/sweep_result.py`)."""
+sends (`app/sweep/service.py`; wire contract in `app/sweep/result.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from app.dashboard.sweep_state import CellStatus, SweepState
+from app.dashboard.tracing.state import CellStatus, SweepState
 
 LAYERS, POSITIONS = [0, 1, 2], [0, 1, 2, 3]
 

@@ -1,4 +1,4 @@
-"""SteeringView (app/dashboard/steering.py) driven through its parameters against the real server:
+"""SteeringView (app/dashboard/steering/view.py) driven through its parameters against the real server:
 baseline vs steered streams, debounced slider moves, cancellation of superseded streams."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from app.dashboard.vectors import contrast_defaults
+from app.dashboard.steering.vectors import contrast_defaults
 
 
 def _run(coro):
@@ -21,7 +21,7 @@ def _run(coro):
 
 def test_view_builds_a_vector_and_steers_only_the_steered_column(server_url, tasks, engine):
     from app.client import CausalboardClient
-    from app.dashboard.steering import SteeringView
+    from app.dashboard.steering.view import SteeringView
 
     d = contrast_defaults(tasks)
 
@@ -67,9 +67,8 @@ def test_view_builds_a_vector_and_steers_only_the_steered_column(server_url, tas
 
 def test_newer_slider_moves_cancel_older_steered_streams(server_url, tasks, http):
     from app.client import CausalboardClient
-    from app.dashboard.steering import SteeringView
+    from app.dashboard.steering.view import SteeringView
 
-    d = contrast_defaults(tasks)
     name = "test_view_cancel"
 
     async def scenario():
@@ -115,8 +114,8 @@ def test_newer_slider_moves_cancel_older_steered_streams(server_url, tasks, http
 def test_view_reports_bad_builder_input_and_lists_server_vectors(server_url, tasks, http):
     import numpy as np
 
-    from app.dashboard.steering import SteeringView
-    from app.dashboard.vectors import VectorInputError
+    from app.dashboard.steering.view import SteeringView
+    from app.dashboard.steering.vectors import VectorInputError
 
     async def scenario():
         view = SteeringView(server_url, tasks=tasks)

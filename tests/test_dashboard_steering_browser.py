@@ -81,7 +81,7 @@ def _status(page, kind: str) -> str:
 
 def test_scale_slider_changes_the_steered_text_only(steering_page, dashboard_url, server_url, tasks):
     from app.client import CausalboardClient
-    from app.dashboard.vectors import contrast_defaults
+    from app.dashboard.steering.vectors import contrast_defaults
 
     page = steering_page
     d = contrast_defaults(tasks)

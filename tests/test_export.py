@@ -1,4 +1,4 @@
-"""Figure and data export of a patch sweep (app/export.py). No engine: the result is built from a
+"""Figure and data export of a patch sweep (app/figures/export.py). No engine: the result is built from a
 hand-written summary shaped like the server's (2 hooks, an unaligned position, a voided cell,
 within-noise cells, subject positions, token strings with `$`, spaces and `<`), and every file is
 checked by reading its bytes (PDF objects and fonts, SVG elements, PNG header, CSV rows, NPZ)."""
@@ -21,9 +21,9 @@ from matplotlib.collections import QuadMesh
 from matplotlib.colors import TwoSlopeNorm
 from PIL import Image
 
-from app import export
-from app.figure_style import WIDTHS, token_label
-from app.sweep_result import SweepResult
+from app.figures import export
+from app.figures.style import WIDTHS, token_label
+from app.sweep.result import SweepResult
 from engine_ext.errors import SpecError
 
 LAYERS = list(range(6))
@@ -68,7 +68,7 @@ def _grid(hook: str) -> list[list[float | None]]:
 
 
 def synthetic_summary() -> dict:
-    """The summary object of `POST /v1/patch_sweep` (wire contract in app/sweep_result.py)."""
+    """The summary object of `POST /v1/patch_sweep` (wire contract in app/sweep/result.py)."""
     hook_grids = [{"hook": h, "grid": _grid(h), "argmax": None} for h in HOOKS]
     return {
         "sweep_id": "sw-synthetic-0001", "model": "causalboard-tiny (synthetic example)",

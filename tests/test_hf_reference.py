@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_ext.hf_reference import HOOKS, HFReference, RefEdit, edits_from_program
+from engine_ext.reference.hf import HOOKS, HFReference, RefEdit, edits_from_program
 
 EPS = 1e-5
 

@@ -1,5 +1,5 @@
 """Steering, capture and patching inside vLLM's forward (real engine on CPU, float32), checked
-against the transformers oracle (`engine_ext.hf_reference`) and against the engine itself.
+against the transformers oracle (`engine_ext.reference.hf`) and against the engine itself.
 
 Tolerances (float32 on CPU; vLLM's kernels sum in another order than transformers'):
 captures within CAPTURE_ATOL + CAPTURE_RTOL * |value|; logprobs within LOGPROB_ATOL.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine_ext import GenerationParams, SpecError
-from engine_ext.hf_reference import RefEdit
+from engine_ext.reference.hf import RefEdit
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 
 CAPTURE_ATOL, CAPTURE_RTOL = 2e-4, 2e-4

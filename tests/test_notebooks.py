@@ -107,8 +107,8 @@ def test_02_steering_sliders(server_url, out_dir, http):
 def test_03_export_for_papers(server_url, out_dir):
     import numpy as np
 
-    from app.export import check_files
-    from app.sweep_result import SweepResult
+    from app.figures.export import check_files
+    from app.sweep.result import SweepResult
 
     export_dir = out_dir / "exports"
     for old in export_dir.rglob("*"):

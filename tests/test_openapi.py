@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fastapi.routing import APIRoute
 
-from app.server import create_app
+from app.api.app import create_app
 
 #: routes whose 200 body is a typed model (checked for a `$ref` schema)
 TYPED = {

@@ -8,7 +8,7 @@ from importlib import metadata
 import pytest
 
 from engine_ext import BUNDLED_MODEL_PATH
-from engine_ext import seam
+from engine_ext.worker import seam
 
 from .conftest import REPO
 
@@ -22,7 +22,7 @@ def test_vllm_plugin_entry_point_is_registered():
 
 def test_console_script_is_registered():
     scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
-    assert scripts.get("causalboard") == "app.cli:main"
+    assert scripts.get("causalboard") == "app.cli.main:main"
 
 
 def test_installed_vllm_is_the_checked_version():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine_ext.row_plan import RowPlan, ScheduledRequest
+from engine_ext.worker.row_plan import RowPlan, ScheduledRequest
 
 
 def test_single_prefill():

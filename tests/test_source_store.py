@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine_ext.source_store import SourceStore, SourceStoreFull
+from engine_ext.worker.source_store import SourceStore, SourceStoreFull
 
 
 def run(n_values: int, hidden: int = 4):

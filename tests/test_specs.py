@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
-from engine_ext.checksum import ActionChecksum, compare_ranks
+from engine_ext.worker.checksum import ActionChecksum, compare_ranks
 from engine_ext.errors import SpecError
 from engine_ext.program import ModelDims, PromptInfo, WorkerProgram, compile_program, resolve_positions, noise_vectors
-from engine_ext.specs import Interventions, Site, canonical_json, positions_from_json, spec_hash
+from engine_ext.specs import Interventions, canonical_json, positions_from_json, spec_hash
+from engine_ext.sites import Site
 
 DIMS = ModelDims(num_layers=4, hidden_size=8, vocab_size=100, embedding_std=0.5)
 TEXT = "The capital of North Kell is"

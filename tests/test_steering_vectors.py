@@ -1,4 +1,4 @@
-"""Steering-vector helpers (app/dashboard/vectors.py): the contrastive mean difference against
+"""Steering-vector helpers (app/dashboard/steering/vectors.py): the contrastive mean difference against
 numpy, and a vector built through the real server (`POST /v1/capture`) against the engine's own
 captures."""
 
@@ -7,7 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.dashboard import vectors as V
+from app.dashboard.steering import vectors as V
+from engine_ext.bundled import bundled_tasks
+from engine_ext.errors import SpecError
+from engine_ext.sites import Site
 
 
 # ---- pure helpers ----------------------------------------------------------------------------------
@@ -87,10 +90,8 @@ def test_prompt_lines_sites_names_and_steer_entries():
     with pytest.raises(V.VectorInputError) as err:
         V.parse_prompt_lines(" \n ", "prompts_b")
     assert err.value.field == "prompts_b"
-    assert V.site_name(3, "post_attn") == "L3.post_attn" and V.parse_site("L3.post_attn") == (3, "post_attn")
-    for bad in ("L3.mlp_out", "3.post_block", "L-1.pre_attn"):
-        with pytest.raises(V.VectorInputError):
-            V.parse_site(bad)
+    with pytest.raises(SpecError):
+        V.steer_entry("L3.mlp_up", name="v")
     with pytest.raises(V.VectorInputError):
         V.check_vector_name("has space")
     assert V.check_vector_name(" ok_name-1 ") == "ok_name-1"
@@ -110,12 +111,12 @@ def test_contrast_defaults_from_the_bundled_tasks(tasks):
     assert all(facts[p]["relation"] == "language" for p in d.prompts_b)
     assert facts[d.test_prompt]["relation"] == "language" and d.test_prompt not in d.prompts_b
     assert V.contrast_defaults(None) is V.FALLBACK_DEFAULTS
-    assert V.bundled_tasks() == tasks
+    assert bundled_tasks() == tasks
 
 
 # ---- through the real server -----------------------------------------------------------------------
 def _engine_site_values(engine, prompt: str, site: str, positions: str) -> np.ndarray:
-    layer, hook = V.parse_site(site)
+    layer, hook = Site.parse(site).layer, Site.parse(site).hook
     caps = engine.capture(prompt, [site], positions).captures
     rows = sorted((pos, val) for (lay, hk, pos), val in caps.items() if (lay, hk) == (layer, hook))
     return np.stack([val for _pos, val in rows])

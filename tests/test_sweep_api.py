@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from engine_ext.hf_reference import RefEdit
+from engine_ext.reference.hf import RefEdit
 from tests.sse import sse_events
 from training.trace_structure import has_model_card_structure, mean_by_category, sweep_trace_facts
 
@@ -274,6 +274,28 @@ def test_disconnect_cancels_remaining_cells_and_releases_leases(http, engine, ta
     assert_store_clean(engine)
     # and the engine keeps serving
     assert http.post("/v1/generate", json={"prompt": f["prompt"], "max_tokens": 1}).status_code == 200
+
+
+def test_explicit_cancel_racing_the_disconnect_still_ends_the_sweep(http, engine, tasks):
+    """DELETE /v1/patch_sweep/{id} sent while the client also closes the stream (what the
+    dashboard does): the sweep is cancelled once, cleans up, and writes its summary."""
+    f = tasks["facts"][7]
+    body = {"prompt": f["prompt"], "noise": {"span": f["subject"], "samples": 8}, "answer_token_id": f["answer_id"],
+            "metric": "recovered", "hooks": ["pre_attn", "post_attn", "post_block"], "max_concurrency": 2, "stream": True}
+    def delete_at_first_cell(events: list[dict]) -> bool:
+        if events[-1]["type"] != "cell":
+            return False
+        assert http.delete(f"/v1/patch_sweep/{events[0]['sweep_id']}").json()["cancelled"] is True
+        return True  # ... and close the stream right away
+
+    sweep_id = stream_sweep(http, body, delete_at_first_cell)[0]["sweep_id"]
+    deadline = time.time() + 30
+    while (summary := http.get(f"/v1/patch_sweep/{sweep_id}").json()).get("cancelled") is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert summary["cancelled"] is True and summary["cells_done"] < summary["cells_total"]
+    _wait_idle(engine)
+    assert not engine.has_source(summary["captured_source_run"])
+    assert_store_clean(engine)
 
 
 def test_a_dropped_source_voids_cells_instead_of_reporting_unpatched_values(http, engine, tasks):

@@ -43,7 +43,7 @@ def mount(app: FastAPI) -> None:
                        "page cannot connect", DASHBOARD_PATH, " or ".join(WEBSOCKET_LIBRARIES))
 
     def page():
-        from .app import create_page
+        from app.dashboard.app import create_page
 
         return create_page(session_api_url(app), ask_api_key=bool(getattr(app.state, "api_key", None)))
 

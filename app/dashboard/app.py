@@ -1,5 +1,5 @@
 """The dashboard page: a header (model, device, versions from `GET /v1/status`) and two tabs,
-"Causal tracing" (`TracingView`) and "Steering" (`SteeringView` from `app/dashboard/steering.py`,
+"Causal tracing" (`TracingView`) and "Steering" (`SteeringView` from `app/dashboard/steering/view.py`,
 imported lazily; a placeholder explains why when it cannot be built).
 
 `create_page(api_url)` builds one page per browser session (`mount` serves it at /dashboard);
@@ -16,8 +16,8 @@ from typing import Any
 
 import panel as pn
 
-from .sweep_form import BUNDLED_TASKS, default_form
-from .tracing import TracingView, make_async_client
+from app.dashboard.tracing.form import BUNDLED_TASKS, default_form
+from app.dashboard.tracing.view import TracingView, make_async_client
 
 VERSION_ORDER = ("causalboard", "vllm", "torch", "transformers", "python")
 
@@ -44,7 +44,7 @@ def header_html(status: dict | None, api_url: str, error: str | None = None) -> 
 def steering_tab(api_url: str, api_key: str | None) -> Any:
     """The steering view, or a placeholder saying why it is unavailable."""
     try:
-        from .steering import SteeringView
+        from app.dashboard.steering.view import SteeringView
     except Exception as exc:  # not written yet, or broken: the tracing tab must still work
         return _placeholder(f"The steering view is not available: {type(exc).__name__}: {exc}")
     try:

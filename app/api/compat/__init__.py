@@ -1,0 +1,1 @@
+"""The reference fork's wire formats, mapped onto causalboard's specs."""

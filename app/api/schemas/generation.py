@@ -1,0 +1,174 @@
+"""Request and response bodies of the HTTP API (the one canonical wire form).
+
+Every request model forbids unknown fields, so a typo is a 400 naming the field instead of a
+silently ignored option. Field descriptions and bounds become the OpenAPI page.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine_ext.generation import MAX_TOP_LOGPROBS, GenerationParams
+
+from app.api.schemas.interventions import (
+    ForkPatchEntry,
+    InterventionResultBody,
+    InterventionsSpec,
+    PackedTable,
+    SourceStoreUsage,
+    VectorSpec,
+    unsupported,
+)
+
+MAX_PROMPT_CHARS = 100_000
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingFields(_Strict):
+    max_tokens: int = Field(16, ge=1, description="Number of tokens to generate (>= 1).")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k filtering.")
+    seed: int | None = Field(None, description="Per-request sampling seed.")
+    stop: list[str] | str | None = Field(None, description="Stop strings (not included in the output).")
+    ignore_eos: bool = False
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class GenerateRequest(SamplingFields):
+    """causalboard's native generation request."""
+
+    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, description="The prompt text.")
+    logprobs: int = Field(
+        0, ge=0, le=MAX_TOP_LOGPROBS, description="Top alternatives per generated token (the chosen token's logprob is always returned)."
+    )
+    stream: bool = Field(False, description="Stream token deltas as server-sent events.")
+    interventions: InterventionsSpec | None = Field(
+        None, description="Per-request steer / patch / capture / noise / score_token_ids (see docs/concepts.md). "
+                          "A capture with keep_as needs the API key when the server has one.")
+
+    def params(self) -> GenerationParams:
+        return GenerationParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            logprobs=self.logprobs,
+            stop=self.stop_list(),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] = Field(description="Logprob of each generated token.")
+    top_logprobs: list[dict[str, float]] = Field(description="Per generated token: token id -> logprob (top-k).")
+    finish_reason: str | None
+    scores: list[dict[str, float]] = Field(
+        default_factory=list, description="Per generated token: logprob of each requested score_token_ids id.")
+    intervention: InterventionResultBody | None = Field(None, description="Present when the request had interventions.")
+
+
+class CompletionRequest(SamplingFields):
+    """OpenAI-style `/v1/completions` (one prompt, n = 1), with the reference fork's extra fields
+    (steering vectors, patches, exact scoring, patch_source capture) and causalboard's native
+    `interventions`. Fork fields causalboard cannot honour are refused with 400, never ignored."""
+
+    model: str | None = Field(None, description="Ignored if it names the served model; 404 otherwise.")
+    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="OpenAI semantics: top-k logprobs per token.")
+    stream: bool = False
+    n: Literal[1] = 1
+    echo: Literal[False] = False
+    user: str | None = None
+    # ---- the reference fork's per-request fields
+    steering_vectors: VectorSpec = Field(None, description="Fork: steering at every position (dict or packed form).")
+    prefill_steering_vectors: VectorSpec = Field(None, description="Fork: steering at prompt positions only.")
+    decode_steering_vectors: VectorSpec = Field(None, description="Fork: steering at generated positions only.")
+    steering_name: str | None = Field(None, description="Fork: steer with a registered steering module (scale 1).")
+    patch: list[ForkPatchEntry] | None = Field(None, description="Fork: activation patches, one site and position each.")
+    patch_vectors: PackedTable | None = Field(None, description="Fork: the table that patch[i].source_inline indexes.")
+    logprob_token_ids: list[int] | None = Field(
+        None, description="Fork: exact logprobs of these ids at every generated step; `logprobs` must then be omitted "
+                          "or equal their count. Returned as top_logprobs and as `scores`.")
+    capture: dict | None = Field(
+        None, description="Fork: capture consumers; only {'patch_source': {'run', 'hooks': {hook: 'all' | [layers]}, "
+                          "'positions'}} (stores a source run; needs the API key when one is set).")
+    capture_wait: bool | None = Field(None, description="Fork: accepted; a capture is always durable when the response returns.")
+    steering_clamps: Any = unsupported()
+    prefill_steering_clamps: Any = unsupported()
+    decode_steering_clamps: Any = unsupported()
+    steering: Any = unsupported("The fork's declarative steering gates. Not supported by causalboard: refused with 400 naming the field.")
+    conversation_id: Any = unsupported()
+    # ---- causalboard
+    interventions: InterventionsSpec | None = Field(None, description="Native per-request interventions (as on /v1/generate).")
+
+    def params(self) -> GenerationParams:
+        return GenerationParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            logprobs=0 if self.logprob_token_ids is not None else self.logprobs or 0,
+            stop=self.stop_list(),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class TokenizeRequest(_Strict):
+    prompt: str = Field(..., max_length=MAX_PROMPT_CHARS)
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    token_strings: list[str] = Field(description="Display string of each token (for axis labels).")
+    count: int
+    max_model_len: int
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(description="Human-readable message; starts with the offending field.")
+    field: str | None = Field(None, description="The offending field (dotted path), when there is one.")
+    errors: list[dict] | None = Field(None, description="All validation problems, one per field.")
+
+
+class StatusResponse(BaseModel):
+    status: Literal["ok", "dead"]
+    model: str
+    model_path: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_model_len: int
+    device: str
+    dtype: str
+    enforce_eager: bool
+    hooks: list[str] = Field(description="Residual-stream hooks the engine can intervene on, per layer.")
+    versions: dict[str, str]
+    startup_seconds: float
+    in_flight_requests: int
+    source_store: SourceStoreUsage | None = Field(None, description="Source-run store usage (as GET /v1/patch_source).")
+    checksum: dict | None = Field(
+        None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches', "
+                          "'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
+    global_steering: list[str] = Field(default_factory=list, description="Sites the global steering touches.")
+    named_vectors: int = Field(0, description="Registered named vectors (module vectors included).")
+    api_key_required: bool = Field(False, description="Whether mutating endpoints need 'Authorization: Bearer <key>'.")
+    sweeps: dict | None = Field(None, description="Patch-sweep service status, when the server runs one.")

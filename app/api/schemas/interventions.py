@@ -1,0 +1,317 @@
+"""Request and response bodies of the intervention endpoints: steering, named vectors, steering
+modules, capture, stored source runs, and the `interventions` field of the generation endpoints.
+
+Request models forbid unknown fields. Structural problems (wrong type, unknown field) are 400s
+named by pydantic (`steer.0.scale`); semantic ones (layer out of range, wrong dimension, NaN,
+unknown named vector, span not found) are `SpecError`s named the way the engine names them
+(`interventions.steer[0].vector`). The reference fork's dict-keyed vector tiers (`vectors`,
+`steering_vectors`, ...) are parsed field by field in `app/api/compat/fork_vectors.py`; their JSON schema
+is documented here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+from engine_ext.specs import Interventions
+
+from app.api.compat.fork_vectors import VECTOR_SPEC_SCHEMA
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+#: a field the reference fork has and causalboard refuses (400 naming it, never ignored)
+NOT_SUPPORTED = "Not supported by causalboard: a request that sets it is refused with 400 naming the field."
+
+
+def unsupported(description: str = NOT_SUPPORTED) -> Any:
+    return Field(None, description=description)
+
+
+# ---- native intervention specs (engine_ext.specs JSON form) ---------------------------------------
+class SpanSpec(_Strict):
+    """The tokens overlapping the `occurrence`-th (0-based) occurrence of `span` in the prompt."""
+
+    span: str = Field(..., min_length=1)
+    occurrence: int = Field(0, ge=0)
+
+
+class SiteSpec(_Strict):
+    layer: int = Field(..., ge=0)
+    hook: str = Field(..., description="pre_attn | post_attn | post_block")
+
+
+Positions = Annotated[
+    str | int | SpanSpec | list[int | SpanSpec],
+    Field(description="'last_prompt' | 'all_prompt' | 'all_generated' | 'all' | token indices (negative = from the "
+                      "end of the prompt) | {'span': text, 'occurrence': n} | a list mixing indices and spans"),
+]
+Sites = Annotated[str | list[str | SiteSpec], Field(description="Sites written 'L3.post_block' (or {'layer', 'hook'}).")]
+
+
+class SteerSpec(_Strict):
+    """Add `scale * vector` at `sites` and `positions` during `phase`. Exactly one of an inline
+    `vector` and a registered `name`."""
+
+    sites: Sites
+    vector: list[float] | None = Field(None, description="Inline vector (length = hidden size).")
+    name: str | None = Field(None, description="A registered named vector.")
+    scale: float = 1.0
+    positions: Positions = "all"
+    phase: Literal["both", "prefill", "decode"] = Field("both", description="prefill = prompt positions, decode = generated ones.")
+
+
+class PatchSpec(_Strict):
+    """At one `site` and destination `positions`: `(1 - alpha) * h + alpha * t`, `t` from `source`."""
+
+    site: str | SiteSpec
+    positions: Positions = "all_prompt"
+    source: str | dict[str, Any] = Field(
+        ..., description="'zeros' | {'run': id, 'positions': [...]} (a stored source run) | {'vectors': [[...]]} | {'mean_of': run_id}")
+    alpha: float = 1.0
+
+
+class CaptureSpec(_Strict):
+    sites: Sites
+    positions: Positions = "last_prompt"
+    keep_as: str | None = Field(None, description="Store the capture as a source run with this id (needs the API key when one is set).")
+    return_values: bool = True
+
+
+class NoiseSpec(_Strict):
+    """ROME-style corruption of the input embeddings at `positions` (scale x embedding std, seeded)."""
+
+    positions: Positions
+    scale: float = Field(3.0, ge=0)
+    seed: int = Field(0, ge=0)
+
+
+class InterventionsSpec(_Strict):
+    """Per-request interventions (the JSON form of `engine_ext.specs.Interventions`)."""
+
+    steer: list[SteerSpec] = Field(default_factory=list)
+    patch: list[PatchSpec] = Field(default_factory=list)
+    capture: CaptureSpec | None = None
+    noise: NoiseSpec | None = None
+    score_token_ids: list[int] = Field(default_factory=list, description="Exact logprobs of these ids at every generated step.")
+
+    def to_spec(self, field_name: str = "interventions") -> Interventions:
+        """Semantic parse; `SpecError` fields are prefixed with `field_name`."""
+        return Interventions.from_json(self.model_dump(), field_name=field_name)
+
+    def keeps_source(self) -> bool:
+        return self.capture is not None and self.capture.keep_as is not None
+
+
+class CaptureValue(BaseModel):
+    layer: int
+    hook: str
+    position: int
+    value: list[float]
+
+
+class InterventionResultBody(BaseModel):
+    """What the workers report for a request with interventions. `status` is 'ok' or 'voided'
+    (a source run was missing/evicted, a named vector vanished, capacity exceeded): a voided
+    request's output must not be used as an intervened result."""
+
+    status: str
+    errors: list[str]
+    stored_as: str | None = None
+    evicted: list[str] = Field(default_factory=list)
+    program_hash: str | None = None
+    captures: list[CaptureValue] = Field(default_factory=list)
+
+
+# ---- the fork's vector tiers and per-request extras -------------------------------------------------
+VectorSpec = Annotated[Any, WithJsonSchema(VECTOR_SPEC_SCHEMA)]
+
+
+class PackedTable(_Strict):
+    """The fork's packed vector table: base64 of `shape[0]` little-endian rows of `shape[1]` values."""
+
+    dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
+    shape: list[int] = Field(..., min_length=2, max_length=2)
+    data: str
+
+
+class ForkPatchEntry(_Strict):
+    """One fork-style patch: at `(layer, hook)` and token `dest_position`, replace (alpha = 1) or
+    lerp with exactly one source: a stored run (`source_run` + `source_position`, default the
+    destination), `source_module` ('zeros', a steering module's base vector at this site, or a
+    named vector), or `source_inline` (a row of `patch_vectors`)."""
+
+    layer: int = Field(..., ge=0)
+    hook: str = "post_block"
+    dest_position: int = Field(..., ge=0)
+    source_run: str | None = None
+    source_position: int | None = Field(None, ge=0)
+    source_module: str | None = None
+    source_inline: int | None = Field(None, ge=0)
+    alpha: float = 1.0
+    mask: Any = unsupported()
+
+
+# ---- steering ------------------------------------------------------------------------------------
+class SteeringSetRequest(_Strict):
+    """Global steering (every request). Fork tiers: `vectors` (both phases), `prefill_vectors`,
+    `decode_vectors`; or native `steer` entries. `replace: false` merges with the current
+    steering (an entry replaces the current ones at the same site and phase)."""
+
+    vectors: VectorSpec = Field(None, description="Base tier: prefill and decode.")
+    prefill_vectors: VectorSpec = Field(None, description="Added during prefill (prompt positions) only.")
+    decode_vectors: VectorSpec = Field(None, description="Added during decode (generated positions) only.")
+    steer: list[SteerSpec] | None = Field(
+        None, description="Native entries; positions 'all', 'all_generated' or absolute indices.")
+    replace: bool = Field(False, description="Replace the whole global steering instead of merging.")
+    target: str | None = Field(None, description="'main' or omitted ('draft' models are not supported).")
+    clamps: Any = unsupported()
+    prefill_clamps: Any = unsupported()
+    decode_clamps: Any = unsupported()
+
+
+class SteeringSetResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    hook_points: list[str] = Field(description="Hooks named by this request.")
+    layers_updated: list[int] = Field(description="Layers named by this request.")
+    sites: list[str] = Field(description="Every site the global steering now touches.")
+
+
+class ActiveSteer(BaseModel):
+    """One global steering entry (the native form; POST it back to /v1/steering/set as `steer`)."""
+
+    sites: list[str]
+    vector: list[float] | None
+    name: str | None
+    scale: float
+    positions: Any
+    phase: str
+    norm: float = Field(description="|scale * vector| of this entry.")
+
+
+class SteeringStatusResponse(BaseModel):
+    active_layers: dict[str, dict[str, dict[str, float]]] = Field(
+        description="Fork shape: layer -> hook -> {'norm': |sum of both-phase vectors|, plus 'prefill_norm' / "
+                    "'decode_norm' when phase-specific entries exist}.")
+    steer: list[ActiveSteer]
+
+
+class LayerHooks(BaseModel):
+    hook_points: list[str]
+
+
+class SteeringLayersResponse(BaseModel):
+    layers: dict[str, LayerHooks]
+
+
+class StatusOk(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class VectorRegisterRequest(_Strict):
+    name: str = Field(..., min_length=1, max_length=128, description="Names starting with 'module/' are reserved.")
+    vector: list[float] = Field(..., min_length=1, description="Length = the model's hidden size; finite values.")
+
+
+class VectorInfo(BaseModel):
+    name: str
+    dim: int
+    norm: float
+
+
+class VectorValues(VectorInfo):
+    vector: list[float]
+
+
+class VectorList(BaseModel):
+    vectors: list[VectorInfo]
+    count: int
+    max_count: int
+
+
+class VectorDeleted(BaseModel):
+    name: str
+    deleted: bool
+
+
+class ModuleRegisterRequest(_Strict):
+    """A steering module: per-(hook, layer) vectors in up to three tiers (fork form). Stored as
+    named vectors `module/<name>/<phase>/L<layer>.<hook>`."""
+
+    name: str = Field(..., min_length=1, max_length=64)
+    kind: str = Field("additive", description="Only 'additive' ('sae_delta' is not supported).")
+    vectors: VectorSpec = None
+    prefill_vectors: VectorSpec = None
+    decode_vectors: VectorSpec = None
+    clamps: Any = unsupported()
+    prefill_clamps: Any = unsupported()
+    decode_clamps: Any = unsupported()
+    sae_manifest: Any = unsupported()
+
+
+class ModuleUnregisterRequest(_Strict):
+    name: str = Field(..., min_length=1, max_length=64)
+
+
+class ModuleEntry(BaseModel):
+    site: str
+    phase: str
+    norm: float
+
+
+class ModuleResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    name: str
+    modules: list[str]
+
+
+class ModuleList(BaseModel):
+    modules: list[str]
+    count: int
+    details: dict[str, list[ModuleEntry]]
+
+
+# ---- capture and source runs -----------------------------------------------------------------------
+class CaptureRequest(_Strict):
+    """Run `prompt` (one generated token) recording `sites` x `positions` of the prompt."""
+
+    prompt: str = Field(..., min_length=1, max_length=100_000)
+    sites: Sites
+    positions: Positions = "last_prompt"
+    keep_as: str | None = Field(None, description="Also store the run for patching under this id (needs the API key when one is set).")
+    return_values: bool = Field(True, description="Return the values (false: only store them).")
+    format: Literal["json", "npz", "safetensors"] = Field(
+        "json", description="json, or a binary body: one float32 array [positions, hidden] per site (key = site text).")
+
+
+class CaptureResponse(BaseModel):
+    prompt_token_ids: list[int]
+    token_strings: list[str]
+    positions: list[int] = Field(description="The captured prompt positions (rows of every array).")
+    sites: list[str]
+    captures: dict[str, list[list[float]]] = Field(description="site -> one vector per position.")
+    stored_as: str | None
+    program_hash: str | None = None
+
+
+class SourceRunInfo(BaseModel):
+    run_id: str
+    bytes: int
+    values: int = Field(description="Stored (site, position) values.")
+    leases: int
+
+
+class SourceStoreUsage(BaseModel):
+    budget_bytes: int
+    used_bytes: int
+    evictions: int
+    runs: list[SourceRunInfo]
+
+
+class SourceDropped(BaseModel):
+    dropped: Literal[True] = True
+    run_id: str

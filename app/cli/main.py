@@ -1,0 +1,135 @@
+"""`causalboard` command line.
+
+    causalboard serve                 # API on http://127.0.0.1:8000 (HOST, PORT, MODEL env override)
+    causalboard generate "The capital of Tarn is" --max-tokens 4
+    causalboard sweep --prompt "Garrow is ruled by" --clean-prompt "Guzar is ruled by" \
+        --answer " Hadrian" --metric recovered --out trace.npz --figure trace.pdf
+    causalboard export trace.npz --out figures/ --formats pdf,png,csv
+    causalboard version
+
+`sweep` and `export` talk to a running server (`--url`, env CAUSALBOARD_URL); see `causalboard
+sweep --help` and app/cli/sweep.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+
+def _engine_config(args: argparse.Namespace):
+    from engine_ext import EngineConfig
+
+    return EngineConfig(
+        model=args.model or None,
+        device=args.device,
+        enforce_eager=args.eager,
+        max_model_len=args.max_model_len,
+        batch_invariant=args.batch_invariant,
+    )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("MODEL"), help="local HF model folder (default: the bundled model; env MODEL)")
+    p.add_argument("--device", default=os.environ.get("DEVICE", "auto"), choices=["auto", "cpu", "cuda"])
+    eager = p.add_mutually_exclusive_group()
+    eager.add_argument("--eager", dest="eager", action="store_true", default=None, help="force enforce_eager")
+    eager.add_argument("--compiled", dest="eager", action="store_false", help="torch.compile (+ CUDA graphs on GPU)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    bi = p.add_mutually_exclusive_group()
+    bi.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None,
+                    help="vLLM batch-invariant kernels (GPU default: on; exact sweeps, slower decoding; docs/validation.md)")
+    bi.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                    help="faster decoding on the GPU; sweep cells then vary with their batch")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.api.app import create_app
+
+    app = create_app(config=_engine_config(args), api_key=args.api_key)
+    app.state.announce = f"http://{args.host}:{args.port}"
+    print(f"causalboard: starting the engine, then serving on {app.state.announce}", flush=True)
+    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown (the lifespan then closes the engine)
+    # and afterwards re-raises the signal to the handler that was installed before it: make that
+    # a clean exit, so a stopped server reports success.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine_ext import Engine, GenerationParams
+
+    with Engine(_engine_config(args)) as eng:
+        gen = eng.generate(args.prompt, GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, logprobs=args.logprobs))
+    print(json.dumps(gen.to_dict(), indent=2))
+    return 0
+
+
+def cmd_version(_: argparse.Namespace) -> int:
+    from importlib import metadata
+
+    from engine_ext.worker.seam import VLLM_VERSION_CHECKED, installed_vllm_version
+
+    try:
+        own = metadata.version("causalboard")
+    except metadata.PackageNotFoundError:
+        own = "source"
+    print(json.dumps({"causalboard": own, "vllm": installed_vllm_version(), "vllm_checked": VLLM_VERSION_CHECKED}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="causalboard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the HTTP API")
+    serve.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on mutating endpoints (env CAUSALBOARD_API_KEY)")
+    _add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate once and print JSON")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--logprobs", type=int, default=0)
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    from app.cli.sweep import add_parsers as add_sweep_parsers
+
+    add_sweep_parsers(sub)
+
+    ver = sub.add_parser("version", help="print versions")
+    ver.set_defaults(func=cmd_version)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a clear one-line error instead of a traceback for bad options
+        from engine_ext.errors import SpecError
+
+        if isinstance(exc, SpecError):
+            print(f"causalboard: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The steering view: vector helpers and the Panel component."""

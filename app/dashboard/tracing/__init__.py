@@ -1,0 +1,1 @@
+"""The causal-tracing view: form, live state, heatmap and the Panel component."""

@@ -1,0 +1,1 @@
+"""Patch sweeps: wire schema, plan, alignment, service and result (no FastAPI, no plotting)."""

@@ -1,0 +1,451 @@
+"""`SweepService`: runs patch sweeps on the engine and keeps each sweep's event log.
+
+A sweep has two phases:
+
+1. *Prepare* (`SweepService.start`, awaited by the HTTP handler, so every failure is a plain
+   JSON error): plan (`build_plan`), capture the clean run when needed (one request that also
+   scores the clean baseline), lease the source run, score the corrupt baseline alone (one
+   request per noise sample). Then the `start` event is logged.
+2. *Fan-out* (a background task): one request per cell (x noise samples), at most
+   `max_concurrency` in flight, scored exactly on the answer/foil ids; unpatched corrupt
+   baselines are re-run at evenly spaced points *inside* the cell batch, and as many cells are
+   run a second time after all others — the largest deviation (baseline vs its solo run,
+   repeat vs first run) is the noise floor. Cells are logged as they complete;
+   a cell whose patch could not be applied (source run dropped/evicted, capacity) is voided
+   (`value: null` + `error`), never reported with an unpatched value. Finally the checksum
+   status and the summary are logged, the lease is released and an auto-captured run is
+   dropped unless `keep_source`.
+
+Cancelling a sweep (client disconnect, `cancel`) aborts its in-flight requests, skips the rest,
+releases the lease and drops the auto-captured run; its log ends with a summary marked
+`cancelled`. Logs of the last `KEEP_FINISHED` sweeps stay readable (`GET .../events` replay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import anyio
+
+from engine_ext import Engine, GenerationParams
+from engine_ext.errors import EngineDeadError
+from engine_ext.specs import Capture, Interventions
+from engine_ext.sites import site_from_index
+
+from app.sweep.plan import PlanError, SweepCell, SweepPlan, build_plan
+from app.sweep.schema import PatchSweepRequest
+from app.sweep.result import argmax_cell
+
+logger = logging.getLogger("causalboard.sweep")
+
+KEEP_FINISHED = 32
+#: |clean - corrupt| below this makes `recovered` undefined
+RECOVERED_EPS = 1e-6
+PROGRESS_EVERY_S = 0.5
+#: effects below this (metric units) count as "within noise" even when the measured floor is
+#: smaller: float32 logprobs of differently batched requests differ at this scale
+MIN_EFFECT = 1e-6
+
+
+class SweepRun:
+    """One sweep: its plan, its event log (`(id, event)` pairs) and its lifecycle."""
+
+    def __init__(self, plan: SweepPlan):
+        self.plan = plan
+        self.log: list[tuple[int, dict]] = []
+        self.values: dict[tuple[str, int, int], float | None] = {}
+        self.errors: dict[tuple[str, int, int], str] = {}
+        self.state = "preparing"  # preparing | running | done | cancelled | failed
+        self.task: asyncio.Task | None = None
+        self.summary: dict | None = None
+        self.started = time.monotonic()
+        self._wake = asyncio.Event()
+
+    @property
+    def sweep_id(self) -> str:
+        return self.plan.sweep_id
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "cancelled", "failed")
+
+    def emit(self, event: dict) -> None:
+        self.log.append((len(self.log), event))
+        self._notify()
+
+    def close(self, state: str) -> None:
+        self.state = state
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every `follow` waiting for news."""
+        wake, self._wake = self._wake, asyncio.Event()
+        wake.set()
+
+    async def follow(self, after: int = -1) -> AsyncIterator[tuple[int, dict]]:
+        """Logged events with id > `after`, then live ones until the sweep ends."""
+        i = after + 1
+        while True:
+            while i < len(self.log):
+                yield self.log[i]
+                i += 1
+            if self.finished:
+                return
+            await self._wake.wait()
+
+    def cancel(self) -> None:
+        """Cancel the fan-out once. A second `Task.cancel()` (say, an explicit DELETE racing the
+        stream's disconnect) would interrupt the cleanup the first one started in `_fan_out`'s
+        `finally` (leases, the summary), leaving the sweep running forever."""
+        if self.task is not None and not self.task.done() and not self.task.cancelling():
+            self.task.cancel()
+
+    def status(self) -> dict:
+        return {"sweep_id": self.sweep_id, "state": self.state, "cells_total": len(self.plan.cells),
+                "cells_done": len(self.values), "elapsed_s": round(time.monotonic() - self.started, 3)}
+
+
+class _Baselines:
+    def __init__(self) -> None:
+        self.clean: float | None = None
+        self.corrupt: float = math.nan
+        self.corrupt_solo0: float = math.nan
+        self.metric: str = ""
+        self.notes: list[str] = []
+        self.auto_captured = False
+        self.capture_submitted = False
+        self.leased: str | None = None
+
+
+class SweepService:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.runs: OrderedDict[str, SweepRun] = OrderedDict()
+
+    # ---- registry ---------------------------------------------------------------------------
+    def get(self, sweep_id: str) -> SweepRun | None:
+        return self.runs.get(sweep_id)
+
+    def status(self) -> dict:
+        active = [r.status() for r in self.runs.values() if not r.finished]
+        return {"active": len(active), "sweeps": active, "recent": len(self.runs) - len(active)}
+
+    def _remember(self, run: SweepRun) -> None:
+        self.runs[run.sweep_id] = run
+        finished = [k for k, r in self.runs.items() if r.finished]
+        for k in finished[: max(0, len(finished) - KEEP_FINISHED)]:
+            del self.runs[k]
+
+    async def cancel_all(self, timeout: float = 10.0) -> None:
+        """Cancel every running sweep and wait (up to `timeout`) for their cleanup."""
+        tasks = [r.task for r in self.runs.values() if r.task is not None and not r.task.done()]
+        for run in list(self.runs.values()):
+            run.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    # ---- phase 1: prepare ---------------------------------------------------------------------
+    async def start(self, req: PatchSweepRequest) -> SweepRun:
+        """Plan and prepare a sweep, log its `start` event and launch its fan-out. Raises
+        SpecError / PlanError (nothing is left behind on failure)."""
+        eng = self.engine
+        stored = {}
+        if req.source_run is not None:
+            stored[req.source_run] = await anyio.to_thread.run_sync(eng.source_info, req.source_run)
+        plan = build_plan(eng, req, stored)
+        run = SweepRun(plan)
+        base = _Baselines()
+        try:
+            await self._prepare(run, base)
+        except BaseException:
+            await self._cleanup(run, base, keep=False)
+            raise
+        self._remember(run)
+        run.state = "running"
+        run.task = asyncio.create_task(self._fan_out(run, base), name=f"sweep-{plan.sweep_id}")
+        return run
+
+    async def _prepare(self, run: SweepRun, base: _Baselines) -> None:
+        plan, eng, req = run.plan, self.engine, run.plan.request
+        src = plan.source
+        if src.capture:
+            sites = [str(site_from_index(i)) for i in src.capture_sites]
+            spec = Interventions(capture=Capture.make(sites, "all_prompt", keep_as=src.run_id, return_values=False),
+                                 score_token_ids=plan.score_ids)
+            base.capture_submitted = True
+            gen = await eng.agenerate(plan.clean_ids, GenerationParams(max_tokens=1), spec)
+            iv = gen.intervention
+            if iv is None or iv.voided or iv.stored_as != src.run_id:
+                errs = "; ".join(iv.errors) if iv else "no result"
+                raise PlanError(507, "noise" if req.noise else "clean_prompt", f"the clean run could not be stored: {errs}")
+            base.auto_captured = True
+            base.clean = plan.basis_of(gen.scores[0])
+        elif plan.clean_ids is not None:
+            base.clean = plan.basis_of(await self._score(plan.clean_ids, plan, None))
+        if src.run_id is not None:
+            if not await anyio.to_thread.run_sync(eng.lease_source, src.run_id):
+                raise PlanError(404, "source_run", f"run {src.run_id!r} vanished from the source store before it could be leased")
+            base.leased = src.run_id
+        if base.clean is None and req.clean_baseline is not None:
+            base.clean = float(req.clean_baseline)
+        elif base.clean is not None and req.clean_baseline is not None:
+            base.notes.append(f"clean_baseline {req.clean_baseline} ignored: the clean run was measured ({base.clean:.6g})")
+
+        info = eng.info
+        if info.device == "cuda" and (info.enforce_eager or not info.batch_invariant):
+            base.notes.append("batch-dependent GPU numerics (eager mode or batch invariance off): cells can differ from "
+                              "their solo runs by more than the measured noise floor; see docs/validation.md")
+        solo = [plan.basis_of(await self._score(plan.corrupt_ids, plan, plan.noise_for(k))) for k in range(plan.noise_samples)]
+        base.corrupt_solo0 = solo[0]
+        base.corrupt = sum(solo) / len(solo)
+        base.metric = plan.metric
+        if plan.metric == "recovered" and abs(base.clean - base.corrupt) < RECOVERED_EPS:
+            base.metric = plan.basis
+            base.notes.append(f"recovered is undefined: the clean and corrupt baselines are equal ({plan.basis} "
+                              f"{base.clean:.6g} vs {base.corrupt:.6g}); values are raw {plan.basis}")
+
+        a = plan.alignment
+        run.emit({
+            "type": "start", "sweep_id": plan.sweep_id, "layers": plan.layers, "positions": plan.positions,
+            "hook": plan.hooks[0], "hooks": plan.hooks, "metric": base.metric, "metric_requested": plan.metric,
+            "recovered_basis": req.recovered_basis if plan.metric == "recovered" else None,
+            "auto_captured": base.auto_captured, "captured_source_run": src.run_id if base.auto_captured else None,
+            "cells_total": len(plan.cells), "clean": base.clean, "corrupt": base.corrupt,
+            "alignment": a.to_json() if a else None, **self._token_fields(plan),
+        })
+        for note in base.notes:
+            run.emit({"type": "warning", "message": note})
+        for s in plan.skipped_positions:
+            run.emit({"type": "skip", **s})
+        await self._emit_checksum(run)
+
+    async def _score(self, ids: list[int], plan: SweepPlan, noise, patch=None) -> dict[int, float]:
+        spec = Interventions(patch=(patch,) if patch is not None else (), noise=noise, score_token_ids=plan.score_ids)
+        # fresh: baselines are computed like the (never prefix-cached) patched cells
+        gen = await self.engine.agenerate(ids, GenerationParams(max_tokens=1), spec, fresh=True)
+        if gen.intervention is not None and gen.intervention.voided:
+            raise _Voided("; ".join(gen.intervention.errors) or "voided")
+        return gen.scores[0]
+
+    # ---- phase 2: fan-out -----------------------------------------------------------------------
+    async def _fan_out(self, run: SweepRun, base: _Baselines) -> None:
+        plan = run.plan
+        sem = asyncio.Semaphore(plan.request.max_concurrency)
+        results: asyncio.Queue = asyncio.Queue()
+        n = len(plan.cells)
+        k_nf = plan.request.noise_floor_samples
+        nf_at = {int((j + 0.5) * n / k_nf) for j in range(k_nf)}
+        in_batch: list[float] = []
+        tasks: list[asyncio.Task] = []
+
+        # cells run a second time after all the others (other batch neighbours): their
+        # differences join the baseline re-runs in the noise floor
+        repeat_at = sorted({int((j + 0.5) * n / k_nf) for j in range(k_nf)})
+        raw: dict[tuple[str, int, int], float] = {}
+        repeats: dict[tuple[str, int, int], float] = {}
+
+        async def cell_job(cell: SweepCell, kind: str = "cell") -> None:
+            async with sem:
+                try:
+                    vals = await asyncio.gather(*(self._score(plan.corrupt_ids, plan, plan.noise_for(k), plan.patch_for(cell))
+                                                  for k in range(plan.noise_samples)))
+                    results.put_nowait((kind, cell, sum(plan.basis_of(v) for v in vals) / len(vals), None))
+                except _Voided as exc:
+                    results.put_nowait((kind, cell, None, str(exc)))
+                except (asyncio.CancelledError, EngineDeadError):
+                    raise
+                except Exception as exc:  # one cell failing must not take the sweep down
+                    logger.exception("sweep %s: cell %s failed", plan.sweep_id, cell)
+                    results.put_nowait((kind, cell, None, f"{type(exc).__name__}: {exc}"))
+
+        async def baseline_job() -> None:
+            async with sem:
+                try:
+                    results.put_nowait(("baseline", None, plan.basis_of(await self._score(plan.corrupt_ids, plan, plan.noise_for(0))), None))
+                except _Voided as exc:
+                    results.put_nowait(("baseline", None, None, str(exc)))
+
+        state = "done"
+        waiter: asyncio.Future | None = None
+        try:
+            for i, cell in enumerate(plan.cells):
+                if i in nf_at:
+                    tasks.append(asyncio.create_task(baseline_job()))
+                tasks.append(asyncio.create_task(cell_job(cell)))
+            tasks += [asyncio.create_task(cell_job(plan.cells[i], "repeat")) for i in repeat_at]
+            pending = len(tasks)
+            last_progress = 0.0
+            while pending:
+                waiter = asyncio.ensure_future(results.get())
+                failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+                if failed:
+                    waiter.cancel()
+                    raise failed[0].exception()
+                done, _ = await asyncio.wait({waiter}, timeout=1.0)
+                if not done:
+                    waiter.cancel()
+                    continue
+                kind, cell, value, error = waiter.result()
+                pending -= 1
+                if kind in ("baseline", "repeat"):
+                    if value is not None:
+                        if kind == "baseline":
+                            in_batch.append(value)
+                        else:
+                            repeats[cell.key] = value
+                        if in_batch:
+                            run.emit({"type": "noise_floor", **self._noise_floor(in_batch, base, _pairs(raw, repeats)),
+                                      "final": len(in_batch) + len(repeats) == k_nf + len(repeat_at)})
+                    continue
+                if value is not None:
+                    raw[cell.key] = value
+                shown = None if value is None else self._metric(value, base)
+                run.values[cell.key] = shown
+                event = {"type": "cell", "hook": cell.hook, "layer": cell.layer, "position": cell.position, "value": shown}
+                if value is None:
+                    run.errors[cell.key] = error
+                    event["error"] = error
+                else:
+                    event["raw"] = value
+                run.emit(event)
+                now = time.monotonic()
+                if now - last_progress >= PROGRESS_EVERY_S or len(run.values) == n:
+                    last_progress = now
+                    run.emit(self._progress(run))
+        except asyncio.CancelledError:
+            state = "cancelled"
+        except EngineDeadError as exc:
+            state = "failed"
+            run.emit({"type": "error", "error": f"engine: {exc}"})
+        except Exception as exc:
+            state = "failed"
+            logger.exception("sweep %s failed", plan.sweep_id)
+            run.emit({"type": "error", "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            if waiter is not None:
+                waiter.cancel()
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)  # aborts their engine requests
+            keep = state == "done" and plan.request.keep_source
+            await self._cleanup(run, base, keep=keep)
+            if state == "done":
+                await self._emit_checksum(run)
+            run.summary = self._summary(run, base, in_batch, _pairs(raw, repeats), cancelled=state != "done")
+            run.emit({"type": "summary", **run.summary})
+            run.close(state)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    async def _cleanup(self, run: SweepRun, base: _Baselines, keep: bool) -> None:
+        src = run.plan.source
+        try:
+            with anyio.CancelScope(shield=True):  # runs while the sweep is being cancelled
+                await self._release(src, base, keep)
+        except Exception:  # the engine may be gone; nothing else to release then
+            logger.exception("sweep %s: cleanup failed", run.sweep_id)
+
+    async def _release(self, src, base: _Baselines, keep: bool) -> None:
+        if base.leased is not None:
+            await anyio.to_thread.run_sync(self.engine.release_source, base.leased)
+            base.leased = None
+        if src.capture and base.capture_submitted and not keep:
+            await anyio.to_thread.run_sync(self.engine.drop_source, src.run_id)
+
+    async def _emit_checksum(self, run: SweepRun) -> None:
+        try:
+            status = await anyio.to_thread.run_sync(self.engine.intervention_status)
+            run.emit({"type": "checksum", **status["determinism"],
+                      "workers": [{k: w.get(k) for k in ("tp_rank", "pp_rank", "action_checksum", "action_count")} for w in status["workers"]]})
+        except Exception as exc:
+            run.emit({"type": "checksum", "consistent": None, "error": str(exc)})
+
+    def _metric(self, basis_value: float, base: _Baselines) -> float:
+        if base.metric == "recovered":
+            return (basis_value - base.corrupt) / (base.clean - base.corrupt)
+        return basis_value
+
+    def _noise_floor(self, in_batch: list[float], base: _Baselines, repeated: list[dict] | None = None) -> dict:
+        """Largest deviation (metric units) of an in-batch baseline from the solo baseline, or of
+        a repeated cell from its first run."""
+        repeated = repeated or []
+        dev = max([abs(v - base.corrupt_solo0) for v in in_batch] + [abs(r["repeat"] - r["first"]) for r in repeated])
+        if base.metric == "recovered":
+            dev /= abs(base.clean - base.corrupt)
+        return {"value": dev, "solo": base.corrupt_solo0, "in_batch": list(in_batch), "cell_repeats": repeated,
+                "units": base.metric}
+
+    def _progress(self, run: SweepRun) -> dict:
+        elapsed = time.monotonic() - run.started
+        done = len(run.values)
+        return {"type": "progress", "done": done, "total": len(run.plan.cells), "voided": len(run.errors),
+                "elapsed_s": round(elapsed, 3), "cells_per_s": round(done / elapsed, 3) if elapsed > 0 else None}
+
+    def _token_fields(self, plan: SweepPlan) -> dict:
+        eng, req = self.engine, plan.request
+        return {
+            "model": eng.info.model, "prompt": req.prompt, "clean_prompt": req.clean_prompt if req.noise is None else req.prompt,
+            "prompt_token_ids": plan.corrupt_ids, "token_strings": eng.token_strings(plan.corrupt_ids),
+            "clean_token_ids": plan.clean_ids,
+            "clean_token_strings": eng.token_strings(plan.clean_ids) if plan.clean_ids is not None else None,
+            "answer_token_id": plan.answer_id, "answer_token": eng.token_strings([plan.answer_id])[0],
+            "foil_token_id": plan.foil_id, "foil_token": eng.token_strings([plan.foil_id])[0] if plan.foil_id is not None else None,
+            "alpha": req.alpha, "source": plan.source.to_json(), "subject_positions": plan.subject_positions,
+            "noise": ({"positions": plan.noise_positions, "scale": req.noise.scale, "seed": req.noise.seed,
+                       "samples": req.noise.samples} if req.noise else None),
+        }
+
+    def _summary(self, run: SweepRun, base: _Baselines, in_batch: list[float], repeated: list[dict], cancelled: bool) -> dict:
+        plan = run.plan
+        nf = self._noise_floor(in_batch, base, repeated) if in_batch else None
+        floor = nf["value"] if nf else None
+        threshold = max(floor, MIN_EFFECT) if floor is not None else None
+        corrupt_metric = 0.0 if base.metric == "recovered" else base.corrupt
+        hook_grids, within = [], []
+        for hook in plan.hooks:
+            grid = [[run.values.get((hook, l, p)) for p in plan.positions] for l in plan.layers]
+            hook_grids.append({"hook": hook, "grid": grid, "argmax": argmax_cell(grid, plan.layers, plan.positions)})
+            if threshold is not None:
+                within += [{"hook": hook, "layer": l, "position": p} for l in plan.layers for p in plan.positions
+                           if run.values.get((hook, l, p)) is not None and abs(run.values[(hook, l, p)] - corrupt_metric) <= threshold]
+        voided = [{"hook": h, "layer": l, "position": p, "reason": e} for (h, l, p), e in run.errors.items()]
+        a = plan.alignment
+        notes = list(base.notes)
+        if cancelled:
+            notes.append(f"cancelled after {len(run.values)} of {len(plan.cells)} cells")
+        eng = self.engine
+        last_checksum = next((ev for _, ev in reversed(run.log) if ev.get("type") == "checksum"), None)
+        return {
+            "sweep_id": plan.sweep_id, "layers": plan.layers, "positions": plan.positions,
+            "hook": plan.hooks[0], "hooks": plan.hooks, "metric": base.metric, "metric_requested": plan.metric,
+            "recovered_basis": plan.request.recovered_basis if plan.metric == "recovered" else None,
+            "grid": hook_grids[0]["grid"], "argmax": hook_grids[0]["argmax"],
+            "hook_grids": hook_grids if len(hook_grids) > 1 else None,
+            "clean": base.clean, "corrupt": base.corrupt,
+            "skipped": list(plan.skipped_positions) + voided,
+            "alignment": a.to_json() if a else None,
+            "noise_floor": floor, "noise_floor_detail": nf, "within_noise": within, "within_noise_threshold": threshold,
+            "auto_captured": base.auto_captured,
+            "captured_source_run": plan.source.run_id if base.auto_captured else None,
+            "source_kept": base.auto_captured and plan.request.keep_source and not cancelled,
+            **self._token_fields(plan),
+            "checksum": {k: v for k, v in last_checksum.items() if k != "type"} if last_checksum else None,
+            "cells_total": len(plan.cells), "cells_done": len(run.values), "cells_voided": len(run.errors),
+            "elapsed_s": round(time.monotonic() - run.started, 3), "cancelled": cancelled,
+            "notes": notes, "versions": dict(eng.info.versions),
+        }
+
+
+def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int, int], float]) -> list[dict]:
+    """Repeated cells whose both runs have a value (basis units)."""
+    return [{"hook": k[0], "layer": k[1], "position": k[2], "first": raw[k], "repeat": v}
+            for k, v in sorted(repeats.items()) if k in raw]
+
+
+class _Voided(Exception):
+    """A request the workers voided (its patch could not be applied)."""

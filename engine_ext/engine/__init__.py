@@ -1,0 +1,8 @@
+"""The client side of the engine: the `Engine` facade (`facade.py`), its configuration
+(`config.py`), per-request plumbing (`outputs.py`), the device defaults and process environment
+(`runtime.py`) and the thread that drives vLLM (`loop.py`)."""
+
+from engine_ext.engine.config import EngineConfig, EngineInfo
+from engine_ext.engine.facade import Engine
+
+__all__ = ["Engine", "EngineConfig", "EngineInfo"]

@@ -1,0 +1,63 @@
+"""How an engine is started (`EngineConfig`) and what it serves (`EngineInfo`): plain data."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine_ext.program import Limits
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to start the engine. `None` means the device default (see `runtime.defaults_for`)."""
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    enforce_eager: bool | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.5
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None
+    #: worker-side capacities (see WorkerConfig): intervention slots and capture rows per step,
+    #: and the byte budget of the source-run store
+    max_slots: int = 4096
+    max_capture_rows: int = 8192
+    source_store_bytes: int = 256 * 1024 * 1024
+    limits: Limits = field(default_factory=Limits)
+    #: run vLLM's engine core in its own process (None: vLLM's default, i.e. the
+    #: VLLM_ENABLE_V1_MULTIPROCESSING setting). Several engines in one process need True: vLLM's
+    #: distributed state is process-global, so an in-process engine's shutdown breaks the others.
+    multiprocess: bool | None = None
+    #: GPU only: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a request's numbers
+    #: do not depend on what it is batched with (sweep cells then equal their solo runs exactly;
+    #: see docs/validation.md). None: on for CUDA, off (unavailable) on CPU.
+    batch_invariant: bool | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What is being served (for /v1/status and figure manifests)."""
+
+    model: str
+    model_path: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_model_len: int
+    device: str
+    dtype: str
+    enforce_eager: bool
+    versions: dict[str, str]
+    startup_seconds: float
+    runner: str = ""
+    embedding_std: float = 1.0
+    batch_invariant: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)

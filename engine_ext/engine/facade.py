@@ -1,0 +1,525 @@
+"""`Engine`: the client-side facade over a vLLM engine (sync and async).
+
+    from engine_ext import Engine, GenerationParams
+    with Engine() as eng:                       # the bundled model, CPU or GPU defaults
+        g = eng.generate("The capital of Tarn is", GenerationParams(max_tokens=4))
+
+One engine serves any number of concurrent callers: sync `generate` from threads, `agenerate` /
+`astream` from any asyncio loop; all requests are batched by vLLM on the engine thread
+(`EngineLoop`). Prompts are tokenized here with the model's own tokenizer and sent to vLLM as
+token ids, so the positions the caller sees are exactly the positions the engine computes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import os
+import platform
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine_ext.engine import runtime
+from engine_ext.bundled import BUNDLED_MODEL_NAME, BUNDLED_MODEL_PATH, bundled_model_path
+from engine_ext.engine.loop import EngineLoop
+from engine_ext.errors import EngineDeadError, SpecError
+from engine_ext.engine.config import EngineConfig, EngineInfo
+from engine_ext.engine.outputs import AsyncSink, Prepared, QueueSink, delta_from_output
+from engine_ext.generation import Generation, GenerationDelta, GenerationParams
+from engine_ext.program import ModelDims, PromptInfo, compile_program, program_to_extra_args
+from engine_ext.specs import Interventions, Steer, positions_from_json
+
+logger = logging.getLogger("causalboard.engine")
+
+Prompt = str | Sequence[int]
+
+#: how long a control-plane call to the workers may take before the caller gets an error
+RPC_TIMEOUT_S = 300
+
+
+class Engine:
+    """A vLLM engine on the bundled model (or `model`) with causalboard's interventions."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
+        config = config or EngineConfig()
+        if overrides:
+            config = EngineConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, **overrides})
+        self.config = config
+        self.device = runtime.resolve_device(config.device)
+        defaults = runtime.defaults_for(self.device)
+        self.dtype = config.dtype or defaults.dtype
+        self.enforce_eager = defaults.enforce_eager if config.enforce_eager is None else config.enforce_eager
+        self.attention_backend = config.attention_backend or defaults.attention_backend
+        self.batch_invariant = (self.device == "cuda") if config.batch_invariant is None else bool(config.batch_invariant)
+        self.model_path = Path(config.model).expanduser().resolve() if config.model else bundled_model_path()
+        if not (self.model_path / "config.json").is_file():
+            raise SpecError("model", f"{self.model_path} is not a local Hugging Face model folder (no config.json)")
+        self._loop: EngineLoop | None = None
+        self._ids = itertools.count()
+        self._info: EngineInfo | None = None
+        self._dims: ModelDims | None = None
+        self._named: dict[str, int] = {}  # mirror of the workers' named vectors: name -> dimension
+        self._named_values: dict[str, Any] = {}  # client-side copy of each named vector (float32)
+        self._global: list[Steer] = []
+        self.tokenizer: Any = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._loop is not None:
+            return self
+        runtime.prepare_environment(self.device)
+        from transformers import AutoConfig, AutoTokenizer
+
+        from engine_ext.worker import seam
+
+        seam.install()  # also checks the vLLM version (in-process workers share these patches)
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        arch = (hf_config.architectures or ["?"])[0]
+        if arch not in seam.SUPPORTED_ARCHITECTURES:
+            raise SpecError("model", f"architecture {arch} is not supported (supported: {', '.join(seam.SUPPORTED_ARCHITECTURES)}); "
+                                     "causalboard refuses to serve a model it cannot intervene on")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        t0 = time.perf_counter()
+        self._loop = EngineLoop(self._build_vllm_engine)
+        try:
+            self._loop.start()
+            worker = self._loop.call(lambda e: e.collective_rpc("cb_model_info")).result(timeout=RPC_TIMEOUT_S)[0]
+        except BaseException:
+            if self._loop is not None:
+                self._loop.shutdown()
+            self._loop = None
+            raise
+        if worker["patched_layers"] != hf_config.num_hidden_layers:
+            self.close()
+            raise RuntimeError(f"causalboard patched {worker['patched_layers']} of {hf_config.num_hidden_layers} decoder layers; "
+                               "refusing to serve a model whose interventions would be silently ignored")
+        startup = time.perf_counter() - t0
+        self._info = self._make_info(hf_config, startup, worker)
+        self._dims = ModelDims(self._info.num_layers, self._info.hidden_size, self._info.vocab_size, worker["embedding_std"])
+        logger.info("vLLM engine ready in %.1f s: %s", startup, self._info)
+        return self
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.shutdown()
+            self._loop = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _build_vllm_engine(self) -> Any:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from engine_ext.worker.seam import SEAM_FINGERPRINT
+
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_path),
+            dtype=self.dtype,
+            enforce_eager=self.enforce_eager,
+            max_num_seqs=self.config.max_num_seqs,
+            seed=self.config.seed,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            disable_log_stats=True,
+            worker_extension_cls="engine_ext.worker.extension.CausalboardWorkerExtension",
+            additional_config={"causalboard": {
+                "seam": SEAM_FINGERPRINT,
+                "max_slots": self.config.max_slots,
+                "max_capture_rows": self.config.max_capture_rows,
+                "source_store_bytes": self.config.source_store_bytes,
+            }},
+        )
+        if self.config.max_model_len:
+            kwargs["max_model_len"] = self.config.max_model_len
+        if self.device == "cuda":
+            kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
+        if self.attention_backend:
+            kwargs["attention_config"] = {"backend": self.attention_backend}
+        if self.batch_invariant:
+            if self.device != "cuda":
+                raise SpecError("batch_invariant", "vLLM's batch-invariant kernels exist only on CUDA GPUs")
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM's workers at start-up
+        kwargs.update(self.config.engine_kwargs)
+        return LLMEngine.from_engine_args(EngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS,
+                                          enable_multiprocessing=bool(self.config.multiprocess))
+
+    def _make_info(self, hf_config: Any, startup: float, worker: dict) -> EngineInfo:
+        import torch
+        import transformers
+        from importlib import metadata
+
+        from engine_ext.worker.seam import installed_vllm_version
+
+        try:
+            own = metadata.version("causalboard")
+        except metadata.PackageNotFoundError:
+            own = "source"
+        max_len = self._loop.call(lambda e: e.model_config.max_model_len).result()
+        name = BUNDLED_MODEL_NAME if self.model_path == BUNDLED_MODEL_PATH else self.model_path.name
+        return EngineInfo(
+            model=name,
+            model_path=str(self.model_path),
+            architecture=(hf_config.architectures or ["?"])[0],
+            num_layers=int(hf_config.num_hidden_layers),
+            hidden_size=int(hf_config.hidden_size),
+            vocab_size=int(hf_config.vocab_size),
+            max_model_len=int(max_len),
+            device=self.device,
+            dtype=self.dtype,
+            enforce_eager=self.enforce_eager,
+            versions={
+                "causalboard": own,
+                "vllm": installed_vllm_version(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+            },
+            startup_seconds=round(startup, 2),
+            runner=worker.get("runner", ""),
+            embedding_std=float(worker.get("embedding_std", 1.0)),
+            batch_invariant=self.batch_invariant,
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineDeadError("the engine is not started")
+        return self._info
+
+    @property
+    def alive(self) -> bool:
+        return self._loop is not None and self._loop.alive
+
+    @property
+    def in_flight(self) -> int:
+        return self._loop.in_flight if self._loop is not None else 0
+
+    # ---- tokens ----------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """One display string per token id (the decoded text of that single token)."""
+        return [self.tokenizer.decode([i]) for i in ids]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _prompt_info(self, text: str | None, ids: list[int], max_tokens: int) -> PromptInfo:
+        offsets = None
+        if text is not None:
+            enc = self.tokenizer(text, return_offsets_mapping=True)
+            offsets = [tuple(o) for o in enc["offset_mapping"]]
+            specials = set(self.tokenizer.all_special_ids)
+            offsets = [(0, 0) if i in specials else o for i, o in zip(enc["input_ids"], offsets)]
+        return PromptInfo(ids, text, offsets, max_tokens)
+
+    def resolve_positions(self, prompt: str, positions: Any, field_name: str = "positions") -> list[int]:
+        """Absolute prompt positions a selector (index list, span, named) denotes for `prompt`."""
+        from engine_ext.program import resolve_positions
+
+        ids = self.tokenize(prompt)
+        pos, _ = resolve_positions(positions_from_json(positions, field_name), self._prompt_info(prompt, ids, 1), field_name)
+        return pos
+
+    # ---- generation ------------------------------------------------------------------------
+    def _prepare(self, prompt: Prompt, params: GenerationParams, spec: Interventions | None = None,
+                 fresh: bool = False) -> Prepared:
+        """Validate and build the vLLM request. Raises `SpecError` naming the field. `fresh`:
+        compute the whole prompt (no prefix-cache reuse), like every request that modifies the
+        stream — so an unpatched baseline goes through the same computation as patched cells."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise SpecError("prompt", "must not be empty")
+            text, ids = prompt, self.tokenize(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+            text = None
+            if not ids:
+                raise SpecError("prompt", "must not be empty")
+            vocab = self.info.vocab_size
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise SpecError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        limit = self.info.max_model_len
+        if len(ids) >= limit:
+            raise SpecError("prompt", f"has {len(ids)} tokens; the model's context is {limit} tokens")
+        if len(ids) + params.max_tokens > limit:
+            raise SpecError(
+                "max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {limit} tokens",
+            )
+        prep = Prepared(text, ids, None)
+        extra_args = None
+        score_ids: list[int] | None = None
+        skip_cache_read = False
+        if spec is not None and not spec.is_empty():
+            if spec.score_token_ids:
+                if params.logprobs:
+                    raise SpecError("logprobs", "top-k logprobs cannot be combined with score_token_ids (vLLM returns one or the other)")
+                if len(spec.score_token_ids) > 128:
+                    raise SpecError("score_token_ids", "at most 128 token ids")
+                for k, t in enumerate(spec.score_token_ids):
+                    if not 0 <= t < self.info.vocab_size:
+                        raise SpecError(f"score_token_ids[{k}]", f"token id {t} is outside the vocabulary [0, {self.info.vocab_size})")
+                score_ids = list(dict.fromkeys(spec.score_token_ids))
+            if spec.steer or spec.patch or spec.capture or spec.noise:
+                prep.key = self._new_id()
+                program = compile_program(spec, self._prompt_info(text, ids, params.max_tokens), self._dims,
+                                          key=prep.key, named_vector_dims=self._named.get, limits=self.config.limits)
+                prep.program_hash = program["hash"]
+                extra_args = program_to_extra_args(program)
+                if spec.modifies_stream():
+                    # never share KV blocks with requests computed differently
+                    prep.cache_salt = f"cb-{program['hash']}-{prep.key}"
+                if spec.capture is not None and program["capture"]["pos"][:-1]:
+                    skip_cache_read = True  # cached prompt positions would not be recomputed/captured
+        if fresh and prep.cache_salt is None:
+            prep.cache_salt = f"cb-fresh-{self._new_id()}"
+        prep.sampling = SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            logprobs=params.logprobs if score_ids is None else None,
+            logprob_token_ids=score_ids,
+            stop=list(params.stop) or None,
+            ignore_eos=params.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra_args,
+            skip_reading_prefix_cache=skip_cache_read or None,
+        )
+        return prep
+
+    def validate(self, prompt: Prompt, params: GenerationParams, interventions: Interventions | None = None) -> list[int]:
+        """Check a request without submitting it; returns the prompt's token ids.
+        Raises `SpecError` naming the offending field."""
+        return self._prepare(prompt, params, interventions).ids
+
+    def _new_id(self) -> str:
+        return f"cb-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+    def _require_loop(self) -> EngineLoop:
+        if self._loop is None:
+            raise EngineDeadError("the engine is not started (call start() or use `with Engine()`)")
+        return self._loop
+
+    def _converter(self, params: GenerationParams, spec: Interventions | None, prep: Prepared):
+        score_ids = tuple(dict.fromkeys(spec.score_token_ids)) if spec is not None else ()
+        return functools.partial(delta_from_output, top_k=params.logprobs if not score_ids else 0,
+                                 score_ids=score_ids, program_hash=prep.program_hash)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: GenerationParams | None = None,
+                 interventions: Interventions | Sequence[Interventions | None] | None = None) -> Any:
+        """Generate for one prompt (returns a `Generation`) or a list of prompts (returns a list),
+        all submitted together so vLLM batches them. `interventions` is one spec for all prompts
+        or one per prompt. Blocks until all are finished."""
+        params = params or GenerationParams()
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        specs = list(interventions) if isinstance(interventions, (list, tuple)) else [interventions] * len(batch)
+        if len(specs) != len(batch):
+            raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
+        loop = self._require_loop()
+        prepared = [self._prepare(p, params, s) for p, s in zip(batch, specs)]  # validate all before submitting any
+        jobs = []
+        for prep, spec in zip(prepared, specs):
+            rid = prep.key or self._new_id()
+            sink = QueueSink(self._converter(params, spec, prep))
+            loop.submit(rid, prep.prompt(), prep.sampling, sink, collect_key=prep.key)
+            jobs.append((Generation(rid, prep.text, prep.ids), sink))
+        for gen, sink in jobs:
+            while True:
+                item = sink.q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                gen.extend(item)
+                if item.finished:
+                    break
+        results = [g for g, _ in jobs]
+        return results[0] if single else results
+
+    async def astream(self, prompt: Prompt, params: GenerationParams | None = None,
+                      interventions: Interventions | None = None) -> AsyncIterator[GenerationDelta]:
+        """Yield deltas as the engine produces them (the last one carries the intervention
+        result). Leaving the iterator early (or cancelling the task) aborts the request."""
+        params = params or GenerationParams()
+        prep = self._prepare(prompt, params, interventions)
+        async for delta in self._astream(prep, params, interventions):
+            yield delta
+
+    async def _astream(self, prep: Prepared, params: GenerationParams, spec: Interventions | None) -> AsyncIterator[GenerationDelta]:
+        loop = self._require_loop()
+        rid = prep.key or self._new_id()
+        sink = AsyncSink(asyncio.get_running_loop(), self._converter(params, spec, prep))
+        loop.submit(rid, prep.prompt(), prep.sampling, sink, collect_key=prep.key)
+        finished = False
+        try:
+            while True:
+                item = await sink.q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                loop.abort(rid)
+
+    async def agenerate(self, prompt: Prompt, params: GenerationParams | None = None,
+                        interventions: Interventions | None = None, *, fresh: bool = False) -> Generation:
+        """Async `generate` for one prompt (`fresh`: see `_prepare`)."""
+        params = params or GenerationParams()
+        prep = self._prepare(prompt, params, interventions, fresh)
+        gen = Generation(prep.key or "", prep.text, prep.ids)
+        async for delta in self._astream(prep, params, interventions):
+            gen.extend(delta)
+        return gen
+
+    # ---- conveniences ----------------------------------------------------------------------
+    def capture(self, prompt: Prompt, sites: Any, positions: Any = "all_prompt", *, keep_as: str | None = None,
+                return_values: bool = True) -> Generation:
+        """Run the prompt (one generated token) capturing `sites` x `positions`."""
+        from engine_ext.specs import Capture
+
+        spec = Interventions(capture=Capture.make(sites, positions, keep_as=keep_as, return_values=return_values))
+        gen = self.generate(prompt, GenerationParams(max_tokens=1), spec)
+        iv = gen.intervention
+        if iv is None or iv.voided or (keep_as is not None and iv.stored_as != keep_as):
+            errs = iv.errors if iv else ["no result"]
+            raise RuntimeError(f"capture failed: {'; '.join(errs)}")
+        return gen
+
+    def score(self, prompt: Prompt, token_ids: Sequence[int], interventions: Interventions | None = None) -> dict[int, float]:
+        """Exact logprobs of `token_ids` at the last prompt position (with interventions)."""
+        spec = interventions or Interventions()
+        spec = Interventions(spec.steer, spec.patch, spec.capture, spec.noise, tuple(token_ids))
+        gen = self.generate(prompt, GenerationParams(max_tokens=1), spec)
+        if gen.intervention is not None and gen.intervention.voided:
+            raise RuntimeError(f"request voided: {'; '.join(gen.intervention.errors)}")
+        return gen.scores[0]
+
+    # ---- control plane ---------------------------------------------------------------------
+    def _rpc(self, method: str, *args: Any) -> list:
+        return self._require_loop().call(lambda e: e.collective_rpc(method, args=args)).result(timeout=RPC_TIMEOUT_S)
+
+    def register_vector(self, name: str, vector: Any) -> None:
+        """Register a named steering vector on every worker (replacing one of the same name)."""
+        from engine_ext.specs import as_vector
+
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise SpecError("name", "must be a non-empty string of at most 128 characters")
+        vec = as_vector(vector, "vector")
+        if vec.shape[0] != self.info.hidden_size:
+            raise SpecError("vector", f"has dimension {vec.shape[0]}, the model's hidden size is {self.info.hidden_size}")
+        if name not in self._named and len(self._named) >= self.config.limits.max_named_vectors:
+            raise SpecError("name", f"at most {self.config.limits.max_named_vectors} named vectors")
+        self._rpc("cb_register_vector", name, vec.astype("<f4").tobytes())
+        self._named[name] = int(vec.shape[0])
+        self._named_values[name] = vec.astype("<f4").copy()
+
+    def delete_vector(self, name: str) -> bool:
+        if any(s.name == name for s in self._global):
+            raise SpecError("name", f"vector {name!r} is used by the global steering; clear it first")
+        found = any(self._rpc("cb_delete_vector", name))
+        self._named.pop(name, None)
+        self._named_values.pop(name, None)
+        return found
+
+    def list_vectors(self) -> dict[str, int]:
+        return dict(self._named)
+
+    def named_vector(self, name: str) -> Any:
+        """A copy of the registered vector `name` (float32 numpy array), or None."""
+        vec = self._named_values.get(name)
+        return None if vec is None else vec.copy()
+
+    def set_global_steer(self, steers: Sequence[Steer]) -> None:
+        """Replace the server-wide steering (applies to every request; composes with per-request
+        steering). Positions: "all", "all_generated" or absolute indices. Resets the prefix cache."""
+        entries = []
+        for k, s in enumerate(steers):
+            f = f"steer[{k}]"
+            if s.positions not in ("all", "all_generated") and (isinstance(s.positions, str) or any(
+                    not isinstance(p, int) or p < 0 for p in s.positions)):
+                raise SpecError(f"{f}.positions", "global steering takes 'all', 'all_generated' or absolute indices")
+            if s.name is not None and s.name not in self._named:
+                raise SpecError(f"{f}.name", f"no registered vector named {s.name!r}")
+            if s.vector is not None and s.vector.shape[0] != self.info.hidden_size:
+                raise SpecError(f"{f}.vector", f"has dimension {s.vector.shape[0]}, the model's hidden size is {self.info.hidden_size}")
+            for j, site in enumerate(s.sites):
+                if site.layer >= self.info.num_layers:
+                    raise SpecError(f"{f}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
+                e = {"site": site.index(), "scale": s.scale, "phase": s.phase,
+                     "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name}
+                if s.positions == "all":
+                    e.update(pos=[], gen=True, every=True)
+                elif s.positions == "all_generated":
+                    e.update(pos=[], gen=True)
+                else:
+                    e.update(pos=sorted(set(s.positions)), gen=False)
+                entries.append(e)
+
+        def apply(engine: Any) -> None:
+            engine.collective_rpc("cb_set_global_steer", args=(entries,))
+            engine.reset_prefix_cache()
+
+        self._require_loop().call(apply).result()
+        self._global = list(steers)
+
+    def clear_global_steer(self) -> None:
+        self.set_global_steer([])
+
+    @property
+    def global_steer(self) -> list[Steer]:
+        return list(self._global)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (waits for running requests to finish first)."""
+        return bool(self._require_loop().call(lambda e: e.reset_prefix_cache()).result())
+
+    def drop_source(self, run_id: str) -> bool:
+        return any(self._rpc("cb_store", "drop", run_id))
+
+    def has_source(self, run_id: str) -> bool:
+        return all(self._rpc("cb_store", "has", run_id))
+
+    def source_info(self, run_id: str) -> dict | None:
+        """What a stored run holds on the first rank: `{"sites": [site index], "positions": [...],
+        "bytes", "leases"}`, or None when it is not stored (on any rank)."""
+        infos = self._rpc("cb_store", "info", run_id)
+        return infos[0] if infos and all(i is not None for i in infos) else None
+
+    def lease_source(self, run_id: str) -> bool:
+        """Protect a stored run from eviction until `release_source` (e.g. for a sweep's life)."""
+        return all(self._rpc("cb_store", "lease", run_id))
+
+    def release_source(self, run_id: str) -> None:
+        self._rpc("cb_store", "release", run_id)
+
+    def source_store_usage(self) -> dict:
+        return self._rpc("cb_store", "usage")[0]
+
+    def intervention_status(self) -> dict:
+        """Per-worker checksum/action counts and the cross-rank comparison."""
+        from engine_ext.worker.checksum import compare_ranks
+
+        workers = self._rpc("cb_status")
+        return {"workers": workers, "determinism": compare_ranks(workers)}

@@ -1,0 +1,107 @@
+"""Per-request plumbing between the engine loop and callers: the prepared vLLM request
+(`Prepared`), the sinks that receive a request's outputs on the loop thread (`QueueSink` for
+threads, `AsyncSink` for asyncio) and the conversion of vLLM `RequestOutput`s into plain
+`GenerationDelta`s (no vLLM type leaves this package)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+from engine_ext.generation import GenerationDelta, InterventionResult
+from engine_ext.sites import site_from_index
+
+
+class QueueSink:
+    """Sync sink: deltas go to a thread-safe queue."""
+
+    def __init__(self, convert):
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self._convert = convert
+
+    def on_output(self, output: Any, worker_result: dict | None = None) -> None:
+        self.q.put(self._convert(output, worker_result))
+
+    def on_error(self, error: BaseException) -> None:
+        self.q.put(error)
+
+
+class AsyncSink:
+    """Async sink: deltas are posted onto the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, convert):
+        self.q: asyncio.Queue = asyncio.Queue()
+        self._loop = loop
+        self._convert = convert
+
+    def _post(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.q.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    def on_output(self, output: Any, worker_result: dict | None = None) -> None:
+        self._post(self._convert(output, worker_result))
+
+    def on_error(self, error: BaseException) -> None:
+        self._post(error)
+
+
+def delta_from_output(output: Any, worker_result: dict | None, top_k: int, score_ids: tuple[int, ...],
+                       program_hash: str | None) -> GenerationDelta:
+    """Convert a vLLM DELTA `RequestOutput` (+ the workers' result at the end)."""
+    comp = output.outputs[0]
+    logprobs: list[float] = []
+    tops: list[dict[int, float]] = []
+    scores: list[dict[int, float]] = []
+    for tid, step in zip(comp.token_ids, comp.logprobs or []):
+        logprobs.append(float(step[tid].logprob))
+        if top_k:
+            # vLLM adds the sampled token to the top-k even when it ranks lower; keep the top-k only
+            tops.append({int(t): float(lp.logprob) for t, lp in step.items() if lp.rank <= top_k})
+        if score_ids:
+            scores.append({t: float(step[t].logprob) for t in score_ids})
+    return GenerationDelta(
+        token_ids=list(comp.token_ids),
+        text=comp.text,
+        logprobs=logprobs,
+        top_logprobs=tops,
+        finished=bool(output.finished),
+        finish_reason=comp.finish_reason,
+        scores=scores,
+        intervention=_intervention_result(worker_result, program_hash) if worker_result is not None else None,
+    )
+
+
+def _intervention_result(res: dict, program_hash: str | None) -> InterventionResult:
+    import numpy as np
+
+    caps = {}
+    for k, data in (res.get("captures") or {}).items():
+        site_idx, pos = (int(v) for v in k.split(":"))
+        site = site_from_index(site_idx)
+        caps[(site.layer, site.hook, pos)] = np.frombuffer(data, dtype="<f4").copy()
+    errors = list(res.get("errors") or [])
+    if res.get("store_error"):
+        errors.append(res["store_error"])
+    return InterventionResult(status=res.get("status", "unknown"), errors=errors, captures=caps,
+                              stored_as=res.get("stored_as"), evicted=list(res.get("evicted") or []),
+                              program_hash=program_hash)
+
+
+@dataclass
+class Prepared:
+    text: str | None
+    ids: list[int]
+    sampling: Any
+    key: str | None = None
+    program_hash: str | None = None
+    cache_salt: str | None = None
+
+    def prompt(self) -> dict:
+        p: dict = {"prompt_token_ids": self.ids}
+        if self.cache_salt:
+            p["cache_salt"] = self.cache_salt
+        return p

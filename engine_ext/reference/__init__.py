@@ -1,0 +1,1 @@
+"""The transformers oracle the engine is tested against."""

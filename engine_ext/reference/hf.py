@@ -1,0 +1,538 @@
+"""The Hugging Face transformers reference implementation (the test oracle).
+
+Loads the same local weights with transformers and computes, with plain PyTorch, what the vLLM
+engine must reproduce: greedy continuations and per-token logprobs (full recomputation each step,
+no KV cache, so it is simple enough to trust) — and, for causal tracing / steering, the same
+forward with interventions at residual-stream sites and captures of the stream there.
+
+Sites
+-----
+A site is `(layer, hook)` of decoder layer `i` (`model.model.layers[i]`):
+
+* `pre_attn`   — the stream entering layer i (the layer's input; HF `hidden_states[i]`);
+* `post_attn`  — after the attention add of layer i (the input of `post_attention_layernorm`,
+  which HF also keeps as the residual of the MLP add; it is edited in place so both see it);
+* `post_block` — the stream leaving layer i (the layer's output; HF `hidden_states[i+1]`, but
+  for the last layer the value *before* the final norm).
+
+Interventions (exactly the engine's `worker_state._slot_value` / `intervention_op._apply`)
+--------------------------------------------------------------------------------------
+Per site and absolute position `p` (prompt first, then generated tokens fed back):
+
+1. patch first — the replace edit covering `p` (the *last* one given wins, as in the engine's
+   per-(site, position) table): `a = f32(1 - alpha)`, `c = f32(alpha) * t` (zero-ablation:
+   no `c`);
+2. then every add (steer / noise) that applies at `p`, in the order given:
+   `c = c + vec * f32(scale)`;
+3. `new = c if a == 0 else a * s + c`, all float32, written back in the model dtype.
+
+Captures record the stream after the interventions at that site. The engine applies its adds
+in this order: steering entries (in spec order, each entry's sites in order), then noise, then
+the global steering set — give `RefEdit`s in the same order to reproduce its rounding exactly
+(`edits_from_program` does this for a compiled wire program).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine_ext.bundled import bundled_model_path
+from engine_ext.errors import SpecError
+from engine_ext.sites import HOOKS, PHASES, Site, site_from_index
+
+KINDS: tuple[str, ...] = ("add", "replace")
+
+SiteKey = tuple[int, str]
+
+
+@dataclass
+class ReferenceGeneration:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    #: per step, the gap between the best and second-best logprob (to recognise near-ties)
+    top2_gaps: list[float]
+    #: (`generate` only) per step, the full float32 logprob row over the vocabulary,
+    #: a tensor [len(token_ids), vocab] — read any token id's logprob at any step
+    step_logprobs: Any = None
+    #: (`generate` only) captures of the final forward (prompt + all generated tokens but the
+    #: last, i.e. every position ever fed to the model): {(layer, hook): tensor [len, H]}
+    captures: dict[SiteKey, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RefRun:
+    """One forward over `ids` with interventions."""
+
+    ids: list[int]
+    n_prompt: int
+    #: float32 next-token logits at every position: [len(ids), vocab]
+    logits: Any
+    #: {(layer, hook): float32 tensor [len(ids), H]} — the post-intervention stream
+    captures: dict[SiteKey, Any]
+
+    def logprobs(self, position: int = -1) -> Any:
+        """Float32 log-softmax row at `position` (default: the last)."""
+        import torch
+
+        return torch.log_softmax(self.logits[position], dim=-1)
+
+
+def parse_site(site: Any) -> SiteKey:
+    """`(layer, hook)` from a tuple, an object with `.layer`/`.hook` (e.g. `specs.Site`) or the
+    text form `"L3.post_attn"`."""
+    if isinstance(site, str):
+        try:
+            parsed = Site.parse(site)
+        except SpecError as exc:
+            raise ValueError(exc.message) from None
+        layer, hook = parsed.layer, parsed.hook
+    elif hasattr(site, "layer") and hasattr(site, "hook"):
+        layer, hook = site.layer, site.hook
+    else:
+        layer, hook = site
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+        raise ValueError(f"site layer must be a non-negative integer, got {layer!r}")
+    if hook not in HOOKS:
+        raise ValueError(f"unknown hook {hook!r}; expected one of {', '.join(HOOKS)}")
+    return int(layer), str(hook)
+
+
+@dataclass
+class RefEdit:
+    """One intervention at one site.
+
+    * `kind="add"` (steering, noise): add `scale * v` at `positions` (absolute) and, when `gen`,
+      at every generated position (>= n_prompt); `phase` restricts it to the prompt
+      ("prefill": positions < n_prompt) or to generated tokens ("decode": >= n_prompt).
+    * `kind="replace"` (patch): `(1 - alpha) * s + alpha * t` at `positions`; `vectors=None`
+      is zero-ablation (t = 0). Patches are explicit positions only (no `gen`, no `phase`).
+
+    `vectors`: one vector `[H]` (or `[1, H]`) for all positions, or `[len(positions), H]`, one
+    per position in the order of `positions`. Positions beyond the sequence are ignored.
+    """
+
+    layer: int
+    hook: str
+    positions: Sequence[int] = ()
+    kind: str = "add"
+    vectors: Any = None
+    alpha: float = 1.0
+    scale: float = 1.0
+    gen: bool = False
+    phase: str = "both"
+
+    def __post_init__(self) -> None:
+        self.layer, self.hook = parse_site((self.layer, self.hook))
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
+        pos = [int(p) for p in self.positions]
+        if any(p < 0 for p in pos):
+            raise ValueError(f"positions are absolute token indices (>= 0), got {pos}")
+        if len(set(pos)) != len(pos):
+            raise ValueError(f"positions must not repeat, got {pos}")
+        self.positions = pos
+        self._index = {p: j for j, p in enumerate(pos)}
+        self.alpha, self.scale = float(self.alpha), float(self.scale)
+        if self.kind == "replace":
+            if self.gen or self.phase != "both":
+                raise ValueError("a replace edit takes explicit positions only (no gen / phase)")
+        elif self.vectors is None:
+            raise ValueError("an add edit needs vectors")
+        if self.vectors is None:
+            self._vecs = None
+            return
+        v = self.vectors
+        if hasattr(v, "detach"):
+            v = v.detach().float().cpu().numpy()
+        v = np.ascontiguousarray(np.asarray(v, dtype=np.float32))
+        if v.ndim == 1:
+            v = v[None, :]
+        if v.ndim != 2 or v.shape[1] == 0 or v.shape[0] not in (1, len(pos)):
+            raise ValueError(f"vectors must be [H], [1, H] or [len(positions)={len(pos)}, H], got shape {list(v.shape)}")
+        if v.shape[0] > 1 and self.gen:
+            raise ValueError("gen=True needs a single vector (generated positions have no per-position vector)")
+        if not np.all(np.isfinite(v)):
+            raise ValueError("vectors contain NaN or infinite values")
+        self._vecs = v
+
+    # ---- constructors ---------------------------------------------------------------------
+    @classmethod
+    def steer(cls, site: Any, vector: Any, *, scale: float = 1.0, positions: Sequence[int] = (),
+              gen: bool = False, phase: str = "both") -> "RefEdit":
+        layer, hook = parse_site(site)
+        return cls(layer, hook, positions, "add", vector, scale=scale, gen=gen, phase=phase)
+
+    @classmethod
+    def patch(cls, site: Any, positions: Sequence[int], targets: Any, *, alpha: float = 1.0) -> "RefEdit":
+        layer, hook = parse_site(site)
+        return cls(layer, hook, positions, "replace", targets, alpha=alpha)
+
+    @classmethod
+    def zero(cls, site: Any, positions: Sequence[int], *, alpha: float = 1.0) -> "RefEdit":
+        layer, hook = parse_site(site)
+        return cls(layer, hook, positions, "replace", None, alpha=alpha)
+
+    @classmethod
+    def noise(cls, positions: Sequence[int], vectors: Any) -> "RefEdit":
+        """The ROME corruption: per-position vectors added to the input embeddings (L0.pre_attn)."""
+        return cls(0, "pre_attn", positions, "add", vectors, scale=1.0)
+
+    # ---- semantics --------------------------------------------------------------------------
+    @property
+    def site(self) -> SiteKey:
+        return (self.layer, self.hook)
+
+    @property
+    def hidden_size(self) -> int | None:
+        return None if self._vecs is None else int(self._vecs.shape[1])
+
+    def applies(self, position: int, n_prompt: int) -> bool:
+        """Does this edit act at `position` (the engine's `AddOp.applies` for adds)?"""
+        if self.kind == "replace":
+            return position in self._index
+        is_gen = position >= n_prompt
+        if self.phase == "prefill" and is_gen or self.phase == "decode" and not is_gen:
+            return False
+        if self.gen and is_gen:
+            return True
+        return position in self._index
+
+    def target_at(self, position: int) -> np.ndarray | None:
+        """Replace: the float32 target at `position` (None = zero-ablation)."""
+        if self._vecs is None:
+            return None
+        return self._vecs[self._index[position] if self._vecs.shape[0] > 1 else 0]
+
+    def add_at(self, position: int) -> np.ndarray:
+        """Add: the float32 vector added at `position`: `vec * f32(scale)`."""
+        v = self._vecs[self._index[position] if self._vecs.shape[0] > 1 else 0]
+        return v * np.float32(self.scale)
+
+
+def edits_from_program(program: dict, *, named_vector: Callable[[str], Any] | None = None,
+                       source_value: Callable[[str, int, int], Any] | None = None,
+                       source_mean: Callable[[str, int], Any] | None = None,
+                       ) -> tuple[list[RefEdit], list[SiteKey]]:
+    """The `RefEdit`s (in the engine's order) and capture sites of a compiled wire program
+    (`program.compile_program`'s output). Named vectors and stored source runs are resolved
+    with the callbacks (`source_value(run_id, site_index, position)`,
+    `source_mean(run_id, site_index)`, site_index as in `engine_ext.sites.site_index`); a missing one
+    raises KeyError."""
+    from engine_ext.specs import decode_vector
+
+    def site_of(index: int) -> SiteKey:
+        site = site_from_index(int(index))
+        return site.layer, site.hook
+
+    def need(value: Any, what: str) -> Any:
+        if value is None:
+            raise KeyError(f"{what} is not available")
+        return value
+
+    edits: list[RefEdit] = []
+    patches: list[RefEdit] = []
+    for p in program.get("patch") or []:
+        site, src, dst = int(p["site"]), p["src"], [int(x) for x in p["dst"]]
+        if "run" in src:
+            if source_value is None:
+                raise KeyError(f"source run {src['run']!r}: no source_value callback")
+            t: Any = [np.asarray(need(source_value(src["run"], site, int(q)), f"run {src['run']!r} at {q}"),
+                                 np.float32) for q in src["pos"]]
+        elif "vecs" in src:
+            t = [decode_vector(v) for v in src["vecs"]]
+        elif "mean_of" in src:
+            if source_mean is None:
+                raise KeyError(f"source run {src['mean_of']!r}: no source_mean callback")
+            t = [np.asarray(need(source_mean(src["mean_of"], site), f"mean of run {src['mean_of']!r}"), np.float32)]
+        else:
+            t = None
+        patches.append(RefEdit(*site_of(site), dst, "replace", None if t is None else np.stack(t), alpha=float(p["alpha"])))
+    for s in program.get("steer") or []:
+        if s["vec"] is not None:
+            vec = decode_vector(s["vec"])
+        else:
+            if named_vector is None:
+                raise KeyError(f"named vector {s['name']!r}: no named_vector callback")
+            vec = need(named_vector(s["name"]), f"named vector {s['name']!r}")
+        for site in s["sites"]:
+            edits.append(RefEdit(*site_of(site), [int(x) for x in s["pos"]], "add", vec, scale=float(s["scale"]),
+                                 gen=bool(s["gen"]), phase=s["phase"]))
+    nz = program.get("noise")
+    if nz:
+        edits.append(RefEdit.noise([int(x) for x in nz["pos"]], np.stack([decode_vector(v) for v in nz["vecs"]])))
+    cap = program.get("capture")
+    capture = [site_of(s) for s in cap["sites"]] if cap else []
+    return patches + edits, capture
+
+
+@dataclass
+class _SitePlan:
+    rows: Any  # LongTensor of positions touched
+    a: Any  # float32 [k, 1]
+    c: Any  # float32 [k, H]
+
+
+class HFReference:
+    """A transformers model + tokenizer on CPU (float32 by default)."""
+
+    def __init__(self, model_path: str | Path | None = None, dtype: str = "float32", device: str = "cpu"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = Path(model_path) if model_path else bundled_model_path()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.device = device
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any = None, device: str = "cpu") -> "HFReference":
+        """Wrap an already loaded causal LM (e.g. a random one in a test); `tokenizer` may be
+        None when only token ids are used (`generate` then takes eos from the model config)."""
+        self = cls.__new__(cls)
+        self.model_path = None
+        self.tokenizer = tokenizer
+        self.model = model.to(device).eval()
+        self.device = device
+        return self
+
+    # ---- model geometry ----------------------------------------------------------------------
+    @property
+    def layers(self) -> Any:
+        inner = getattr(self.model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None:
+            layers = self.model.get_decoder().layers
+        return layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def embedding_std(self) -> float:
+        """Std of the input embedding matrix (the unit of the noise scale), as the engine computes it."""
+        return float(self.model.get_input_embeddings().weight.float().std().item())
+
+    def all_sites(self) -> list[SiteKey]:
+        return [(i, h) for i in range(self.num_layers) for h in HOOKS]
+
+    def noise_edit(self, positions: Sequence[int], *, scale: float = 3.0, seed: int = 0,
+                   std: float | None = None) -> RefEdit:
+        """The ROME corruption the engine draws for `Noise(positions, scale, seed)`:
+        `program.noise_vectors` added to the input embeddings (positions absolute, sorted as
+        the engine resolves them)."""
+        from engine_ext.program import noise_vectors
+
+        pos = sorted(set(int(p) for p in positions))
+        vecs = noise_vectors(len(pos), self.hidden_size, scale, self.embedding_std if std is None else std, seed)
+        return RefEdit.noise(pos, vecs)
+
+    # ---- plain API ---------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def logits(self, ids: list[int]) -> Any:
+        """Next-token logits (float32) at every position of `ids`: shape [len(ids), vocab]."""
+        import torch
+
+        with torch.no_grad():
+            x = torch.tensor([ids], device=self.device)
+            return self.model(input_ids=x).logits[0].float()
+
+    def greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceGeneration:
+        """Greedy continuation without interventions (stops after EOS)."""
+        return self.generate(prompt, max_tokens)
+
+    # ---- interventions ---------------------------------------------------------------------
+    def _check(self, edits: Sequence[RefEdit], capture: Iterable[Any] | str) -> tuple[list[RefEdit], list[SiteKey]]:
+        edits = list(edits)
+        for k, e in enumerate(edits):
+            if not isinstance(e, RefEdit):
+                raise TypeError(f"edits[{k}] is not a RefEdit: {e!r}")
+            if e.layer >= self.num_layers:
+                raise ValueError(f"edits[{k}]: layer {e.layer} is out of range (the model has layers 0..{self.num_layers - 1})")
+            if e.hidden_size is not None and e.hidden_size != self.hidden_size:
+                raise ValueError(f"edits[{k}]: vectors have dimension {e.hidden_size}, the hidden size is {self.hidden_size}")
+        sites = self.all_sites() if capture == "all" else [parse_site(s) for s in capture]
+        for layer, hook in sites:
+            if layer >= self.num_layers:
+                raise ValueError(f"capture site L{layer}.{hook}: layer out of range (the model has layers 0..{self.num_layers - 1})")
+        return edits, list(dict.fromkeys(sites))
+
+    def _plan(self, edits: list[RefEdit], n: int, n_prompt: int) -> dict[SiteKey, _SitePlan]:
+        """Per site: the rows touched and their (a, c), composed exactly as the engine does."""
+        import torch
+
+        by_site: dict[SiteKey, list[RefEdit]] = {}
+        for e in edits:
+            by_site.setdefault(e.site, []).append(e)
+        plans: dict[SiteKey, _SitePlan] = {}
+        H = self.hidden_size
+        for site, es in by_site.items():
+            reps = [e for e in es if e.kind == "replace"]
+            adds = [e for e in es if e.kind == "add"]
+            rows, a_list, c_list = [], [], []
+            for p in range(n):
+                rep = None
+                for e in reps:  # the last replace covering p wins (the engine's per-(site, pos) table)
+                    if e.applies(p, n_prompt):
+                        rep = e
+                here = [e for e in adds if e.applies(p, n_prompt)]
+                if rep is None and not here:
+                    continue
+                if rep is not None:
+                    t = rep.target_at(p)
+                    a = np.float32(1.0 - rep.alpha)
+                    c = None if t is None else np.float32(rep.alpha) * t
+                else:
+                    a, c = np.float32(1.0), None
+                for e in here:
+                    v = e.add_at(p)
+                    c = v.astype(np.float32) if c is None else c + v
+                rows.append(p)
+                a_list.append(float(a))
+                c_list.append(np.zeros(H, np.float32) if c is None else np.asarray(c, np.float32))
+            if rows:
+                plans[site] = _SitePlan(torch.tensor(rows, dtype=torch.long, device=self.device),
+                                        torch.tensor(a_list, dtype=torch.float32, device=self.device).unsqueeze(1),
+                                        torch.from_numpy(np.stack(c_list)).to(self.device))
+        return plans
+
+    @staticmethod
+    def _apply(h: Any, plan: _SitePlan | None) -> None:
+        """In place on `h` [1, T, H]: `new = c if a == 0 else a * s + c` on the planned rows."""
+        import torch
+
+        if plan is None:
+            return
+        s = h[0, plan.rows].float()
+        new = torch.where(plan.a == 0, plan.c, plan.a * s + plan.c)
+        h[0, plan.rows] = new.to(h.dtype)
+
+    def run(self, ids: Sequence[int], edits: Sequence[RefEdit] = (), capture: Iterable[Any] | str = (),
+            n_prompt: int | None = None) -> RefRun:
+        """One full forward over `ids` with `edits` applied at every position they cover.
+
+        `capture`: sites (`(layer, hook)`, `"L3.post_attn"`, `specs.Site`) or `"all"`; each is
+        recorded at every position, after the interventions at that site. `n_prompt` (default:
+        all of `ids`) splits prompt from generated positions for `gen` / `phase`."""
+        import torch
+
+        ids = [int(t) for t in ids]
+        n = len(ids)
+        if n == 0:
+            raise ValueError("ids must not be empty")
+        n_prompt = n if n_prompt is None else int(n_prompt)
+        edits, cap_sites = self._check(edits, capture)
+        plans = self._plan(edits, n, n_prompt)
+        wanted = set(cap_sites)
+        captures: dict[SiteKey, Any] = {}
+        fired: dict[SiteKey, int] = {}
+        layers = self.layers
+
+        def visit(site: SiteKey, h: Any) -> None:
+            fired[site] = fired.get(site, 0) + 1
+            self._apply(h, plans.get(site))
+            if site in wanted:
+                captures[site] = h[0].detach().float().clone()
+
+        def pre_attn_hook(i: int):
+            def hook(_mod, args, kwargs):
+                if args:
+                    h = args[0].clone()
+                    visit((i, "pre_attn"), h)
+                    return (h, *args[1:]), kwargs
+                h = kwargs["hidden_states"].clone()
+                visit((i, "pre_attn"), h)
+                return args, {**kwargs, "hidden_states": h}
+            return hook
+
+        def post_attn_hook(i: int):
+            def hook(_mod, args):
+                # in place: the same tensor is the residual of the MLP add
+                visit((i, "post_attn"), args[0])
+            return hook
+
+        def post_block_hook(i: int):
+            def hook(_mod, _args, output):
+                out = output[0] if isinstance(output, tuple) else output
+                h = out.clone()
+                visit((i, "post_block"), h)
+                return (h, *output[1:]) if isinstance(output, tuple) else h
+            return hook
+
+        active = set(plans) | wanted
+        handles = []
+        try:
+            for layer, hook in sorted(active):
+                mod = layers[layer]
+                if hook == "pre_attn":
+                    handles.append(mod.register_forward_pre_hook(pre_attn_hook(layer), with_kwargs=True))
+                elif hook == "post_attn":
+                    handles.append(mod.post_attention_layernorm.register_forward_pre_hook(post_attn_hook(layer)))
+                else:
+                    handles.append(mod.register_forward_hook(post_block_hook(layer)))
+            with torch.no_grad():
+                x = torch.tensor([ids], device=self.device)
+                logits = self.model(input_ids=x).logits[0].float()
+        finally:
+            for hd in handles:
+                hd.remove()
+        bad = sorted(s for s in active if fired.get(s) != 1)
+        if bad:
+            raise RuntimeError(f"site hooks fired {[fired.get(s, 0) for s in bad]} times at {bad} (expected once): "
+                               "unsupported decoder layer structure")
+        return RefRun(ids, n_prompt, logits, {s: captures[s] for s in cap_sites})
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int, edits: Sequence[RefEdit] = (),
+                 capture: Iterable[Any] | str = (), stop_at_eos: bool = True) -> ReferenceGeneration:
+        """Greedy generation with interventions, recomputing the whole sequence each step (no KV
+        cache): edits at prompt positions act in every step; `gen` / explicit generated
+        positions act on generated tokens once they are fed back. Returns the tokens, their
+        logprobs, top-2 gaps, the full logprob row of every step (`step_logprobs`) and the
+        captures of the final forward (every position ever fed to the model)."""
+        import torch
+
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        prompt_ids = list(ids)
+        n_prompt = len(prompt_ids)
+        edits, cap_sites = self._check(edits, capture)
+        out, lps, gaps, rows = [], [], [], []
+        captures: dict[SiteKey, Any] = {}
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else self.model.config.eos_token_id
+        eos_ids = set() if eos is None else {int(eos)} if isinstance(eos, (int, np.integer)) else {int(e) for e in eos}
+        for _ in range(max_tokens):
+            r = self.run(ids, edits, cap_sites, n_prompt=n_prompt)
+            captures = r.captures
+            logp = torch.log_softmax(r.logits[-1], dim=-1)
+            top2 = torch.topk(logp, 2)
+            tid = int(top2.indices[0])
+            out.append(tid)
+            lps.append(float(top2.values[0]))
+            gaps.append(float(top2.values[0] - top2.values[1]))
+            rows.append(logp)
+            ids.append(tid)
+            if stop_at_eos and tid in eos_ids:
+                break
+        step_logprobs = torch.stack(rows) if rows else torch.zeros(0, self.model.config.vocab_size)
+        return ReferenceGeneration(prompt_ids, out, lps, gaps, step_logprobs, captures)
+
+    def score(self, prompt: str | Sequence[int], token_ids: Iterable[int],
+              edits: Sequence[RefEdit] = ()) -> dict[int, float]:
+        """Exact logprobs of `token_ids` at the last prompt position (next-token distribution
+        after the prompt), with `edits` applied."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        logp = self.run(ids, edits, n_prompt=len(ids)).logprobs(-1)
+        return {int(t): float(logp[int(t)]) for t in token_ids}

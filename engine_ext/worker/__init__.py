@@ -1,0 +1,1 @@
+"""Everything that runs inside vLLM's worker processes: the seam (the only module that patches vLLM), the worker extension, per-engine state, the step planner, the intervention op, row plans, the source store and the checksum."""
