@@ -8,4 +8,6 @@ export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUTDIR="${CAUSALBOARD_TEST_OUT:-test-output}"
 mkdir -p "$OUTDIR"
+# the linter first: pyflakes-class errors fail the run before any test starts
+"$VENV/bin/ruff" check --quiet . || { echo "run_tests: ruff found errors (see above)" >&2; exit 1; }
 exec "$VENV/bin/python" -m pytest -p no:cacheprovider --junitxml="$OUTDIR/junit.xml" "$@"

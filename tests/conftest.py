@@ -18,6 +18,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: fixtures that mean a test needs the real vLLM engine / a real browser (see pyproject.toml, tiers)
+ENGINE_FIXTURES = frozenset({"engine", "server_url", "http"})
+BROWSER_FIXTURES = frozenset({"page", "browser"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its tier: `browser`, `engine` or `fast` (explicit marks win)."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("browser") is None and names & BROWSER_FIXTURES:
+            item.add_marker(pytest.mark.browser)
+        if item.get_closest_marker("engine") is None and (names & ENGINE_FIXTURES or item.get_closest_marker("browser")):
+            item.add_marker(pytest.mark.engine)
+        if item.get_closest_marker("engine") is None and item.get_closest_marker("browser") is None:
+            item.add_marker(pytest.mark.fast)
+
 
 def model_path() -> Path:
     """The model under test: the bundled one, or CB_TEST_MODEL (a folder with the same tasks.json)."""

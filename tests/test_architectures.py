@@ -14,6 +14,8 @@ from engine_ext.specs import Interventions, Patch, Steer
 
 from .conftest import model_path
 
+pytestmark = pytest.mark.engine  # starts engines of its own
+
 
 def _tiny(tmp_path, arch: str):
     import shutil

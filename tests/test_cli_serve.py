@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
@@ -12,6 +14,8 @@ from pathlib import Path
 import httpx
 
 from .conftest import REPO, free_port
+
+pytestmark = pytest.mark.engine  # starts engines of its own
 
 
 def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):

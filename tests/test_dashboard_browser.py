@@ -22,7 +22,7 @@ pytest_plugins = ["tests.browser"]
 pytest.register_assert_rewrite("tests.browser")
 
 from tests.browser import bokeh_columns, bokeh_figures, drag, screenshot, wait_until  # noqa: E402
-pytestmark = pytest.mark.vllm
+pytestmark = pytest.mark.browser
 
 SWEEP_TIMEOUT = 120.0
 

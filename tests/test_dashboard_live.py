@@ -11,7 +11,7 @@ import pytest
 from app.dashboard.tracing.state import CellStatus
 from app.dashboard.tracing.view import TracingView
 
-pytestmark = pytest.mark.vllm
+pytestmark = pytest.mark.engine
 
 
 def run(coro, timeout: float = 180.0):

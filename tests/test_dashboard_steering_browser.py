@@ -20,7 +20,7 @@ import pytest
 from tests.browser import VIEWPORT, screenshot, wait_until
 
 pytest_plugins = ["tests.browser"]
-pytestmark = pytest.mark.vllm
+pytestmark = pytest.mark.browser
 
 
 @pytest.fixture
