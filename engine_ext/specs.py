@@ -316,59 +316,6 @@ class Interventions:
             "score_token_ids": list(self.score_token_ids),
         }
 
-    @classmethod
-    def from_json(cls, data: dict | None, field_name: str = "") -> "Interventions":
-        """Parse the JSON form (what the HTTP API accepts). Error fields are prefixed with
-        `field_name.` when given (e.g. the request field that holds the spec)."""
-        if data is None:
-            return cls()
-        if not isinstance(data, dict):
-            raise SpecError(field_name or "interventions", "must be an object")
-        unknown = set(data) - {"steer", "patch", "capture", "noise", "score_token_ids"}
-        pre = f"{field_name}." if field_name else ""
-        if unknown:
-            raise SpecError(f"{pre}{sorted(unknown)[0]}", "unknown field")
-
-        def items(key: str) -> list:
-            v = data.get(key) or []
-            return v if isinstance(v, list) else [v]
-
-        steer = []
-        for k, s in enumerate(items("steer")):
-            f = f"{pre}steer[{k}]"
-            _only(s, {"sites", "vector", "name", "scale", "positions", "phase"}, f)
-            steer.append(Steer.make(s.get("sites"), s.get("vector"), name=s.get("name"), scale=s.get("scale", 1.0),
-                                    positions=s.get("positions", "all"), phase=s.get("phase", "both"), field_name=f))
-        patch = []
-        for k, p in enumerate(items("patch")):
-            f = f"{pre}patch[{k}]"
-            _only(p, {"site", "positions", "source", "alpha"}, f)
-            patch.append(Patch.make(p.get("site"), p.get("positions", "all_prompt"), p.get("source"),
-                                    alpha=p.get("alpha", 1.0), field_name=f))
-        capture = None
-        if data.get("capture") is not None:
-            c, f = data["capture"], f"{pre}capture"
-            _only(c, {"sites", "positions", "keep_as", "return_values"}, f)
-            capture = Capture.make(c.get("sites"), c.get("positions", "last_prompt"), keep_as=c.get("keep_as"),
-                                   return_values=c.get("return_values", True), field_name=f)
-        noise = None
-        if data.get("noise") is not None:
-            n, f = data["noise"], f"{pre}noise"
-            _only(n, {"positions", "scale", "seed"}, f)
-            noise = Noise.make(n.get("positions"), scale=n.get("scale", 3.0), seed=n.get("seed", 0), field_name=f)
-        ids = data.get("score_token_ids") or []
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise SpecError(f"{pre}score_token_ids", "must be a list of token ids")
-        return cls(tuple(steer), tuple(patch), capture, noise, tuple(ids))
-
-
-def _only(obj: Any, allowed: set[str], field_name: str) -> None:
-    if not isinstance(obj, dict):
-        raise SpecError(field_name, "must be an object")
-    unknown = set(obj) - allowed
-    if unknown:
-        raise SpecError(f"{field_name}.{sorted(unknown)[0]}", "unknown field")
-
 
 def canonical_json(data: Any) -> str:
     """The one canonical serialization: sorted keys, no whitespace, no NaN."""

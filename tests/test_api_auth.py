@@ -9,8 +9,10 @@ import pytest
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
-from app.api.auth import API_KEY_ENV, install_auth, require_api_key
+from app.api.auth import API_KEY_ENV, require_api_key
 from app.api.app import create_app
+from app.api.deps import ApiSettings, get_settings
+from app.api.errors import install_error_handlers
 
 KEY = "s3cret-key"
 GOOD = {"Authorization": f"Bearer {KEY}"}
@@ -123,8 +125,10 @@ def test_key_from_the_environment_and_explicit_override(engine, monkeypatch):
 
 
 def test_require_api_key_is_a_plain_dependency():
+    # any app: the key comes from the settings dependency, the 401 from the error handlers
     app = FastAPI()
-    install_auth(app, "k")
+    install_error_handlers(app)
+    app.dependency_overrides[get_settings] = lambda: ApiSettings(api_key="k")
 
     @app.post("/mutate", dependencies=[Depends(require_api_key)])
     async def mutate() -> dict:

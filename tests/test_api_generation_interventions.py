@@ -284,6 +284,33 @@ def test_bad_interventions_name_the_field_and_leave_the_engine_untouched(http, e
     assert "r" not in {run["run_id"] for run in st["source_store"]["runs"]}  # refused captures stored nothing
 
 
+def test_structural_and_semantic_errors_name_a_list_field_the_same_way(http, engine, tasks):
+    """pydantic (a wrong type) and the spec constructors / the engine (a wrong value) report the
+    same field path, with list indices in brackets."""
+    prompt = tasks["facts"][0]["prompt"]
+    ok = ", ".join(["0.1"] * engine.info.hidden_size)
+
+    def refused(path: str, raw: str) -> dict:
+        r = http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        return r.json()
+
+    steer = '{"prompt": "%s", "max_tokens": 1, "interventions": {"steer": [{"sites": "L1.post_block", "vector": [%s], "scale": %s}]}}'
+    as_string = refused("/v1/generate", steer % (prompt, ok, '"big"'))  # pydantic: not a number
+    as_nan = refused("/v1/generate", steer % (prompt, ok, "NaN"))  # Steer.make: not finite
+    assert as_string["field"] == as_nan["field"] == "interventions.steer[0].scale", (as_string, as_nan)
+    assert as_string["errors"][0]["type"] == "float_parsing" and "finite" in as_nan["error"]
+    assert as_string["error"].startswith("interventions.steer[0].scale: ") and as_nan["error"].startswith("interventions.steer[0].scale: ")
+    # the same for the fork's patch list on /v1/completions: a string layer (pydantic), a layer the model lacks (route)
+    patch = '{"prompt": "%s", "max_tokens": 1, "patch": [{"layer": %s, "dest_position": 1, "source_module": "zeros"}]}'
+    assert refused("/v1/completions", patch % (prompt, '"one"'))["field"] == "patch[0].layer"
+    assert refused("/v1/completions", patch % (prompt, engine.info.num_layers))["field"] == "patch[0].layer"
+    # and for a nested list: a site object with an unknown hook (pydantic) and site text with one (Steer.make)
+    sites = '{"prompt": "%s", "max_tokens": 1, "interventions": {"capture": {"sites": ["L1.post_block", %s]}}}'
+    assert refused("/v1/generate", sites % (prompt, '{"layer": 1, "hook": "resid"}'))["field"] == "interventions.capture.sites[1].hook"
+    assert refused("/v1/generate", sites % (prompt, '"L1.resid"'))["field"] == "interventions.capture.sites[1]"
+
+
 @pytest.mark.parametrize("fields", [{"logprobs": 2}, {}])
 def test_logprob_token_ids_accepts_the_fork_rule(http, tasks, fields):
     item = tasks["facts"][14]

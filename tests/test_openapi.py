@@ -1,12 +1,19 @@
 """The OpenAPI document covers every route: summary/description, request schema where a body
-exists, typed responses and documented error responses."""
+exists, typed responses and documented error responses. It is built from an app whose engine
+was never started (building the app and its schema needs no vLLM); the served schema of the
+real server is compared with it."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 from fastapi.routing import APIRoute
 
 from app.api.app import create_app
+from app.api.deps import engine_of
+from engine_ext import EngineConfig
+from tests.conftest import REPO, model_path
 
 #: routes whose 200 body is a typed model (checked for a `$ref` schema)
 TYPED = {
@@ -20,9 +27,22 @@ TYPED = {
 
 
 @pytest.fixture(scope="module")
-def app_and_spec(engine):
-    app = create_app(engine)
-    return app, app.openapi()
+def app_and_spec():
+    app = create_app(config=EngineConfig(model=str(model_path()), device="cpu"))
+    spec = app.openapi()
+    assert engine_of(app).alive is False  # nothing was started (the lifespan never ran)
+    return app, spec
+
+
+def test_building_the_app_and_its_schema_imports_no_vllm():
+    import subprocess
+
+    code = ("import sys; from engine_ext import EngineConfig; from app.api.app import create_app; "
+            f"create_app(config=EngineConfig(model={str(model_path())!r}, device='cpu')).openapi(); "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 
 def _operations(app):
@@ -61,8 +81,11 @@ def test_typed_request_and_response_models(app_and_spec):
     assert "application/octet-stream" in put["requestBody"]["content"]
     schemas = spec["components"]["schemas"]
     for model in ("SteeringSetRequest", "VectorRegisterRequest", "ModuleRegisterRequest", "CaptureRequest",
-                  "InterventionsSpec", "SteerSpec", "PatchSpec", "ForkPatchEntry", "CompletionRequest", "GenerateRequest"):
+                  "InterventionsSpec", "SteerSpec", "PatchSpec", "ForkPatchEntry", "CompletionRequest", "GenerateRequest",
+                  "SpanSpec", "EmbeddingNoiseSpec", "NoiseSpec", "PatchSweepRequest"):
         assert schemas[model].get("additionalProperties") is False, model
+    # one span model, and no name pydantic had to qualify with its module (two models, one name)
+    assert "SpanPosition" not in schemas and not [name for name in schemas if "__" in name]
     assert "interventions" in schemas["GenerateRequest"]["properties"]
     for field in ("steering_vectors", "patch", "patch_vectors", "logprob_token_ids", "steering_clamps", "interventions"):
         assert field in schemas["CompletionRequest"]["properties"], field
@@ -78,3 +101,4 @@ def test_served_openapi_matches(http, app_and_spec):
     _, spec = app_and_spec
     served = http.get("/openapi.json").json()
     assert set(served["paths"]) == set(spec["paths"])
+    assert served["components"]["schemas"] == spec["components"]["schemas"]

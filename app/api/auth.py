@@ -1,13 +1,16 @@
 """The API key that guards mutating endpoints.
 
 When the app has a key (`create_app(api_key=...)`, else the `CAUSALBOARD_API_KEY` environment
-variable; empty = no key), every endpoint that changes server state — global steering, named
-vectors and modules, stored source runs (capture with `keep_as`, `DELETE /v1/patch_source/...`),
-patch sweeps — needs `Authorization: Bearer <key>`; otherwise it answers
-401 `{"error": "authorization: ...", "field": "authorization"}`. Read-only endpoints stay open.
+variable; empty = no key; the effective key is `ApiSettings.api_key`), every endpoint that
+changes server state — global steering, named vectors and modules, stored source runs (capture
+with `keep_as`, `DELETE /v1/patch_source/...`), patch sweeps — needs
+`Authorization: Bearer <key>`; otherwise it answers 401
+`{"error": "authorization: ...", "field": "authorization"}` (`AuthError`, answered by
+`app/api/errors.py`). Read-only endpoints stay open.
 
-Routes take the check as a dependency (`dependencies=[Depends(require_api_key)]`) or call
-`check_api_key(request)` when only some requests mutate (e.g. a capture with `keep_as`).
+Routes that always mutate take `dependencies=[Depends(require_api_key)]`; routes where only some
+requests mutate (a capture with `keep_as`) take `guard: ApiKeyGuard = Depends(api_key_guard)`
+and call `guard.check()` for those.
 """
 
 from __future__ import annotations
@@ -16,23 +19,15 @@ import hashlib
 import os
 import secrets
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import Depends, Request
 
-from app.api.errors import error_response
+from app.api.deps import ApiSettings, get_settings
+from app.api.errors import AuthError
 
 API_KEY_ENV = "CAUSALBOARD_API_KEY"
 
 #: OpenAPI entry for the 401 of guarded routes
 UNAUTHORIZED = {401: {"description": "API key missing or wrong (only when the server has one)"}}
-
-
-class AuthError(Exception):
-    """A guarded request without the right bearer token (answered 401 by `install_auth`)."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
@@ -41,34 +36,33 @@ def resolve_api_key(api_key: str | None) -> str | None:
     return key or None
 
 
-def install_auth(app: FastAPI, api_key: str | None) -> None:
-    """Store the effective key on `app.state.api_key` and answer `AuthError` with a 401."""
-    app.state.api_key = resolve_api_key(api_key)
+class ApiKeyGuard:
+    """The key check of one request: `check()` raises `AuthError` unless the app has no key or
+    the request's `Authorization` header carries it as a bearer token."""
 
-    @app.exception_handler(AuthError)
-    async def _unauthorized(_: Request, exc: AuthError) -> JSONResponse:
-        resp = error_response(401, f"authorization: {exc.message}", "authorization")
-        resp.headers["WWW-Authenticate"] = "Bearer"
-        return resp
+    def __init__(self, expected: str | None, authorization: str | None):
+        self.expected = expected
+        self.authorization = authorization
 
-
-def check_api_key(request: Request) -> None:
-    """Raise `AuthError` unless the app has no key or the request carries it as a bearer token."""
-    expected = getattr(request.app.state, "api_key", None)
-    if not expected:
-        return
-    header = request.headers.get("authorization")
-    if not header:
-        raise AuthError("this endpoint changes server state and needs 'Authorization: Bearer <api key>'")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise AuthError("expected 'Authorization: Bearer <api key>'")
-    # compare digests so the comparison time does not depend on the key's length
-    given = hashlib.sha256(token.strip().encode()).digest()
-    if not secrets.compare_digest(given, hashlib.sha256(expected.encode()).digest()):
-        raise AuthError("invalid API key")
+    def check(self) -> None:
+        if not self.expected:
+            return
+        if not self.authorization:
+            raise AuthError("this endpoint changes server state and needs 'Authorization: Bearer <api key>'")
+        scheme, _, token = self.authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthError("expected 'Authorization: Bearer <api key>'")
+        # compare digests so the comparison time does not depend on the key's length
+        given = hashlib.sha256(token.strip().encode()).digest()
+        if not secrets.compare_digest(given, hashlib.sha256(self.expected.encode()).digest()):
+            raise AuthError("invalid API key")
 
 
-async def require_api_key(request: Request) -> None:
-    """FastAPI dependency form of `check_api_key` (for routes that always mutate)."""
-    check_api_key(request)
+async def api_key_guard(request: Request, settings: ApiSettings = Depends(get_settings)) -> ApiKeyGuard:
+    """Dependency: the `ApiKeyGuard` of this request (for routes where only some requests mutate)."""
+    return ApiKeyGuard(settings.api_key, request.headers.get("authorization"))
+
+
+async def require_api_key(guard: ApiKeyGuard = Depends(api_key_guard)) -> None:
+    """Dependency for routes that always mutate: 401 without the key."""
+    guard.check()

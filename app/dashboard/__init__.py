@@ -45,7 +45,9 @@ def mount(app: FastAPI) -> None:
     def page():
         from app.dashboard.app import create_page
 
-        return create_page(session_api_url(app), ask_api_key=bool(getattr(app.state, "api_key", None)))
+        # the API's settings (`app/api/deps.py`); an app not built by create_app has none
+        settings = getattr(app.state, "settings", None)
+        return create_page(session_api_url(app), ask_api_key=bool(getattr(settings, "api_key", None)))
 
     # A closed tab's session (and with it its running sweep and kept clean run, see
     # TracingView._on_session_destroyed) is cleaned up within ~10 s instead of Bokeh's default

@@ -11,35 +11,24 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from app.api.schemas.generation import MAX_PROMPT_CHARS
+from app.wire import MAX_PROMPT_CHARS, SpanSpec, StrictModel
 
 METRICS = ("logprob", "logit_diff", "recovered", "prob")
 BASES = ("logprob", "logit_diff", "prob")
 
 
-class LayerRange(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class LayerRange(StrictModel):
     start: int = Field(0, ge=0)
     stop: int = Field(..., ge=0)
     step: int = Field(1, ge=1)
 
 
-class SpanPosition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    span: str = Field(..., min_length=1)
-    occurrence: int = Field(0, ge=0)
-
-
-class NoiseSpec(BaseModel):
+class NoiseSpec(StrictModel):
     """ROME-style corruption: Gaussian noise of `scale` x (std of the embedding matrix) added to
     the input embeddings at `span` (or `positions`) of `prompt`; the clean run is the prompt
     without noise. `samples` noise draws (seeds `seed`, `seed+1`, ...) are averaged."""
-
-    model_config = ConfigDict(extra="forbid")
 
     span: str | None = Field(None, min_length=1, description="Text whose tokens get noise.")
     occurrence: int = Field(0, ge=0)
@@ -49,9 +38,7 @@ class NoiseSpec(BaseModel):
     samples: int = Field(1, ge=1, le=32)
 
 
-class PatchSweepRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class PatchSweepRequest(StrictModel):
     model: str | None = Field(None, description="Ignored if it names the served model; 404 otherwise.")
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, description="The corrupted (destination) prompt.")
     clean_prompt: str | None = Field(None, min_length=1, max_length=MAX_PROMPT_CHARS,
@@ -64,7 +51,7 @@ class PatchSweepRequest(BaseModel):
     hook: str = Field("post_block", description="Hook of every cell (pre_attn, post_attn, post_block).")
     hooks: list[str] | None = Field(None, min_length=1, description="Several hooks: one grid per hook (wins over `hook`).")
     layers: list[int] | LayerRange | None = Field(None, description="Layer list or {start, stop, step} (range semantics); default all layers.")
-    positions: Literal["all_prompt"] | list[int | SpanPosition] = Field("all_prompt", description='"all_prompt", token indices, {"span", "occurrence"} or a mix.')
+    positions: Literal["all_prompt"] | list[int | SpanSpec] = Field("all_prompt", description='"all_prompt", token indices, {"span", "occurrence"} or a mix.')
     alpha: float = Field(1.0, ge=0.0, le=1.0, description="(1 - alpha) * h + alpha * source; 1 = replace (exact).")
     answer_token: str | None = Field(None, description="The answer as text; must be exactly one token.")
     answer_token_id: int | None = Field(None, ge=0)
@@ -78,7 +65,7 @@ class PatchSweepRequest(BaseModel):
     keep_source: bool = Field(False, description="Keep the auto-captured clean run (for zoom follow-ups).")
     stream: bool = Field(False, description="Stream cells as server-sent events.")
     noise: NoiseSpec | None = Field(None, description="Noise corruption of the prompt instead of a corrupt prompt.")
-    subject: SpanPosition | None = Field(None, description="Subject span of the corrupt prompt, marked in figures.")
+    subject: SpanSpec | None = Field(None, description="Subject span of the corrupt prompt, marked in figures.")
     noise_floor_samples: int = Field(6, ge=1, le=32, description="Unpatched baseline re-runs spread through the cell batch.")
     max_concurrency: int = Field(64, ge=1, le=1024, description="Cells in flight at once.")
 
@@ -88,4 +75,4 @@ class PatchSweepRequest(BaseModel):
     def positions_json(self) -> Any:
         if isinstance(self.positions, str):
             return self.positions
-        return [p.model_dump() if isinstance(p, SpanPosition) else p for p in self.positions]
+        return [p.model_dump() if isinstance(p, SpanSpec) else p for p in self.positions]

@@ -1,6 +1,10 @@
 """HTTP routes, one module per area. `app.api.app.create_app` includes every router here.
+Routes get the engine, settings and sweep service as dependencies (`app/api/deps.py`).
 
-* `sweep`    — `POST /v1/patch_sweep` (+ SSE), sweep replay/status
-* `steering` — global steering, named vectors
-* `capture`  — capture runs, stored source runs (`DELETE /v1/patch_source/{run_id}`)
+* `status`     — `GET /health`, `GET /v1/status`
+* `tokens`     — `POST /v1/tokenize`
+* `generation` — `POST /v1/generate` (+ SSE), `POST /v1/completions` (OpenAI + the fork's fields)
+* `sweep`      — `POST /v1/patch_sweep` (+ SSE), sweep replay/status
+* `steering`   — global steering, named vectors
+* `capture`    — capture runs, stored source runs (`DELETE /v1/patch_source/{run_id}`)
 """

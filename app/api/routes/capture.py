@@ -14,19 +14,19 @@ import io
 import json
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from engine_ext import Engine, GenerationParams
 from engine_ext.errors import SpecError
-from engine_ext.specs import Capture, Interventions
+from engine_ext.specs import Interventions
 
-from app.api.auth import UNAUTHORIZED, check_api_key, require_api_key
+from app.api.auth import UNAUTHORIZED, ApiKeyGuard, api_key_guard, require_api_key
 from app.api.errors import error_response
 from app.api.field_names import by_prefix
 from app.api.schemas.generation import ErrorResponse
-from app.api.schemas.interventions import CaptureRequest, CaptureResponse, SourceDropped, SourceStoreUsage
+from app.api.schemas.interventions import CaptureRequest, CaptureResponse, SourceDropped, SourceStoreUsage, engine_positions
 from app.api.deps import get_engine
 
 router = APIRouter(tags=["capture"])
@@ -52,18 +52,15 @@ MEDIA = {"npz": "application/x-npz", "safetensors": "application/octet-stream"}
         507: {**_ERR, "description": "keep_as: the run does not fit the source store"},
     },
 )
-async def capture(req: CaptureRequest, request: Request):
+async def capture(req: CaptureRequest, eng: Engine = Depends(get_engine), guard: ApiKeyGuard = Depends(api_key_guard)):
     """Record the residual stream at `sites` x `positions` of `prompt` (positions are prompt
     positions: `last_prompt`, `all_prompt`, indices, spans). With `keep_as`, the run is also
     stored on the workers as a patch source (`{"run": keep_as}` in patches and sweeps)."""
     if req.keep_as is not None:
-        check_api_key(request)
-    eng = get_engine(request)
-    dumped = req.model_dump()
+        guard.check()
     try:
-        spec = Interventions(capture=Capture.make(dumped["sites"], dumped["positions"], keep_as=req.keep_as,
-                                                  return_values=req.return_values, field_name="capture"))
-        positions = eng.resolve_positions(req.prompt, dumped["positions"], "positions")
+        spec = Interventions(capture=req.to_capture("capture"))
+        positions = eng.resolve_positions(req.prompt, engine_positions(req.positions), "positions")
     except SpecError as exc:
         raise by_prefix(exc, {"capture": ""}) from None
     if not positions:
@@ -131,10 +128,9 @@ def _meta_headers(meta: dict) -> dict[str, str]:
 
 @router.get("/v1/patch_source", response_model=SourceStoreUsage, summary="Source-run store usage",
             responses={400: {**_ERR, "description": "Invalid request"}, 503: {**_ERR, "description": "The engine has stopped"}})
-def store_usage(request: Request) -> SourceStoreUsage:
+def store_usage(eng: Engine = Depends(get_engine)) -> SourceStoreUsage:
     """Byte budget, bytes used, evictions so far, and every stored run with its size and leases
     (first worker's view; all workers store the same runs)."""
-    eng: Engine = get_engine(request)
     return SourceStoreUsage(**eng.source_store_usage())
 
 
@@ -142,9 +138,9 @@ def store_usage(request: Request) -> SourceStoreUsage:
                summary="Drop a stored source run",
                responses={**{k: {**v, **_ERR} for k, v in UNAUTHORIZED.items()},
                           404: {**_ERR, "description": "No worker held the run"}})
-def drop_source(run_id: str, request: Request):
+def drop_source(run_id: str, eng: Engine = Depends(get_engine)):
     """`200 {"dropped": true}`; `404` when no worker held it. Drops even a leased run (requests
     already admitted keep their copies of its values)."""
-    if get_engine(request).drop_source(run_id):
+    if eng.drop_source(run_id):
         return SourceDropped(run_id=run_id)
     return error_response(404, f"run_id: no stored source run {run_id!r}", "run_id")

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 
 from engine_ext import Engine
 from engine_ext.errors import SpecError
-from engine_ext.specs import Interventions, Steer
+from engine_ext.specs import Steer
 from engine_ext.sites import HOOKS
 
 from app.api.compat import steering_modules
@@ -90,7 +90,7 @@ def _vector_info(eng: Engine, name: str) -> VectorInfo | None:
 # ---- global steering ------------------------------------------------------------------------------
 @router.post("/v1/steering/set", response_model=SteeringSetResponse, responses=GUARDED,
              dependencies=[Depends(require_api_key)], summary="Set global steering (fork-compatible)")
-def set_steering(req: SteeringSetRequest, request: Request) -> SteeringSetResponse:
+def set_steering(req: SteeringSetRequest, eng: Engine = Depends(get_engine)) -> SteeringSetResponse:
     """Add steering vectors to every request the server runs (composes with per-request steering).
 
     Fork tiers: `vectors` (prefill and decode), `prefill_vectors`, `decode_vectors`, each
@@ -98,15 +98,13 @@ def set_steering(req: SteeringSetRequest, request: Request) -> SteeringSetRespon
     `{hook: {"dtype", "shape", "layer_indices", "data", "scales"?}}`; and/or native `steer`
     entries. `replace: false` merges: an entry replaces the current steering at the same site
     and phase. Resets the prefix cache (cached KV was computed under the old steering)."""
-    eng = get_engine(request)
     _refuse_unsupported(req, ("clamps", "prefill_clamps", "decode_clamps"))
     if req.target not in (None, "main"):
         raise SpecError("target", f"{req.target!r} is not supported: causalboard serves one model (use 'main' or omit it)")
     new, origins = _tier_steers(req, eng)
     if req.steer:
-        native = Interventions.from_json({"steer": [s.model_dump() for s in req.steer]}).steer
-        new += native
-        origins += [f"steer[{k}]" for k in range(len(native))]
+        origins += [f"steer[{k}]" for k in range(len(req.steer))]
+        new += [s.to_steer(f"steer[{k}]") for k, s in enumerate(req.steer)]
     if not new:
         raise SpecError("vectors", "no vectors given: set at least one of vectors, prefill_vectors, decode_vectors or steer")
     with _mutation:
@@ -124,28 +122,26 @@ def set_steering(req: SteeringSetRequest, request: Request) -> SteeringSetRespon
 
 @router.post("/v1/steering/clear", response_model=StatusOk, responses=GUARDED,
              dependencies=[Depends(require_api_key)], summary="Clear global steering")
-def clear_steering(request: Request) -> StatusOk:
+def clear_steering(eng: Engine = Depends(get_engine)) -> StatusOk:
     """Remove every global steering entry (per-request steering is unaffected); resets the
     prefix cache. Any body is ignored (the fork accepts an optional `{"target": ...}`)."""
-    eng = get_engine(request)
     with _mutation:
         eng.clear_global_steer()
     return StatusOk()
 
 
 @router.get("/v1/steering", response_model=SteeringStatusResponse, responses=BAD, summary="Active global steering")
-def get_steering(request: Request) -> SteeringStatusResponse:
+def get_steering(eng: Engine = Depends(get_engine)) -> SteeringStatusResponse:
     """The fork's `active_layers` (per layer and hook: the norm of the summed both-phase vectors,
     and `prefill_norm` / `decode_norm` where phase-specific entries exist) plus the native
     entries (`steer`), which POST back to `/v1/steering/set` unchanged."""
-    eng = get_engine(request)
     return SteeringStatusResponse(**describe(eng.global_steer, eng))
 
 
 @router.get("/v1/steering/layers", response_model=SteeringLayersResponse, responses=BAD, summary="Steerable layers and hooks")
-def get_steering_layers(request: Request) -> SteeringLayersResponse:
+def get_steering_layers(eng: Engine = Depends(get_engine)) -> SteeringLayersResponse:
     """Every layer of the model with the hooks steering, patching and capture can use."""
-    n = get_engine(request).info.num_layers
+    n = eng.info.num_layers
     return SteeringLayersResponse(layers={str(i): {"hook_points": sorted(HOOKS)} for i in range(n)})
 
 
@@ -157,11 +153,10 @@ def _check_user_name(name: str) -> None:
 
 @router.post("/v1/steering/vectors", response_model=VectorInfo, responses=GUARDED,
              dependencies=[Depends(require_api_key)], summary="Register a named vector (JSON)")
-def register_vector(req: VectorRegisterRequest, request: Request) -> VectorInfo:
+def register_vector(req: VectorRegisterRequest, eng: Engine = Depends(get_engine)) -> VectorInfo:
     """Register (or replace) a named steering vector, usable as `{"name": ...}` in steering
     entries and as a fork `source_module`. 400 for a wrong dimension, NaN/inf values or more
     than the engine's named-vector limit."""
-    eng = get_engine(request)
     _check_user_name(req.name)
     with _mutation:
         eng.register_vector(req.name, req.vector)
@@ -176,7 +171,7 @@ def register_vector(req: VectorRegisterRequest, request: Request) -> VectorInfo:
     responses={**GUARDED, 413: {**_ERR, "description": "File larger than 1 MiB"},
                415: {**_ERR, "description": "Neither .npy nor .safetensors"}},
 )
-async def upload_vector(name: str, request: Request):
+async def upload_vector(name: str, request: Request, eng: Engine = Depends(get_engine)):
     """The raw body is a `.npy` file (a float array `[hidden]` or `[1, hidden]`; never
     unpickled) or a `.safetensors` file (exactly one tensor, or one named `vector`; F32, F16,
     BF16 or F64), told apart by magic bytes. At most 1 MiB."""
@@ -194,7 +189,6 @@ async def upload_vector(name: str, request: Request):
         vec = decode_vector_file(bytes(data))
     except VectorFileError as exc:
         return error_response(exc.status, f"body: {exc.message}", "body")
-    eng = get_engine(request)
     if not name or len(name) > 128:
         raise SpecError("name", "must be a non-empty string of at most 128 characters")
     _check_user_name(name)
@@ -209,18 +203,16 @@ async def upload_vector(name: str, request: Request):
 
 
 @router.get("/v1/steering/vectors", response_model=VectorList, responses=BAD, summary="List named vectors")
-def list_vectors(request: Request) -> VectorList:
+def list_vectors(eng: Engine = Depends(get_engine)) -> VectorList:
     """Names, dimensions and norms of every registered vector (module vectors included)."""
-    eng = get_engine(request)
     infos = [i for i in (_vector_info(eng, n) for n in sorted(eng.list_vectors())) if i is not None]
     return VectorList(vectors=infos, count=len(infos), max_count=eng.config.limits.max_named_vectors)
 
 
 @router.get("/v1/steering/vectors/{name:path}", response_model=VectorValues, responses={**BAD, **NOT_FOUND},
             summary="A named vector's values")
-def get_vector(name: str, request: Request):
+def get_vector(name: str, eng: Engine = Depends(get_engine)):
     """The vector's float32 values as a JSON list (404 when no vector has that name)."""
-    eng = get_engine(request)
     vec = eng.named_vector(name)
     if vec is None:
         return error_response(404, f"name: no registered vector named {name!r}", "name")
@@ -230,10 +222,9 @@ def get_vector(name: str, request: Request):
 @router.delete("/v1/steering/vectors/{name:path}", response_model=VectorDeleted, dependencies=[Depends(require_api_key)],
                responses={**GUARDED, **NOT_FOUND, 409: {**_ERR, "description": "The global steering uses the vector"}},
                summary="Delete a named vector")
-def delete_vector(name: str, request: Request):
+def delete_vector(name: str, eng: Engine = Depends(get_engine)):
     """404 when absent; 409 while the global steering uses it (clear that first). Requests
     already admitted that use it are voided, never silently run unsteered."""
-    eng = get_engine(request)
     with _mutation:
         if name not in eng.list_vectors():
             return error_response(404, f"name: no registered vector named {name!r}", "name")
@@ -256,12 +247,11 @@ def _module_list(eng: Engine) -> ModuleList:
 
 @router.post("/v1/steering/modules/register", response_model=ModuleResponse, responses=GUARDED,
              dependencies=[Depends(require_api_key)], summary="Register a steering module (fork)")
-def register_module(req: ModuleRegisterRequest, request: Request) -> ModuleResponse:
+def register_module(req: ModuleRegisterRequest, eng: Engine = Depends(get_engine)) -> ModuleResponse:
     """A named set of per-(hook, layer) vectors in the fork's tiers, stored as named vectors
     `module/<name>/<phase>/L<layer>.<hook>` (scales folded in). Replaces a module of the same
     name. Use it per request with `steering_name` on `/v1/completions`, or as a patch
     `source_module`. Clamps and `sae_delta` modules are not supported (400)."""
-    eng = get_engine(request)
     _refuse_unsupported(req, ("clamps", "prefill_clamps", "decode_clamps", "sae_manifest"))
     if req.kind != "additive":
         raise SpecError("kind", f"{req.kind!r} modules are not supported by causalboard (only 'additive')")
@@ -275,9 +265,8 @@ def register_module(req: ModuleRegisterRequest, request: Request) -> ModuleRespo
 
 @router.post("/v1/steering/modules/unregister", response_model=ModuleResponse, responses={**GUARDED, **NOT_FOUND},
              dependencies=[Depends(require_api_key)], summary="Unregister a steering module (fork)")
-def unregister_module(req: ModuleUnregisterRequest, request: Request):
+def unregister_module(req: ModuleUnregisterRequest, eng: Engine = Depends(get_engine)):
     """Delete every vector of the module; 404 when there is no such module."""
-    eng = get_engine(request)
     with _mutation:
         try:
             found = steering_modules.unregister(eng, req.name)
@@ -290,7 +279,7 @@ def unregister_module(req: ModuleUnregisterRequest, request: Request):
 
 
 @router.get("/v1/steering/modules", response_model=ModuleList, responses=BAD, summary="List steering modules (fork)")
-def list_modules(request: Request) -> ModuleList:
+def list_modules(eng: Engine = Depends(get_engine)) -> ModuleList:
     """`{"modules": [names], "count": n}` as in the fork, plus each module's sites and norms."""
-    return _module_list(get_engine(request))
+    return _module_list(eng)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from engine_ext.generation import MAX_TOP_LOGPROBS, GenerationParams
 
@@ -21,15 +21,10 @@ from app.api.schemas.interventions import (
     VectorSpec,
     unsupported,
 )
-
-MAX_PROMPT_CHARS = 100_000
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from app.wire import MAX_PROMPT_CHARS, StrictModel
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     max_tokens: int = Field(16, ge=1, description="Number of tokens to generate (>= 1).")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -130,7 +125,7 @@ class CompletionRequest(SamplingFields):
         )
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     prompt: str = Field(..., max_length=MAX_PROMPT_CHARS)
     add_special_tokens: bool = True
 
@@ -144,7 +139,8 @@ class TokenizeResponse(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: str = Field(description="Human-readable message; starts with the offending field.")
-    field: str | None = Field(None, description="The offending field (dotted path), when there is one.")
+    field: str | None = Field(None, description="The offending field, when there is one: a path with list indices in "
+                                                "brackets and object keys after dots (`interventions.steer[0].scale`).")
     errors: list[dict] | None = Field(None, description="All validation problems, one per field.")
 
 

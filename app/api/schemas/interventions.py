@@ -1,28 +1,29 @@
 """Request and response bodies of the intervention endpoints: steering, named vectors, steering
 modules, capture, stored source runs, and the `interventions` field of the generation endpoints.
 
-Request models forbid unknown fields. Structural problems (wrong type, unknown field) are 400s
-named by pydantic (`steer.0.scale`); semantic ones (layer out of range, wrong dimension, NaN,
-unknown named vector, span not found) are `SpecError`s named the way the engine names them
-(`interventions.steer[0].vector`). The reference fork's dict-keyed vector tiers (`vectors`,
-`steering_vectors`, ...) are parsed field by field in `app/api/compat/fork_vectors.py`; their JSON schema
-is documented here.
+Request models forbid unknown fields. pydantic is the one structural parser (types, required
+fields, bounds, unknown fields); the native specs (`SteerSpec`, `PatchSpec`, `CaptureSpec`,
+`EmbeddingNoiseSpec`, `InterventionsSpec`) then build `engine_ext.specs` objects through their
+`make(...)` constructors, which add the semantic checks (finite numbers, site text, position
+selectors, patch sources). Every error names its field the same way, with indices in brackets:
+`interventions.steer[0].scale` whether the scale is a string (pydantic) or NaN (`Steer.make`);
+checks against the model and the prompt (layer out of range, wrong dimension, unknown named
+vector, span not found) come from the engine under the same names. The reference fork's
+dict-keyed vector tiers (`vectors`, `steering_vectors`, ...) are parsed field by field in
+`app/api/compat/fork_vectors.py`; their JSON schema is documented here.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, Field, WithJsonSchema
 
-from engine_ext.specs import Interventions
+from engine_ext.sites import HOOKS, Site
+from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 
 from app.api.compat.fork_vectors import VECTOR_SPEC_SCHEMA
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+from app.wire import MAX_PROMPT_CHARS, SpanSpec, StrictModel
 
 #: a field the reference fork has and causalboard refuses (400 naming it, never ignored)
 NOT_SUPPORTED = "Not supported by causalboard: a request that sets it is refused with 400 naming the field."
@@ -32,17 +33,13 @@ def unsupported(description: str = NOT_SUPPORTED) -> Any:
     return Field(None, description=description)
 
 
-# ---- native intervention specs (engine_ext.specs JSON form) ---------------------------------------
-class SpanSpec(_Strict):
-    """The tokens overlapping the `occurrence`-th (0-based) occurrence of `span` in the prompt."""
-
-    span: str = Field(..., min_length=1)
-    occurrence: int = Field(0, ge=0)
-
-
-class SiteSpec(_Strict):
+# ---- native intervention specs (-> engine_ext.specs) -----------------------------------------------
+class SiteSpec(StrictModel):
     layer: int = Field(..., ge=0)
-    hook: str = Field(..., description="pre_attn | post_attn | post_block")
+    hook: Literal[HOOKS] = Field(..., description=" | ".join(HOOKS))  # type: ignore[valid-type]
+
+    def to_site(self) -> Site:
+        return Site(self.layer, self.hook)
 
 
 Positions = Annotated[
@@ -53,7 +50,21 @@ Positions = Annotated[
 Sites = Annotated[str | list[str | SiteSpec], Field(description="Sites written 'L3.post_block' (or {'layer', 'hook'}).")]
 
 
-class SteerSpec(_Strict):
+def engine_positions(value: str | int | SpanSpec | list[int | SpanSpec]) -> Any:
+    """A parsed `Positions` value in the form `engine_ext.specs` selectors take (spans -> `Span`)."""
+    if isinstance(value, list):
+        return [p.to_span() if isinstance(p, SpanSpec) else p for p in value]
+    return value.to_span() if isinstance(value, SpanSpec) else value
+
+
+def engine_sites(value: str | list[str | SiteSpec]) -> Any:
+    """A parsed `Sites` value in the form `engine_ext.specs` takes (site text or `Site`)."""
+    if isinstance(value, list):
+        return [s.to_site() if isinstance(s, SiteSpec) else s for s in value]
+    return value
+
+
+class SteerSpec(StrictModel):
     """Add `scale * vector` at `sites` and `positions` during `phase`. Exactly one of an inline
     `vector` and a registered `name`."""
 
@@ -64,8 +75,13 @@ class SteerSpec(_Strict):
     positions: Positions = "all"
     phase: Literal["both", "prefill", "decode"] = Field("both", description="prefill = prompt positions, decode = generated ones.")
 
+    def to_steer(self, field_name: str) -> Steer:
+        """The engine's `Steer`; `SpecError`s name `field_name.<field>`."""
+        return Steer.make(engine_sites(self.sites), self.vector, name=self.name, scale=self.scale,
+                          positions=engine_positions(self.positions), phase=self.phase, field_name=field_name)
 
-class PatchSpec(_Strict):
+
+class PatchSpec(StrictModel):
     """At one `site` and destination `positions`: `(1 - alpha) * h + alpha * t`, `t` from `source`."""
 
     site: str | SiteSpec
@@ -74,34 +90,59 @@ class PatchSpec(_Strict):
         ..., description="'zeros' | {'run': id, 'positions': [...]} (a stored source run) | {'vectors': [[...]]} | {'mean_of': run_id}")
     alpha: float = 1.0
 
+    def to_patch(self, field_name: str) -> Patch:
+        site = self.site.to_site() if isinstance(self.site, SiteSpec) else self.site
+        return Patch.make(site, engine_positions(self.positions), self.source, alpha=self.alpha, field_name=field_name)
 
-class CaptureSpec(_Strict):
+
+class CaptureSpec(StrictModel):
     sites: Sites
     positions: Positions = "last_prompt"
     keep_as: str | None = Field(None, description="Store the capture as a source run with this id (needs the API key when one is set).")
     return_values: bool = True
 
+    def to_capture(self, field_name: str) -> Capture:
+        return _capture(self, field_name)
 
-class NoiseSpec(_Strict):
-    """ROME-style corruption of the input embeddings at `positions` (scale x embedding std, seeded)."""
+
+def _capture(req: CaptureSpec | CaptureRequest, field_name: str) -> Capture:
+    return Capture.make(engine_sites(req.sites), engine_positions(req.positions), keep_as=req.keep_as,
+                        return_values=req.return_values, field_name=field_name)
+
+
+class EmbeddingNoiseSpec(StrictModel):
+    """One seeded draw of ROME-style noise on the input embeddings at `positions` (scale x
+    embedding std) of this request (`engine_ext.specs.Noise`). Not the patch sweep's `noise`
+    (`app.sweep.schema.NoiseSpec`), which describes a corruption recipe of several draws."""
 
     positions: Positions
     scale: float = Field(3.0, ge=0)
     seed: int = Field(0, ge=0)
 
+    def to_noise(self, field_name: str) -> Noise:
+        return Noise.make(engine_positions(self.positions), scale=self.scale, seed=self.seed, field_name=field_name)
 
-class InterventionsSpec(_Strict):
-    """Per-request interventions (the JSON form of `engine_ext.specs.Interventions`)."""
+
+class InterventionsSpec(StrictModel):
+    """Per-request interventions (the wire form of `engine_ext.specs.Interventions`)."""
 
     steer: list[SteerSpec] = Field(default_factory=list)
     patch: list[PatchSpec] = Field(default_factory=list)
     capture: CaptureSpec | None = None
-    noise: NoiseSpec | None = None
+    noise: EmbeddingNoiseSpec | None = None
     score_token_ids: list[int] = Field(default_factory=list, description="Exact logprobs of these ids at every generated step.")
 
     def to_spec(self, field_name: str = "interventions") -> Interventions:
-        """Semantic parse; `SpecError` fields are prefixed with `field_name`."""
-        return Interventions.from_json(self.model_dump(), field_name=field_name)
+        """The engine's `Interventions`, built entry by entry; `SpecError` fields start with
+        `field_name` (`interventions.steer[0].scale`)."""
+        f = field_name
+        return Interventions(
+            steer=tuple(s.to_steer(f"{f}.steer[{k}]") for k, s in enumerate(self.steer)),
+            patch=tuple(p.to_patch(f"{f}.patch[{k}]") for k, p in enumerate(self.patch)),
+            capture=self.capture.to_capture(f"{f}.capture") if self.capture is not None else None,
+            noise=self.noise.to_noise(f"{f}.noise") if self.noise is not None else None,
+            score_token_ids=tuple(self.score_token_ids),
+        )
 
     def keeps_source(self) -> bool:
         return self.capture is not None and self.capture.keep_as is not None
@@ -131,7 +172,7 @@ class InterventionResultBody(BaseModel):
 VectorSpec = Annotated[Any, WithJsonSchema(VECTOR_SPEC_SCHEMA)]
 
 
-class PackedTable(_Strict):
+class PackedTable(StrictModel):
     """The fork's packed vector table: base64 of `shape[0]` little-endian rows of `shape[1]` values."""
 
     dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
@@ -139,7 +180,7 @@ class PackedTable(_Strict):
     data: str
 
 
-class ForkPatchEntry(_Strict):
+class ForkPatchEntry(StrictModel):
     """One fork-style patch: at `(layer, hook)` and token `dest_position`, replace (alpha = 1) or
     lerp with exactly one source: a stored run (`source_run` + `source_position`, default the
     destination), `source_module` ('zeros', a steering module's base vector at this site, or a
@@ -157,7 +198,7 @@ class ForkPatchEntry(_Strict):
 
 
 # ---- steering ------------------------------------------------------------------------------------
-class SteeringSetRequest(_Strict):
+class SteeringSetRequest(StrictModel):
     """Global steering (every request). Fork tiers: `vectors` (both phases), `prefill_vectors`,
     `decode_vectors`; or native `steer` entries. `replace: false` merges with the current
     steering (an entry replaces the current ones at the same site and phase)."""
@@ -212,7 +253,7 @@ class StatusOk(BaseModel):
     status: Literal["ok"] = "ok"
 
 
-class VectorRegisterRequest(_Strict):
+class VectorRegisterRequest(StrictModel):
     name: str = Field(..., min_length=1, max_length=128, description="Names starting with 'module/' are reserved.")
     vector: list[float] = Field(..., min_length=1, description="Length = the model's hidden size; finite values.")
 
@@ -238,7 +279,7 @@ class VectorDeleted(BaseModel):
     deleted: bool
 
 
-class ModuleRegisterRequest(_Strict):
+class ModuleRegisterRequest(StrictModel):
     """A steering module: per-(hook, layer) vectors in up to three tiers (fork form). Stored as
     named vectors `module/<name>/<phase>/L<layer>.<hook>`."""
 
@@ -253,7 +294,7 @@ class ModuleRegisterRequest(_Strict):
     sae_manifest: Any = unsupported()
 
 
-class ModuleUnregisterRequest(_Strict):
+class ModuleUnregisterRequest(StrictModel):
     name: str = Field(..., min_length=1, max_length=64)
 
 
@@ -276,16 +317,20 @@ class ModuleList(BaseModel):
 
 
 # ---- capture and source runs -----------------------------------------------------------------------
-class CaptureRequest(_Strict):
+class CaptureRequest(StrictModel):
     """Run `prompt` (one generated token) recording `sites` x `positions` of the prompt."""
 
-    prompt: str = Field(..., min_length=1, max_length=100_000)
+    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
     sites: Sites
     positions: Positions = "last_prompt"
     keep_as: str | None = Field(None, description="Also store the run for patching under this id (needs the API key when one is set).")
     return_values: bool = Field(True, description="Return the values (false: only store them).")
     format: Literal["json", "npz", "safetensors"] = Field(
         "json", description="json, or a binary body: one float32 array [positions, hidden] per site (key = site text).")
+
+    def to_capture(self, field_name: str = "capture") -> Capture:
+        """The engine's `Capture` of `sites` x `positions`; `SpecError`s name `field_name.<field>`."""
+        return _capture(self, field_name)
 
 
 class CaptureResponse(BaseModel):
