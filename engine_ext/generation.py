@@ -18,15 +18,17 @@ MAX_TOP_LOGPROBS = 20
 class GenerationParams:
     """How to generate. Greedy by default (temperature 0).
 
-    `logprobs` is the number of top alternatives reported per generated token (0 = only the
-    chosen token's own logprob, which is always reported)."""
+    `logprobs`: None (the default) computes no per-token logprobs (vLLM's own default, and what
+    it costs nothing to skip); 0 reports the chosen token's logprob; k > 0 also the top-k
+    alternatives per generated token. Scores of chosen ids (`Interventions.score_token_ids`) are
+    independent of it."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    logprobs: int = 0
+    logprobs: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
@@ -44,8 +46,9 @@ class GenerationParams:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise bad("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise bad("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise bad("logprobs", f"must be null or an integer between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
 
@@ -88,7 +91,8 @@ class GenerationDelta:
 @dataclass
 class Generation:
     """A finished generation. `logprobs[i]` is the logprob of `token_ids[i]` under the model's
-    (unprocessed) distribution at that step; `top_logprobs[i]` holds the requested top-k."""
+    (unprocessed) distribution at that step (empty unless `GenerationParams.logprobs` was set);
+    `top_logprobs[i]` holds the requested top-k."""
 
     request_id: str
     prompt: str | None

@@ -123,6 +123,19 @@ def noise_vectors(n_positions: int, hidden: int, scale: float, std: float, seed:
     return (rng.standard_normal((n_positions, hidden)) * (scale * std)).astype(np.float32)
 
 
+MAX_SCORE_IDS = 128
+
+
+def check_score_token_ids(ids, vocab_size: int) -> list[int]:
+    """The distinct ids of `score_token_ids` (order kept); SpecError naming the field otherwise."""
+    if len(ids) > MAX_SCORE_IDS:
+        raise SpecError("score_token_ids", f"at most {MAX_SCORE_IDS} token ids")
+    for k, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise SpecError(f"score_token_ids[{k}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    return list(dict.fromkeys(ids))
+
+
 def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *, key: str,
                     named_vector_dims: Callable[[str], int | None], limits: Limits = Limits()) -> dict:
     """Validate `spec` against the prompt and model; return the wire program (plain JSON data).
@@ -185,9 +198,6 @@ def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *,
         pos, gen = resolve_positions(c.positions, prompt, "capture.positions")
         touched += len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))
         capture_out = {"sites": sites, "pos": pos, "gen": gen, "keep_as": c.keep_as, "return": c.return_values}
-    for k, t in enumerate(spec.score_token_ids):
-        if not 0 <= t < dims.vocab_size:
-            raise SpecError(f"score_token_ids[{k}]", f"token id {t} is outside the vocabulary [0, {dims.vocab_size})")
     if touched > limits.max_site_positions:
         raise SpecError("interventions", f"touches {touched} site-positions; the limit is {limits.max_site_positions} (too many sites)")
     body = {"steer": steer_out, "patch": patch_out, "noise": noise_out, "capture": capture_out}

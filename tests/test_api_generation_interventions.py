@@ -30,10 +30,10 @@ def test_generate_steer_equals_the_python_engine(http, engine, tasks):
     prompt = tasks["facts"][8]["prompt"]
     v = _vec(engine, 21)
     steer = {"sites": ["L1.post_attn", "L3.pre_attn"], "vector": v.tolist(), "scale": 1.5, "positions": "all", "phase": "both"}
-    plain = _post(http, "/v1/generate", {"prompt": prompt, "max_tokens": 5, "ignore_eos": True})
+    plain = _post(http, "/v1/generate", {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "logprobs": 0})
     assert plain["intervention"] is None and plain["scores"] == []
-    body = _post(http, "/v1/generate", {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "interventions": {"steer": [steer]}})
-    want = engine.generate(prompt, GenerationParams(max_tokens=5, ignore_eos=True),
+    body = _post(http, "/v1/generate", {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "logprobs": 0, "interventions": {"steer": [steer]}})
+    want = engine.generate(prompt, GenerationParams(max_tokens=5, ignore_eos=True, logprobs=0),
                            Interventions(steer=(Steer.make(["L1.post_attn", "L3.pre_attn"], v, scale=1.5),)))
     assert body["token_ids"] == want.token_ids
     assert body["logprobs"] == want.logprobs != plain["logprobs"]  # steering had an effect
@@ -55,7 +55,7 @@ def test_generate_capture_patch_and_scores(http, engine, tasks):
         spec = Interventions(patch=(Patch.make("L1.post_block", subj, {"run": "api-gen-clean"}),),
                              capture=Capture.make(["L4.post_block"], "last_prompt"),
                              score_token_ids=(pair["answer_id"], pair["foil_id"]))
-        want = engine.generate(corrupt, GenerationParams(max_tokens=1), spec)
+        want = engine.generate(corrupt, GenerationParams(max_tokens=1, logprobs=0), spec)
         assert body["intervention"]["status"] == "ok"
         assert body["scores"] == [{str(k): v for k, v in want.scores[0].items()}]
         n = len(engine.tokenize(corrupt))
@@ -74,7 +74,7 @@ def test_generate_capture_patch_and_scores(http, engine, tasks):
 
 def test_generate_stream_carries_the_intervention_result(http, engine, tasks):
     prompt = tasks["ioi"][2]["prompt"]
-    req = {"prompt": prompt, "max_tokens": 3, "ignore_eos": True,
+    req = {"prompt": prompt, "max_tokens": 3, "ignore_eos": True, "logprobs": 0,
            "interventions": {"steer": [{"sites": "L2.post_block", "vector": _vec(engine, 22).tolist(), "phase": "decode"}],
                              "capture": {"sites": ["L0.post_attn"], "positions": "all_generated"}}}
     with http.stream("POST", "/v1/generate", json={**req, "stream": True}) as r:
@@ -266,7 +266,7 @@ NOT_SUPPORTED = {"steering_vectors.mlp_in", "steering_clamps", "steering", "conv
 
 def test_bad_interventions_name_the_field_and_leave_the_engine_untouched(http, engine, tasks):
     prompt = tasks["facts"][0]["prompt"]
-    before = _post(http, "/v1/generate", {"prompt": prompt, "max_tokens": 3, "ignore_eos": True})
+    before = _post(http, "/v1/generate", {"prompt": prompt, "max_tokens": 3, "ignore_eos": True, "logprobs": 0})
     for path, extra, field in _bad(engine):
         r = http.post(path, json={"prompt": prompt, "max_tokens": 1, **extra})
         assert r.status_code == 400, (path, field, r.text)
@@ -277,7 +277,7 @@ def test_bad_interventions_name_the_field_and_leave_the_engine_untouched(http, e
             assert "not supported" in err["error"], err
         with http.stream("POST", path, json={"prompt": prompt, "max_tokens": 1, "stream": True, **extra}) as s:
             assert s.status_code == 400 and s.headers["content-type"].startswith("application/json")
-    after = _post(http, "/v1/generate", {"prompt": prompt, "max_tokens": 3, "ignore_eos": True})
+    after = _post(http, "/v1/generate", {"prompt": prompt, "max_tokens": 3, "ignore_eos": True, "logprobs": 0})
     assert after["token_ids"] == before["token_ids"] and after["logprobs"] == before["logprobs"]
     st = http.get("/v1/status").json()
     assert st["in_flight_requests"] == 0 and st["global_steering"] == []

@@ -21,7 +21,7 @@ def _vec(engine, seed=0, norm=30.0) -> np.ndarray:
 
 
 def _generate(http, prompt, **extra):
-    r = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True, **extra})
+    r = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "logprobs": 0, **extra})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -62,7 +62,7 @@ def test_set_changes_generation_like_per_request_steering_and_clear_restores_bas
     assert _generate(http, prompt)["token_ids"] == steered["token_ids"]  # greedy: deterministic
     # the same steering per request (no global steering) gives the same tokens and logprobs
     engine.clear_global_steer()
-    direct = engine.generate(prompt, GenerationParams(max_tokens=6, ignore_eos=True),
+    direct = engine.generate(prompt, GenerationParams(max_tokens=6, ignore_eos=True, logprobs=0),
                              Interventions(steer=(Steer.make(["L2.post_block"], v, scale=2.0),)))
     assert direct.token_ids == steered["token_ids"]
     np.testing.assert_allclose(direct.logprobs, steered["logprobs"], rtol=0, atol=1e-5)
@@ -130,7 +130,7 @@ def test_native_steer_with_named_vector(http, engine, tasks, clean_steering):
         assert entry["name"] == "api-glob" and entry["vector"] is None and entry["norm"] == pytest.approx(12.5, rel=1e-5)
         got = _generate(http, prompt)
         engine.clear_global_steer()
-        want = engine.generate(prompt, GenerationParams(max_tokens=6, ignore_eos=True), Interventions(
+        want = engine.generate(prompt, GenerationParams(max_tokens=6, ignore_eos=True, logprobs=0), Interventions(
             steer=(Steer.make(["L1.post_block", "L2.post_block"], v, scale=0.5, positions="all_generated"),)))
         assert got["token_ids"] == want.token_ids
     finally:

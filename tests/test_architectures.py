@@ -57,14 +57,14 @@ def test_qwen_sites_match_the_reference(tmp_path, arch, engine):
         for (layer, hook, pos), v in gen.captures.items():
             assert np.allclose(v, run.captures[(layer, hook)][pos].numpy(), atol=2e-4, rtol=2e-4)
         v = np.random.default_rng(0).standard_normal(128).astype(np.float32) * 4
-        steered = eng.generate(prompt, GenerationParams(max_tokens=3, ignore_eos=True),
+        steered = eng.generate(prompt, GenerationParams(max_tokens=3, ignore_eos=True, logprobs=0),
                                Interventions(steer=(Steer.make(["L0.post_attn"], v),)))
         r = ref.generate(ids, 3, edits=[RefEdit.steer((0, "post_attn"), v, positions=range(len(ids)), gen=True)], stop_at_eos=False)
         assert steered.token_ids == r.token_ids
         assert np.allclose(steered.logprobs, r.logprobs, atol=2e-3)
         eng.capture(prompt, ["L1.pre_attn"], "all_prompt", keep_as="q", return_values=False)
-        plain = eng.generate(prompt, GenerationParams(max_tokens=3))
-        patched = eng.generate(prompt, GenerationParams(max_tokens=3), Interventions(patch=(Patch.make("L1.pre_attn", "all_prompt", {"run": "q"}),)))
+        plain = eng.generate(prompt, GenerationParams(max_tokens=3, logprobs=0))
+        patched = eng.generate(prompt, GenerationParams(max_tokens=3, logprobs=0), Interventions(patch=(Patch.make("L1.pre_attn", "all_prompt", {"run": "q"}),)))
         assert patched.logprobs == plain.logprobs  # bit-exact
 
 

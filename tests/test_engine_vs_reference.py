@@ -43,12 +43,12 @@ def references(tasks, hf_ref):
 
 def test_greedy_and_logprobs_match_reference_one_at_a_time(engine, references):
     for prompt, ref in references.items():
-        _assert_matches(engine.generate(prompt, GenerationParams(max_tokens=MAX_TOKENS)), ref)
+        _assert_matches(engine.generate(prompt, GenerationParams(max_tokens=MAX_TOKENS, logprobs=0)), ref)
 
 
 def test_batched_generation_matches_reference(engine, references):
     prompts = list(references)
-    gens = engine.generate(prompts, GenerationParams(max_tokens=MAX_TOKENS))
+    gens = engine.generate(prompts, GenerationParams(max_tokens=MAX_TOKENS, logprobs=0))
     for prompt, gen in zip(prompts, gens):
         _assert_matches(gen, references[prompt])
 
@@ -57,7 +57,7 @@ def test_async_concurrent_generation_matches_reference(engine, references):
     prompts = list(references)
 
     async def run():
-        return await asyncio.gather(*(engine.agenerate(p, GenerationParams(max_tokens=MAX_TOKENS)) for p in prompts))
+        return await asyncio.gather(*(engine.agenerate(p, GenerationParams(max_tokens=MAX_TOKENS, logprobs=0)) for p in prompts))
 
     for prompt, gen in zip(prompts, asyncio.run(run())):
         _assert_matches(gen, references[prompt])
@@ -77,10 +77,10 @@ def test_top_logprobs_are_the_reference_top_k(engine, hf_ref, tasks):
 
 def test_stream_deltas_add_up_to_the_generation(engine, tasks):
     prompt = tasks["ioi"][0]["prompt"]
-    whole = engine.generate(prompt, GenerationParams(max_tokens=5))
+    whole = engine.generate(prompt, GenerationParams(max_tokens=5, logprobs=0))
 
     async def collect():
-        return [d async for d in engine.astream(prompt, GenerationParams(max_tokens=5))]
+        return [d async for d in engine.astream(prompt, GenerationParams(max_tokens=5, logprobs=0))]
 
     deltas = asyncio.run(collect())
     assert sum((d.token_ids for d in deltas), []) == whole.token_ids

@@ -19,7 +19,7 @@ from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 
 CAPTURE_ATOL, CAPTURE_RTOL = 2e-4, 2e-4
 LOGPROB_ATOL = 2e-3
-ONE = GenerationParams(max_tokens=1)
+ONE = GenerationParams(max_tokens=1, logprobs=0)
 
 
 def fact(tasks, i=0):
@@ -50,7 +50,7 @@ def test_captures_equal_the_reference_at_every_hook_and_layer(engine, hf_ref, ta
 
 def test_capture_of_generated_positions(engine, hf_ref, tasks):
     prompt = fact(tasks, 5)["prompt"]
-    params = GenerationParams(max_tokens=4, ignore_eos=True)
+    params = GenerationParams(max_tokens=4, ignore_eos=True, logprobs=0)
     gen = engine.generate(prompt, params, Interventions(capture=Capture.make(["L2.post_block"], "all_generated")))
     n = len(gen.prompt_token_ids)
     assert sorted(p for (_, _, p) in gen.captures) == [n, n + 1, n + 2]  # the last token is never fed back
@@ -69,7 +69,7 @@ def _vec(engine, seed=0, norm=6.0):
 def test_steered_generation_matches_reference(engine, hf_ref, tasks, site, phase):
     prompt = fact(tasks, 7)["prompt"]
     v = _vec(engine, 1)
-    params = GenerationParams(max_tokens=5, ignore_eos=True)
+    params = GenerationParams(max_tokens=5, ignore_eos=True, logprobs=0)
     spec = Interventions(steer=(Steer.make([site], v, scale=1.5, positions="all", phase=phase),))
     gen = engine.generate(prompt, params, spec)
     assert gen.intervention.status == "ok"
@@ -113,7 +113,7 @@ def test_named_vectors_and_global_steering_compose(engine, hf_ref, tasks):
 # ---- patching ----------------------------------------------------------------------------------
 def test_replacing_every_site_of_a_layer_with_its_own_values_is_bit_exact(engine, tasks):
     prompt = fact(tasks, 11)["prompt"]
-    params = GenerationParams(max_tokens=4)
+    params = GenerationParams(max_tokens=4, logprobs=0)
     clean = engine.generate(prompt, params)
     for layer in (0, engine.info.num_layers - 1):
         run = f"self-{layer}"
@@ -189,7 +189,7 @@ def test_unintervened_request_is_unaffected_by_its_batch_neighbours(engine, task
     # Every request runs all 5 steps so both runs have the same batch shape at every step: vLLM
     # is not batch-invariant (a CPU GEMM over 3 rows rounds differently from one over 4), so a
     # steered neighbour that stops early would move the last bit without any leak between rows.
-    params = GenerationParams(max_tokens=5, ignore_eos=True)
+    params = GenerationParams(max_tokens=5, ignore_eos=True, logprobs=0)
     with_iv = [None,
                Interventions(steer=(Steer.make(["L1.pre_attn", "L3.post_block"], _vec(engine, 4), scale=2.0),)),
                Interventions(patch=(Patch.make("L1.post_attn", "all_prompt", {"run": "nb-src"}),)),
@@ -207,7 +207,7 @@ def test_unintervened_request_is_unaffected_by_its_batch_neighbours(engine, task
 
 def test_patched_request_never_leaks_into_the_prefix_cache(engine, tasks):
     prompt = fact(tasks, 30)["prompt"]
-    params = GenerationParams(max_tokens=3)
+    params = GenerationParams(max_tokens=3, logprobs=0)
     engine.reset_prefix_cache()
     fresh = engine.generate(prompt, params)
     engine.reset_prefix_cache()
@@ -222,10 +222,10 @@ def test_concurrent_async_requests_keep_their_own_interventions(engine, tasks):
     prompt = fact(tasks, 31)["prompt"]
     vecs = [_vec(engine, 10 + i) for i in range(4)]
     specs = [Interventions(steer=(Steer.make(["L2.pre_attn"], v, scale=2.0),)) for v in vecs]
-    solo = [engine.generate(prompt, GenerationParams(max_tokens=3), s) for s in specs]
+    solo = [engine.generate(prompt, GenerationParams(max_tokens=3, logprobs=0), s) for s in specs]
 
     async def together():
-        return await asyncio.gather(*(engine.agenerate(prompt, GenerationParams(max_tokens=3), s) for s in specs))
+        return await asyncio.gather(*(engine.agenerate(prompt, GenerationParams(max_tokens=3, logprobs=0), s) for s in specs))
 
     for s, t in zip(solo, asyncio.run(together())):
         assert s.token_ids == t.token_ids

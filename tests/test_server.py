@@ -21,7 +21,7 @@ def test_health_and_status(http, engine):
 def test_generate_matches_engine(http, engine, tasks):
     prompt = tasks["facts"][0]["prompt"]
     body = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 4, "logprobs": 2}).json()
-    direct = engine.generate(prompt, __import__("engine_ext").GenerationParams(max_tokens=4))
+    direct = engine.generate(prompt, __import__("engine_ext").GenerationParams(max_tokens=4, logprobs=0))
     assert body["token_ids"] == direct.token_ids
     assert body["prompt_token_ids"] == engine.tokenize(prompt)
     n = len(body["token_ids"])
@@ -41,6 +41,10 @@ def test_generate_stream_sse(http, tasks):
     assert sum((e["token_ids"] for e in events[1:-2]), []) == done["token_ids"]
     plain = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 3}).json()
     assert plain["token_ids"] == done["token_ids"]
+    assert plain["logprobs"] == [] and done["logprobs"] == []  # not requested: not computed
+    with_lp = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 3, "logprobs": 0}).json()
+    assert with_lp["token_ids"] == plain["token_ids"] and len(with_lp["logprobs"]) == len(plain["token_ids"])
+    assert with_lp["top_logprobs"] == []
 
 
 def test_openai_completions(http, tasks):

@@ -62,12 +62,21 @@ def test_position_resolution(sel, expected):
     ({"patch": [{"site": "L1.pre_attn", "positions": [1], "source": "zeros", "alpha": float("inf")}]}, "patch[0].alpha"),
     ({"noise": {"positions": [1], "scale": -1}}, "noise.scale"),
     ({"capture": {"sites": ["L9.pre_attn"]}}, "capture.sites[0]"),
-    ({"score_token_ids": [100]}, "score_token_ids[0]"),
 ])
 def test_bad_specs_name_the_field(spec, field):
     with pytest.raises(SpecError) as err:
         compile_(spec)
     assert err.value.field == field, str(err.value)
+
+
+def test_score_token_ids_are_checked_once():
+    from engine_ext.program import check_score_token_ids
+
+    assert check_score_token_ids([5, 3, 5], 100) == [5, 3]
+    for ids, field in (([100], "score_token_ids[0]"), ([1, -1], "score_token_ids[1]"), (list(range(129)), "score_token_ids")):
+        with pytest.raises(SpecError) as err:
+            check_score_token_ids(ids, 100)
+        assert err.value.field == field
 
 
 def test_too_many_sites_is_refused():

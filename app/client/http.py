@@ -147,9 +147,11 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def _generate_body(prompt: str, max_tokens: int, temperature: float, logprobs: int, seed: int | None,
+def _generate_body(prompt: str, max_tokens: int, temperature: float, logprobs: int | None, seed: int | None,
                    interventions: dict | None, extra: dict, stream: bool) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "logprobs": logprobs, **extra}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **extra}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     if seed is not None:
         body["seed"] = seed
     if interventions is not None:
@@ -430,12 +432,12 @@ class CausalboardClient:
         return self._do(_Ops.tokenize(prompt, add_special_tokens))
 
     # ---- generation
-    def generate(self, prompt: str, *, max_tokens: int = 16, temperature: float = 0.0, logprobs: int = 0,
+    def generate(self, prompt: str, *, max_tokens: int = 16, temperature: float = 0.0, logprobs: int | None = None,
                  seed: int | None = None, interventions: dict | None = None, **extra: Any) -> dict:
         """`POST /v1/generate`; `extra` holds further request fields (top_p, stop, ...)."""
         return self._do(_Ops.generate(_generate_body(prompt, max_tokens, temperature, logprobs, seed, interventions, extra, False)))
 
-    def stream_generate(self, prompt: str, *, max_tokens: int = 16, temperature: float = 0.0, logprobs: int = 0,
+    def stream_generate(self, prompt: str, *, max_tokens: int = 16, temperature: float = 0.0, logprobs: int | None = None,
                         seed: int | None = None, interventions: dict | None = None, **extra: Any) -> Iterator[dict]:
         """The SSE events of `/v1/generate` (`start`, `token`..., `done`, or `error`)."""
         body = _generate_body(prompt, max_tokens, temperature, logprobs, seed, interventions, extra, True)
@@ -583,11 +585,11 @@ class AsyncCausalboardClient:
     async def tokenize(self, prompt: str, *, add_special_tokens: bool = True) -> dict:
         return await self._do(_Ops.tokenize(prompt, add_special_tokens))
 
-    async def generate(self, prompt: str, *, max_tokens: int = 16, temperature: float = 0.0, logprobs: int = 0,
+    async def generate(self, prompt: str, *, max_tokens: int = 16, temperature: float = 0.0, logprobs: int | None = None,
                        seed: int | None = None, interventions: dict | None = None, **extra: Any) -> dict:
         return await self._do(_Ops.generate(_generate_body(prompt, max_tokens, temperature, logprobs, seed, interventions, extra, False)))
 
-    async def stream_generate(self, prompt: str, *, max_tokens: int = 16, temperature: float = 0.0, logprobs: int = 0,
+    async def stream_generate(self, prompt: str, *, max_tokens: int = 16, temperature: float = 0.0, logprobs: int | None = None,
                               seed: int | None = None, interventions: dict | None = None, **extra: Any) -> AsyncIterator[dict]:
         body = _generate_body(prompt, max_tokens, temperature, logprobs, seed, interventions, extra, True)
         async for ev in self._events("POST", "/v1/generate", body, {}, None):

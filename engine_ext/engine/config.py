@@ -17,7 +17,8 @@ class EngineConfig:
     dtype: str | None = None
     enforce_eager: bool | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    #: requests batched at once (None: vLLM's default for the device, e.g. 1024 on an H100)
+    max_num_seqs: int | None = None
     gpu_memory_utilization: float = 0.5
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -28,9 +29,11 @@ class EngineConfig:
     max_capture_rows: int = 8192
     source_store_bytes: int = 256 * 1024 * 1024
     limits: Limits = field(default_factory=Limits)
-    #: run vLLM's engine core in its own process (None: vLLM's default, i.e. the
-    #: VLLM_ENABLE_V1_MULTIPROCESSING setting). Several engines in one process need True: vLLM's
-    #: distributed state is process-global, so an in-process engine's shutdown breaks the others.
+    #: run vLLM's engine core in its own process, overlapping scheduling and output processing
+    #: with the model (None: the VLLM_ENABLE_V1_MULTIPROCESSING setting, which vLLM defaults to on
+    #: and `runtime.prepare_environment` sets off on CPU). Several engines in one process need
+    #: True: vLLM's distributed state is process-global, so an in-process engine's shutdown
+    #: breaks the others.
     multiprocess: bool | None = None
     #: GPU only: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a request's numbers
     #: do not depend on what it is batched with (sweep cells then equal their solo runs exactly;

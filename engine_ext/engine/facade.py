@@ -31,7 +31,7 @@ from engine_ext.errors import EngineDeadError, SpecError
 from engine_ext.engine.config import EngineConfig, EngineInfo
 from engine_ext.engine.outputs import AsyncSink, Prepared, QueueSink, delta_from_output
 from engine_ext.generation import Generation, GenerationDelta, GenerationParams
-from engine_ext.program import ModelDims, PromptInfo, compile_program, program_to_extra_args
+from engine_ext.program import ModelDims, PromptInfo, check_score_token_ids, compile_program, program_to_extra_args
 from engine_ext.specs import Interventions, Steer, positions_from_json
 
 logger = logging.getLogger("causalboard.engine")
@@ -105,7 +105,13 @@ class Engine:
         return self
 
     def close(self) -> None:
+        """Free the workers' state (device buffers, stored runs) and shut the engine down."""
         if self._loop is not None:
+            if self._loop.alive:
+                try:
+                    self._loop.call(lambda e: e.collective_rpc("cb_close")).result(timeout=RPC_TIMEOUT_S)
+                except Exception:  # best effort: the engine may already be failing
+                    logger.debug("cb_close failed", exc_info=True)
             self._loop.shutdown()
             self._loop = None
 
@@ -126,7 +132,6 @@ class Engine:
             model=str(self.model_path),
             dtype=self.dtype,
             enforce_eager=self.enforce_eager,
-            max_num_seqs=self.config.max_num_seqs,
             seed=self.config.seed,
             enable_prefix_caching=self.config.enable_prefix_caching,
             disable_log_stats=True,
@@ -140,6 +145,8 @@ class Engine:
         )
         if self.config.max_model_len:
             kwargs["max_model_len"] = self.config.max_model_len
+        if self.config.max_num_seqs:
+            kwargs["max_num_seqs"] = self.config.max_num_seqs
         if self.device == "cuda":
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         if self.attention_backend:
@@ -233,10 +240,12 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------
     def _prepare(self, prompt: Prompt, params: GenerationParams, spec: Interventions | None = None,
-                 fresh: bool = False) -> Prepared:
+                 fresh: bool = False, stream: bool = False) -> Prepared:
         """Validate and build the vLLM request. Raises `SpecError` naming the field. `fresh`:
         compute the whole prompt (no prefix-cache reuse), like every request that modifies the
-        stream — so an unpatched baseline goes through the same computation as patched cells."""
+        stream — so an unpatched baseline goes through the same computation as patched cells.
+        `stream`: vLLM hands out every step's new tokens (DELTA); otherwise only the finished
+        request (FINAL_ONLY, no per-step output objects)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -271,12 +280,7 @@ class Engine:
             if spec.score_token_ids:
                 if params.logprobs:
                     raise SpecError("logprobs", "top-k logprobs cannot be combined with score_token_ids (vLLM returns one or the other)")
-                if len(spec.score_token_ids) > 128:
-                    raise SpecError("score_token_ids", "at most 128 token ids")
-                for k, t in enumerate(spec.score_token_ids):
-                    if not 0 <= t < self.info.vocab_size:
-                        raise SpecError(f"score_token_ids[{k}]", f"token id {t} is outside the vocabulary [0, {self.info.vocab_size})")
-                score_ids = list(dict.fromkeys(spec.score_token_ids))
+                score_ids = check_score_token_ids(spec.score_token_ids, self.info.vocab_size)
             if spec.steer or spec.patch or spec.capture or spec.noise:
                 prep.key = self._new_id()
                 program = compile_program(spec, self._prompt_info(text, ids, params.max_tokens), self._dims,
@@ -300,7 +304,7 @@ class Engine:
             logprob_token_ids=score_ids,
             stop=list(params.stop) or None,
             ignore_eos=params.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             extra_args=extra_args,
             skip_reading_prefix_cache=skip_cache_read or None,
         )
@@ -321,8 +325,8 @@ class Engine:
 
     def _converter(self, params: GenerationParams, spec: Interventions | None, prep: Prepared):
         score_ids = tuple(dict.fromkeys(spec.score_token_ids)) if spec is not None else ()
-        return functools.partial(delta_from_output, top_k=params.logprobs if not score_ids else 0,
-                                 score_ids=score_ids, program_hash=prep.program_hash)
+        return functools.partial(delta_from_output, top_k=(params.logprobs or 0) if not score_ids else 0,
+                                 score_ids=score_ids, program_hash=prep.program_hash, chosen=params.logprobs is not None)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: GenerationParams | None = None,
                  interventions: Interventions | Sequence[Interventions | None] | None = None) -> Any:
@@ -359,7 +363,7 @@ class Engine:
         """Yield deltas as the engine produces them (the last one carries the intervention
         result). Leaving the iterator early (or cancelling the task) aborts the request."""
         params = params or GenerationParams()
-        prep = self._prepare(prompt, params, interventions)
+        prep = self._prepare(prompt, params, interventions, stream=True)
         async for delta in self._astream(prep, params, interventions):
             yield delta
 

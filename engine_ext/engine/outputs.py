@@ -50,14 +50,16 @@ class AsyncSink:
 
 
 def delta_from_output(output: Any, worker_result: dict | None, top_k: int, score_ids: tuple[int, ...],
-                       program_hash: str | None) -> GenerationDelta:
-    """Convert a vLLM DELTA `RequestOutput` (+ the workers' result at the end)."""
+                      program_hash: str | None, chosen: bool = True) -> GenerationDelta:
+    """Convert a vLLM `RequestOutput` (DELTA: what one step added; FINAL_ONLY: everything) and,
+    at the end, the workers' result. `chosen`: report the chosen tokens' logprobs."""
     comp = output.outputs[0]
     logprobs: list[float] = []
     tops: list[dict[int, float]] = []
     scores: list[dict[int, float]] = []
     for tid, step in zip(comp.token_ids, comp.logprobs or []):
-        logprobs.append(float(step[tid].logprob))
+        if chosen:
+            logprobs.append(float(step[tid].logprob))
         if top_k:
             # vLLM adds the sampled token to the top-k even when it ranks lower; keep the top-k only
             tops.append({int(t): float(lp.logprob) for t, lp in step.items() if lp.rank <= top_k})

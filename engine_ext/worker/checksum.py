@@ -1,14 +1,17 @@
 """Rolling 64-bit checksum of the interventions a worker actually applied.
 
-Each applied action (steer, patch, noise, capture; refused ones excluded) is digested into a
-compact, hash-seed-free byte string — kind, request key, site, positions and, for vectors, the
-exact shape and crc32 of the float32 bytes — whose crc32 is mixed (splitmix64) into the running
-value together with a per-step ordinal, in application order. Ranks that apply the same actions
-in the same order agree; `compare_ranks` reports any disagreement (never raises).
+An applied action is one request's plan (`planner.RequestPlan`: every steer / patch / noise /
+capture entry it composed, each vector payload identified by a digest of its exact bytes, and the
+request key) applied to the rows of one step's window of positions `[p0, p1)`. Requests voided or
+left untouched (capacity) are not folded. Each action's crc32 is mixed (splitmix64) into the
+running value together with a per-step ordinal, in application order (batch order). Ranks that
+apply the same actions in the same order agree; `compare_ranks` reports any disagreement (never
+raises).
 """
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Iterable, Sequence
 
@@ -41,8 +44,15 @@ class ActionChecksum:
         self.step += 1
 
     def fold(self, kind: str, key: str, site: int, positions: Iterable[int], vector: str = "-") -> None:
-        digest = f"{kind}|{key}|{site}|{','.join(map(str, positions))}|{vector}".encode()
-        crc = zlib.crc32(digest)
+        """Fold one action described by its fields (tests and tools; the planner uses `fold_window`)."""
+        self._mix(zlib.crc32(f"{kind}|{key}|{site}|{','.join(map(str, positions))}|{vector}".encode()))
+
+    def fold_window(self, plan_digest: int, p0: int, p1: int) -> None:
+        """Fold a plan (its content digest, which includes the request key) applied to positions
+        `[p0, p1)` this step."""
+        self._mix(zlib.crc32(struct.pack("<Iqq", plan_digest & 0xFFFFFFFF, p0, p1)))
+
+    def _mix(self, crc: int) -> None:
         self.value = mix64(self.value ^ ((self.step & 0xFFFFFFFF) << 32 | crc))
         self.count += 1
 

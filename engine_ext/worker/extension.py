@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_ext.worker.seam import install, runner_state
+from engine_ext.worker.seam import close_state, install, runner_state
 
 install()
 
@@ -44,6 +44,15 @@ class CausalboardWorkerExtension:
         return {"num_layers": st.num_layers, "hidden_size": st.hidden, "embedding_std": std,
                 "patched_layers": patched, "runner": runner, "dtype": str(st.dtype).replace("torch.", ""),
                 "device": str(st.device), "buffer_bytes": int(st.buffers.nbytes()), "torch": str(torch.__version__)}
+
+    def cb_close(self) -> bool:
+        """Free this engine's worker state and device buffers (called before shutdown)."""
+        st = runner_state(self.model_runner)
+        if st is None:
+            return False
+        close_state(st)
+        self.model_runner._cb_state_obj = None
+        return True
 
     def cb_collect(self, keys: list) -> dict:
         return self._cb().collect(list(keys))
@@ -79,10 +88,6 @@ class CausalboardWorkerExtension:
         if action == "has":
             return run_id in st.store
         if action == "info":
-            run = st.store._runs.get(run_id)
-            if run is None:
-                return None
-            return {"sites": sorted({int(k[0]) for k in run.values}), "positions": sorted({int(k[1]) for k in run.values}),
-                    "bytes": int(run.nbytes), "leases": int(run.leases)}
+            return st.store.info(run_id)
         raise ValueError(f"unknown store action {action!r}")
 

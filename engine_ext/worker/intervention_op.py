@@ -1,80 +1,217 @@
-"""The intervention op and the persistent buffers it reads (pure torch; registered by `seam`).
+"""The intervention op and the persistent buffers it reads (registered by `seam` as
+`vllm::causalboard_site` / `vllm::causalboard_embed_site`).
 
-Every patched decoder layer calls the op at each of its three sites, in every step, in every
-mode (eager, torch.compile, CUDA graphs). The op body is branch-free, fixed-shape tensor work on
-persistent buffers, so a captured graph replays it correctly: only buffer *contents* change from
-step to step (filled on the host by `StepPlanner`). A row with slot -1 is left bit-identical.
+Every patched decoder layer calls the op at each of its sites, in every step and every mode
+(eager, torch.compile, CUDA graphs). The op is opaque to torch.compile; it reads per-step *buffer
+contents* filled by the planner (`planner.StepPlanner`) and never changes shapes, so a captured
+CUDA graph replays it correctly.
 
-vLLM carries the residual stream as a pair (x, r) whose true value is `fp32(x) + fp32(r)`
-(the add is deferred into the next fused add-norm). Per row, the slot's mode says what to do:
+vLLM carries the residual stream as a pair (x, r) whose true value is `fp32(x) + fp32(r)` (the
+add is deferred into the next fused add-norm). Per row and site, `row_slot[row, site]` names a
+slot (-1: leave the row bit-identical) and the slot's `SlotMode` says what to do:
 
-* mode 0 — untouched (both tensors unchanged);
-* mode 1 — generic: `new = a * s + c` in fp32 (`a == 0` means `new = c` exactly), written back
-  as `r = dt(new)`, `x = dt(new - r)` (two-term split: the next add recovers `new` to ~2^-16
-  relative in bf16; exactly in fp32);
-* mode 2 — pair: `x = px`, `r = pr` (a stored source run's own pair: replacement is bit-exact).
+* `AFFINE` — `new = a * s + c` in fp32 (`a == 0` means `new = c` exactly), written back as
+  `r = dt(new)`, `x = dt(new - r)` (two-term split: the next add recovers `new` to ~2^-16 relative
+  in bf16; exactly in fp32);
+* `PAIR`   — `x = px`, `r = pr` (a stored source run's own pair: replacement is bit-exact).
 
-Captures copy the (post-intervention) pair of rows with a capture destination into
-`cap_x` / `cap_r`; rows without one write to a trash row.
+Captures copy the (post-intervention) pair of rows whose `cap_dst[row, site]` is >= 0 into that
+row of `cap_x` / `cap_r`.
+
+Two implementations with the same arithmetic (fp32, no fused multiply-add):
+
+* CUDA: one Triton kernel launch per site call, one program per row; a row with neither a slot
+  nor a capture returns after two scalar loads, so an idle site costs one tiny launch.
+* CPU (and any non-CUDA device): torch ops on the active rows only; the planner's per-step
+  `active` flags let an idle site return at once (CPU runs eagerly: no graph is captured).
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import torch
 
-#: buffers of each live engine in this process, by state id (an int the op receives)
+#: buffers of each live engine in this process, by state id (the int the op receives)
 BUFFERS: dict[int, "SiteBuffers"] = {}
 
 
+class SlotMode(IntEnum):
+    """What a slot does to a row (the values in `SiteBuffers.slot_mode`)."""
+
+    AFFINE = 1
+    PAIR = 2
+
+
 class SiteBuffers:
-    """Persistent per-engine buffers. Allocated once, before any graph capture; never resized."""
+    """Persistent per-engine buffers on the model's device. Allocated once, before any graph
+    capture; never resized. Row-indexed tables are laid out `[row, site]`."""
 
     def __init__(self, num_sites: int, max_rows: int, max_slots: int, max_capture_rows: int,
                  hidden: int, device: torch.device, dtype: torch.dtype):
         self.num_sites, self.max_rows, self.max_slots = num_sites, max_rows, max_slots
         self.max_capture_rows, self.hidden, self.device, self.dtype = max_capture_rows, hidden, device, dtype
-        self.row_slot = torch.full((num_sites, max_rows), -1, dtype=torch.int32, device=device)
+        self.row_slot = torch.full((max_rows, num_sites), -1, dtype=torch.int32, device=device)
+        self.cap_dst = torch.full((max_rows, num_sites), -1, dtype=torch.int32, device=device)
         self.slot_mode = torch.zeros(max_slots, dtype=torch.int32, device=device)
         self.slot_a = torch.ones(max_slots, dtype=torch.float32, device=device)
         self.slot_c = torch.zeros(max_slots, hidden, dtype=torch.float32, device=device)
         self.slot_px = torch.zeros(max_slots, hidden, dtype=dtype, device=device)
         self.slot_pr = torch.zeros(max_slots, hidden, dtype=dtype, device=device)
-        self.trash_row = max_capture_rows
-        self.cap_dst = torch.full((num_sites, max_rows), self.trash_row, dtype=torch.int64, device=device)
-        self.cap_x = torch.zeros(max_capture_rows + 1, hidden, dtype=dtype, device=device)
-        self.cap_r = torch.zeros(max_capture_rows + 1, hidden, dtype=dtype, device=device)
+        self.cap_x = torch.zeros(max_capture_rows, hidden, dtype=dtype, device=device)
+        self.cap_r = torch.zeros(max_capture_rows, hidden, dtype=dtype, device=device)
+        #: host-side, per site: does any row of this step have a slot or a capture there?
+        #: (read by the CPU implementation only; CUDA graphs cannot branch on it)
+        self.active: list[bool] = [False] * num_sites
+        self.use_triton = device.type == "cuda"
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.row_slot, self.cap_dst, self.slot_mode, self.slot_a, self.slot_c, self.slot_px, self.slot_pr,
+                self.cap_x, self.cap_r)
 
     def nbytes(self) -> int:
-        ts = (self.row_slot, self.slot_mode, self.slot_a, self.slot_c, self.slot_px, self.slot_pr,
-              self.cap_dst, self.cap_x, self.cap_r)
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def _apply(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
+# ---- CPU / reference implementation ------------------------------------------------------------
+def _apply_torch(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
+    if not b.active[site]:
+        return
     n = x.shape[0]
-    slot = b.row_slot[site, :n]
+    slots = b.row_slot[:n, site]
+    rows = torch.nonzero(slots >= 0).flatten()
+    if rows.numel():
+        idx = slots[rows].long()
+        mode = b.slot_mode[idx].unsqueeze(1)
+        xs = x[rows]
+        s = xs.float() if r is None else xs.float() + r[rows].float()
+        a = b.slot_a[idx].unsqueeze(1)
+        c = b.slot_c[idx]
+        new = torch.where(a == 0, c, a * s + c)
+        pair = mode == SlotMode.PAIR
+        if r is None:
+            x.index_copy_(0, rows, torch.where(pair, b.slot_px[idx], new.to(x.dtype)))
+        else:
+            r_gen = new.to(r.dtype)
+            x_gen = (new - r_gen.float()).to(x.dtype)
+            x.index_copy_(0, rows, torch.where(pair, b.slot_px[idx], x_gen))
+            r.index_copy_(0, rows, torch.where(pair, b.slot_pr[idx], r_gen))
+    dst = b.cap_dst[:n, site]
+    crow = torch.nonzero(dst >= 0).flatten()
+    if crow.numel():
+        to = dst[crow].long()
+        b.cap_x.index_copy_(0, to, x[crow])
+        b.cap_r.index_copy_(0, to, torch.zeros_like(x[crow]) if r is None else r[crow])
+
+
+# ---- CUDA implementation -------------------------------------------------------------------------
+_KERNEL = None
+
+
+def _triton_kernel():
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def site_kernel(x_ptr, r_ptr, row_slot_ptr, cap_dst_ptr, mode_ptr, a_ptr, c_ptr, px_ptr, pr_ptr, capx_ptr, capr_ptr,
+                    site, num_sites, hidden, stride_x, stride_r,
+                    HAS_R: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr):
+        row = tl.program_id(0)
+        slot = tl.load(row_slot_ptr + row * num_sites + site)
+        cap = tl.load(cap_dst_ptr + row * num_sites + site)
+        if (slot < 0) & (cap < 0):
+            return
+        offs = tl.arange(0, BLOCK)
+        m = offs < hidden
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m)
+        if HAS_R:
+            r = tl.load(r_ptr + row * stride_r + offs, mask=m)
+        else:
+            r = tl.zeros_like(x)
+        x_new = x
+        r_new = r
+        if slot >= 0:
+            mode = tl.load(mode_ptr + slot)
+            if mode == PAIR:
+                x_new = tl.load(px_ptr + slot * hidden + offs, mask=m)
+                if HAS_R:
+                    r_new = tl.load(pr_ptr + slot * hidden + offs, mask=m)
+            else:
+                a = tl.load(a_ptr + slot)
+                c = tl.load(c_ptr + slot * hidden + offs, mask=m)
+                if HAS_R:
+                    s = x.to(tl.float32) + r.to(tl.float32)
+                else:
+                    s = x.to(tl.float32)
+                new = tl.where(a == 0.0, c, a * s + c)
+                if HAS_R:
+                    r_new = new.to(r.dtype)
+                    x_new = (new - r_new.to(tl.float32)).to(x.dtype)
+                else:
+                    x_new = new.to(x.dtype)
+            tl.store(x_ptr + row * stride_x + offs, x_new, mask=m)
+            if HAS_R:
+                tl.store(r_ptr + row * stride_r + offs, r_new, mask=m)
+        if cap >= 0:
+            tl.store(capx_ptr + cap * hidden + offs, x_new, mask=m)
+            tl.store(capr_ptr + cap * hidden + offs, r_new, mask=m)
+
+    _KERNEL = site_kernel
+    return site_kernel
+
+
+def _apply_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
+    n = x.shape[0]
+    if n == 0:
+        return
+    import triton
+
+    if x.stride(-1) != 1 or (r is not None and r.stride(-1) != 1):
+        _apply_torch_cuda(b, x, r, site)
+        return
+    kernel = _triton_kernel()
+    block = triton.next_power_of_2(b.hidden)
+    kernel[(n,)](x, r if r is not None else x, b.row_slot, b.cap_dst, b.slot_mode, b.slot_a, b.slot_c, b.slot_px,
+                 b.slot_pr, b.cap_x, b.cap_r, site, b.num_sites, b.hidden, x.stride(0),
+                 r.stride(0) if r is not None else 0, HAS_R=r is not None, BLOCK=block, PAIR=int(SlotMode.PAIR),
+                 num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
+
+
+def _apply_torch_cuda(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
+    """Branch-free torch version for CUDA tensors with an unusual layout (graph-safe, slower)."""
+    n = x.shape[0]
+    slot = b.row_slot[:n, site]
     idx = slot.clamp(min=0).long()
     mode = torch.where(slot >= 0, b.slot_mode[idx], torch.zeros_like(slot)).unsqueeze(1)
     s = x.float() if r is None else x.float() + r.float()
     a = b.slot_a[idx].unsqueeze(1)
     c = b.slot_c[idx]
     new = torch.where(a == 0, c, a * s + c)
+    pair, affine = mode == SlotMode.PAIR, mode == SlotMode.AFFINE
     if r is None:
-        x_new = torch.where(mode == 2, b.slot_px[idx], torch.where(mode == 1, new.to(x.dtype), x))
-        x.copy_(x_new)
-        dst = b.cap_dst[site, :n]
-        b.cap_x.index_copy_(0, dst, x_new)
-        b.cap_r.index_copy_(0, dst, torch.zeros_like(x_new))
-        return
-    r_gen = new.to(r.dtype)
-    x_gen = (new - r_gen.float()).to(x.dtype)
-    x_new = torch.where(mode == 2, b.slot_px[idx], torch.where(mode == 1, x_gen, x))
-    r_new = torch.where(mode == 2, b.slot_pr[idx], torch.where(mode == 1, r_gen, r))
-    x.copy_(x_new)
-    r.copy_(r_new)
-    dst = b.cap_dst[site, :n]
-    b.cap_x.index_copy_(0, dst, x_new)
-    b.cap_r.index_copy_(0, dst, r_new)
+        x.copy_(torch.where(pair, b.slot_px[idx], torch.where(affine, new.to(x.dtype), x)))
+        r_new = torch.zeros_like(x)
+    else:
+        r_gen = new.to(r.dtype)
+        x_gen = (new - r_gen.float()).to(x.dtype)
+        x.copy_(torch.where(pair, b.slot_px[idx], torch.where(affine, x_gen, x)))
+        r.copy_(torch.where(pair, b.slot_pr[idx], torch.where(affine, r_gen, r)))
+        r_new = r
+    dst = b.cap_dst[:n, site].long()
+    keep = (dst >= 0).unsqueeze(1)
+    to = dst.clamp(min=0)
+    b.cap_x.index_put_((to,), torch.where(keep, x, b.cap_x[to]))
+    b.cap_r.index_put_((to,), torch.where(keep, r_new, b.cap_r[to]))
+
+
+def _apply(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
+    if b.use_triton:
+        _apply_triton(b, x, r, site)
+    else:
+        _apply_torch(b, x, r, site)
 
 
 def site_op(x: torch.Tensor, r: torch.Tensor, state_id: int, site: int) -> None:

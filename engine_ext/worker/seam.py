@@ -1,9 +1,9 @@
 """The one place where causalboard touches vLLM's internals.
 
 Checked against vLLM **0.25.1** (`VLLM_VERSION_CHECKED`). Upgrading vLLM means re-reading this
-file (and `../shared/research/vllm-0.25.1-internals.md`); any other vLLM version is refused at
-start-up with `VllmVersionError`, and so is a decoder-layer `forward` whose source differs from
-the one checked (`LAYER_FORWARD_SHA`).
+file (and the vLLM internals notes linked from docs/architecture.md); any other vLLM version is
+refused at start-up with `VllmVersionError`, and so is a decoder-layer `forward` whose source
+differs from the one checked (`LAYER_FORWARD_SHA`).
 
 When the patches run
 --------------------
@@ -13,28 +13,31 @@ vLLM resolves `worker_extension_cls="engine_ext.worker.extension.CausalboardWork
 the model is built, compiled and graph-captured. The `vllm.general_plugins` entry point
 (`register_plugin`) runs in every vLLM process and only checks the version.
 
-Patched / wrapped vLLM symbols (all class-level, idempotent)
--------------------------------------------------------------
-* `vllm.model_executor.models.llama.LlamaDecoderLayer.__init__/.forward`,
-  `...qwen2.Qwen2DecoderLayer.__init__/.forward`, `...qwen3.Qwen3DecoderLayer.__init__/.forward`:
-  `__init__` records the layer index and the engine's state id (only for engines started with
+Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` applies, and
+`PATCHED_SYMBOLS` is derived from it (all class-level, idempotent):
+
+* `<model>DecoderLayer.__init__` / `.forward` for Llama, Qwen2 and Qwen3: `__init__` records the
+  layer index and the engine's state id (only for engines started with
   `additional_config["causalboard"]`; others get state 0 = inert); `forward` is vLLM's own body
-  with three calls to the custom op `vllm::causalboard_site` (pre_attn, post_attn, post_block).
-  Safe under torch.compile and CUDA graphs: the op is opaque to Dynamo, its body is fixed-shape
-  tensor work on persistent buffers allocated before any capture, and per step only the buffer
-  contents change (`intervention_op.py`).
-* `vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model` (V1 and the CPU runner) and
-  `vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model` (V2): before — register new
-  requests' programs and retire finished ones from the `SchedulerOutput`; after — copy captured
-  rows to the host.
-* `vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward` (V1/CPU): build the step's
-  `RowPlan` from `input_batch.req_ids`, `query_start_loc.np`, `input_batch.num_computed_tokens_cpu`
-  and fill the buffers, right before the forward (eager, compiled or graph replay).
-* `vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_inputs` (V2): the same, from the
-  returned `InputBatch` (`req_ids`, `query_start_loc_np`, `num_computed_tokens_np`).
+  with a call to the custom op `vllm::causalboard_site` at each site (pre_attn, post_attn,
+  post_block). Safe under torch.compile and CUDA graphs: the op is opaque to Dynamo, reads
+  persistent buffers allocated before any capture, and per step only the buffer contents change
+  (`intervention_op.py`).
+* `GPUModelRunner.execute_model` of the V1 runner (also the CPU runner's) and of the V2 runner:
+  before — register new requests' programs and retire finished ones from the `SchedulerOutput`;
+  after — start copying captured rows to the host.
+* V1 `GPUModelRunner._model_forward`: plan the step from `input_batch.req_ids`,
+  `query_start_loc.np` and `input_batch.num_computed_tokens_cpu`, right before the forward
+  (eager, compiled or graph replay).
+* V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
+  `query_start_loc_np`, `num_computed_tokens_np`).
 
 Registered: custom ops `vllm::causalboard_site` and `vllm::causalboard_embed_site`
 (`vllm.utils.torch_utils.direct_register_custom_op`).
+
+Worker state: one `WorkerState` per causalboard engine in the process, created when its model's
+first decoder layer is built (keyed by the `VllmConfig` being built, checked by identity) and
+freed by `close_state` when the engine shuts down (`cb_close` RPC).
 
 Compile cache: engines started by `Engine` carry `additional_config={"causalboard": {...,
 "seam": SEAM_FINGERPRINT}}`, which vLLM hashes into the compile-cache key, so a graph compiled
@@ -46,7 +49,8 @@ Public (non-patched) vLLM API used elsewhere in engine_ext
 `add_request`, `step`, `abort_request`, `has_unfinished_requests`, `collective_rpc`,
 `reset_prefix_cache`), `vllm.SamplingParams` (`extra_args`, `logprob_token_ids`,
 `skip_reading_prefix_cache`), `vllm.sampling_params.RequestOutputKind`, token prompts with
-`cache_salt`, `vllm.usage.usage_lib.UsageContext`.
+`cache_salt`, `vllm.usage.usage_lib.UsageContext`, `vllm.config.get_current_vllm_config`,
+`vllm.distributed` (ranks), `vllm.model_executor.models.utils.extract_layer_index`.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ import inspect
 import logging
 import textwrap
 from importlib import metadata
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine_ext.sites import HOOK_INDEX, SITES_PER_LAYER
@@ -90,7 +96,7 @@ PATCHED_SYMBOLS: tuple[str, ...] = (
 
 
 #: Bump when the patches change: part of the compile-cache key (additional_config).
-SEAM_FINGERPRINT = "causalboard-seam-1"
+SEAM_FINGERPRINT = "causalboard-seam-2"
 
 logger = logging.getLogger("causalboard.seam")
 
@@ -145,12 +151,17 @@ def _register_ops() -> None:
     direct_register_custom_op("causalboard_embed_site", op.embed_site_op, mutates_args=["x"], fake_impl=op.embed_site_op_fake)
 
 
-# ---- decoder layers -----------------------------------------------------------------------------
-_STATES_BY_CONFIG: dict[int, Any] = {}
+# ---- worker states ------------------------------------------------------------------------------
+#: live WorkerStates of this process, by state id
+_STATES: dict[int, Any] = {}
+#: id(VllmConfig) -> (weak reference to that config, state id): the state of the model being built
+_STATE_OF_CONFIG: dict[int, tuple[Any, int]] = {}
 
 
 def _state_for_current_config() -> int:
     """The WorkerState id of the engine whose model is being built (0 = not a causalboard engine)."""
+    import weakref
+
     import torch
     from vllm.config import get_current_vllm_config
 
@@ -160,16 +171,27 @@ def _state_for_current_config() -> int:
     extra = (cfg.additional_config or {}).get("causalboard") if cfg is not None else None
     if not extra:
         return 0
-    state = _STATES_BY_CONFIG.get(id(cfg))
-    if state is None:
-        mc = cfg.model_config
-        hidden = mc.get_hidden_size()
-        num_layers = mc.hf_text_config.num_hidden_layers
-        max_rows = int(cfg.scheduler_config.max_num_batched_tokens)
-        wc = WorkerConfig(**{k: v for k, v in extra.items() if k in WorkerConfig.__dataclass_fields__})
-        state = WorkerState(num_layers, hidden, max_rows, torch.get_default_device(), torch.get_default_dtype(), wc)
-        _STATES_BY_CONFIG[id(cfg)] = state
+    entry = _STATE_OF_CONFIG.get(id(cfg))
+    if entry is not None and entry[0]() is cfg and entry[1] in _STATES:
+        return entry[1]
+    mc = cfg.model_config
+    hidden = mc.get_hidden_size()
+    num_layers = mc.hf_text_config.num_hidden_layers
+    max_rows = int(cfg.scheduler_config.max_num_batched_tokens)
+    wc = WorkerConfig(**{k: v for k, v in extra.items() if k in WorkerConfig.__dataclass_fields__})
+    state = WorkerState(num_layers, hidden, max_rows, torch.get_default_device(), torch.get_default_dtype(), wc)
+    _STATES[state.state_id] = state
+    _STATE_OF_CONFIG[id(cfg)] = (weakref.ref(cfg), state.state_id)
     return state.state_id
+
+
+def close_state(state: Any) -> None:
+    """Forget a worker state and free its device buffers (its engine is shutting down)."""
+    _STATES.pop(state.state_id, None)
+    for key, (_, sid) in list(_STATE_OF_CONFIG.items()):
+        if sid == state.state_id:
+            del _STATE_OF_CONFIG[key]
+    state.close()
 
 
 def _site_forward(self, positions, hidden_states, residual):
@@ -192,16 +214,20 @@ def _site_forward(self, positions, hidden_states, residual):
     return hidden_states, residual
 
 
-def _patch_layer_class(module_name: str, class_name: str) -> None:
+_site_forward._cb_wrapped = True
+
+
+def _patch_layer_class(expected_sha: str, cls: Any) -> None:
+    """Replace a decoder layer's `__init__` (records layer index and state id) and `forward`
+    (vLLM's body plus the site ops), after checking the original `forward` is the one checked."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    cls = getattr(importlib.import_module(module_name), class_name)
     if getattr(cls, "_cb_patched", False):
         return
     src = textwrap.dedent(inspect.getsource(cls.forward))
     sha = hashlib.sha256(src.encode()).hexdigest()[:16]
-    if sha != LAYER_FORWARD_SHA[(module_name, class_name)]:
-        raise VllmVersionError(f"{module_name}.{class_name}.forward differs from the version causalboard's seam was "
+    if sha != expected_sha:
+        raise VllmVersionError(f"{cls.__module__}.{cls.__qualname__}.forward differs from the version causalboard's seam was "
                                f"checked against (sha {sha}); review engine_ext/worker/seam.py")
     orig_init = cls.__init__
     sig = inspect.signature(orig_init)
@@ -213,6 +239,7 @@ def _patch_layer_class(module_name: str, class_name: str) -> None:
         self._cb_layer = extract_layer_index(prefix)
         self._cb_state = _state_for_current_config()
 
+    __init__._cb_wrapped = True
     cls.__init__ = __init__
     cls.forward = _site_forward
     cls._cb_patched = True
@@ -230,20 +257,10 @@ def runner_state(runner: Any):
         for m in model.modules():
             sid = getattr(m, "_cb_state", 0)
             if sid:
-                st = next((s for s in _STATES_BY_CONFIG.values() if s.state_id == sid), None)
+                st = _STATES.get(sid)
                 break
         runner._cb_state_obj = st
     return st
-
-
-def _on_schedule(state: Any, scheduler_output: Any) -> None:
-    for req_id in scheduler_output.finished_req_ids:
-        state.finish(req_id)
-    for new in scheduler_output.scheduled_new_reqs:
-        sp = new.sampling_params
-        state.prompt_lens[new.req_id] = len(new.prompt_token_ids or ())
-        if sp is not None and sp.extra_args:
-            state.register(new.req_id, sp.extra_args)
 
 
 def _wrap_method(cls: Any, name: str, make: Any) -> None:
@@ -256,20 +273,12 @@ def _wrap_method(cls: Any, name: str, make: Any) -> None:
     setattr(cls, name, wrapper)
 
 
-def _plan_step(state: Any, req_ids: Any, query_start_loc: Any, num_computed: Any, num_rows: int) -> None:
-    from engine_ext.worker.row_plan import RowPlan
-
-    req_ids = list(req_ids)
-    state.plan_step(RowPlan.from_query_start(req_ids, query_start_loc, num_computed, num_rows,
-                                             [state.prompt_lens.get(r, -1) for r in req_ids]))
-
-
 def _wrap_execute_model(cls: Any) -> None:
     def make(orig):
         def execute_model(self, scheduler_output, *args, **kwargs):
             state = runner_state(self)
             if state is not None:
-                _on_schedule(state, scheduler_output)
+                state.on_schedule(scheduler_output)
             out = orig(self, scheduler_output, *args, **kwargs)
             if state is not None:
                 state.after_forward()
@@ -285,8 +294,7 @@ def _wrap_v1_model_forward(cls: Any) -> None:
             state = runner_state(self)
             if state is not None:
                 ib, n = self.input_batch, self.input_batch.num_reqs
-                rows = positions.shape[0] if positions is not None else input_ids.shape[0]
-                _plan_step(state, ib.req_ids[:n], self.query_start_loc.np[: n + 1], ib.num_computed_tokens_cpu[:n], rows)
+                state.plan_step(ib.req_ids[:n], self.query_start_loc.np[: n + 1], ib.num_computed_tokens_cpu[:n])
             return orig(self, input_ids, positions, *args, **kwargs)
         return _model_forward
 
@@ -300,37 +308,72 @@ def _wrap_v2_prepare_inputs(cls: Any) -> None:
             state = runner_state(self)
             if state is not None:
                 n = batch.num_reqs
-                _plan_step(state, batch.req_ids[:n], batch.query_start_loc_np[: n + 1],
-                           batch.num_computed_tokens_np[:n], batch.num_tokens_after_padding)
+                state.plan_step(batch.req_ids[:n], batch.query_start_loc_np[: n + 1], batch.num_computed_tokens_np[:n])
             return batch
         return prepare_inputs
 
     _wrap_method(cls, "prepare_inputs", make)
 
 
+# ---- the patch table ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Patch:
+    """One class whose methods the seam replaces: `install` applies `apply(cls)` to the class
+    `module.cls`; `methods` are what it replaces (they make up `PATCHED_SYMBOLS`). An `optional`
+    module that does not import here (the V2 runner on CPU builds) is skipped."""
+
+    module: str
+    cls: str
+    methods: tuple[str, ...]
+    apply: Callable[[Any], None]
+    optional: bool = False
+
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        return tuple(f"{self.module}.{self.cls}.{m}" for m in self.methods)
+
+
+def _layer_patch(module: str, cls: str) -> Patch:
+    return Patch(module, cls, ("__init__", "forward"), functools.partial(_patch_layer_class, LAYER_FORWARD_SHA[(module, cls)]))
+
+
+PATCHES: tuple[Patch, ...] = (
+    *(_layer_patch(module, cls) for module, cls in LAYER_FORWARD_SHA),
+    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("execute_model", "_model_forward"),
+          lambda c: (_wrap_execute_model(c), _wrap_v1_model_forward(c))),
+    Patch("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("execute_model", "prepare_inputs"),
+          lambda c: (_wrap_execute_model(c), _wrap_v2_prepare_inputs(c)), optional=True),
+)
+
+#: every vLLM symbol this module replaces (derived from `PATCHES`; see the module docstring)
+PATCHED_SYMBOLS: tuple[str, ...] = tuple(sym for p in PATCHES for sym in p.symbols)
+
+
+def is_patched(symbol: str) -> bool:
+    """Whether `module.Class.method` currently carries causalboard's replacement."""
+    module, cls, method = symbol.rsplit(".", 2)
+    obj = getattr(getattr(importlib.import_module(module), cls), method)
+    return bool(getattr(obj, "_cb_wrapped", False))
+
+
 _INSTALLED = False
-V2_RUNNER_PATCHED = False
 
 
 def install() -> None:
-    """Patch vLLM (idempotent). Raises VllmVersionError on any version or source mismatch."""
-    global _INSTALLED, V2_RUNNER_PATCHED
+    """Apply `PATCHES` (idempotent). Raises VllmVersionError on any version or source mismatch."""
+    global _INSTALLED
     if _INSTALLED:
         return
     check_vllm_version()
     _register_ops()
-    for module_name, class_name in LAYER_FORWARD_SHA:
-        _patch_layer_class(module_name, class_name)
-    from vllm.v1.worker import gpu_model_runner as v1
-
-    _wrap_execute_model(v1.GPUModelRunner)
-    _wrap_v1_model_forward(v1.GPUModelRunner)
-    try:
-        from vllm.v1.worker.gpu import model_runner as v2
-    except Exception as exc:  # the V2 runner needs Triton; CPU builds run V1 only
-        logger.debug("V2 model runner not importable here (%s); V1/CPU patched only", exc)
-    else:
-        _wrap_execute_model(v2.GPUModelRunner)
-        _wrap_v2_prepare_inputs(v2.GPUModelRunner)
-        V2_RUNNER_PATCHED = True
+    for patch in PATCHES:
+        try:
+            module = importlib.import_module(patch.module)
+        except Exception as exc:
+            if not patch.optional:
+                raise
+            # the V2 runner needs Triton; CPU builds run V1 only
+            logger.debug("%s not importable here (%s); not patched", patch.module, exc)
+            continue
+        patch.apply(getattr(module, patch.cls))
     _INSTALLED = True

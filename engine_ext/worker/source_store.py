@@ -4,29 +4,61 @@ A run is stored whole (all its captured (site, position) values) and evicted who
 recently used first, to stay within a byte budget. A run is *leased* while any in-flight
 request (or a client, e.g. a sweep) references it; leased runs are never evicted. Values are
 kept on the host as the exact (hidden, residual) pair vLLM carries, in the model dtype, so that
-writing them back reproduces the source run bit-exactly.
+writing them back reproduces the source run bit-exactly. A run's values are two contiguous
+`[values, hidden]` tensors, so that the planner gathers many of them with one indexing op.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+_UIDS = itertools.count(1)
 
-@dataclass
+
 class SourceRun:
-    run_id: str
-    #: (site index, position) -> (x, r) pair in the model dtype (r is zeros at L0.pre_attn)
-    values: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
-    nbytes: int
-    created: float = field(default_factory=time.time)
-    leases: int = 0
+    """One stored run: `x[i]`, `r[i]` is the pair at the (site, position) `keys[i]`."""
 
-    def value(self, site: int, pos: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.values.get((site, pos))
+    def __init__(self, run_id: str, values: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]):
+        self.run_id = run_id
+        #: unique per stored content (a run stored again under the same id gets a new uid)
+        self.uid = next(_UIDS)
+        self.keys = list(values)
+        self.row_of = {k: i for i, k in enumerate(self.keys)}
+        pairs = list(values.values())
+        self.x = torch.stack([p[0] for p in pairs]) if pairs else torch.zeros(0)
+        self.r = torch.stack([p[1] for p in pairs]) if pairs else torch.zeros(0)
+        self.nbytes = self.x.numel() * self.x.element_size() + self.r.numel() * self.r.element_size()
+        self.created = time.time()
+        self.leases = 0
+
+    def value(self, site: int, pos: int) -> "StoredPair | None":
+        row = self.row_of.get((site, pos))
+        return None if row is None else StoredPair(self, row)
+
+
+class StoredPair(NamedTuple):
+    """One stored (x, r) pair: row `row` of `run`."""
+
+    run: SourceRun
+    row: int
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.run.x[self.row]
+
+    @property
+    def r(self) -> torch.Tensor:
+        return self.run.r[self.row]
+
+    @property
+    def ident(self) -> tuple[str, int, int]:
+        """Identity of the stored content, equal on every rank that stored the same runs."""
+        return (self.run.run_id, self.run.uid, self.row)
 
 
 class SourceStoreFull(RuntimeError):
@@ -63,7 +95,9 @@ class SourceStore:
         if self.used_bytes + nbytes > self.budget:
             raise SourceStoreFull(f"source run {run_id!r} needs {nbytes} bytes; store budget {self.budget}, "
                                   f"{self.used_bytes} held by leased runs")
-        self._runs[run_id] = SourceRun(run_id, values, nbytes, leases=leases)
+        run = SourceRun(run_id, values)
+        run.leases = leases
+        self._runs[run_id] = run
         return evicted
 
     def get(self, run_id: str) -> SourceRun | None:
@@ -72,7 +106,7 @@ class SourceStore:
             self._runs.move_to_end(run_id)
         return run
 
-    def value(self, run_id: str, site: int, pos: int):
+    def value(self, run_id: str, site: int, pos: int) -> StoredPair | None:
         run = self.get(run_id)
         return run.value(site, pos) if run else None
 
@@ -81,8 +115,11 @@ class SourceStore:
         run = self.get(run_id)
         if run is None:
             return None
-        vals = [x.float() + r.float() for (s, _), (x, r) in run.values.items() if s == site]
-        return torch.stack(vals).mean(0) if vals else None
+        rows = [i for i, (s, _) in enumerate(run.keys) if s == site]
+        if not rows:
+            return None
+        idx = torch.tensor(rows)
+        return (run.x[idx].float() + run.r[idx].float()).mean(0)
 
     def lease(self, run_id: str) -> bool:
         run = self._runs.get(run_id)
@@ -96,8 +133,16 @@ class SourceStore:
         if run is not None and run.leases > 0:
             run.leases -= 1
 
+    def info(self, run_id: str) -> dict | None:
+        """What a stored run holds: its site indices, positions, bytes and leases (None if absent)."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return None
+        return {"sites": sorted({int(k[0]) for k in run.keys}), "positions": sorted({int(k[1]) for k in run.keys}),
+                "bytes": int(run.nbytes), "leases": int(run.leases)}
+
     def drop(self, run_id: str) -> bool:
-        """Remove a run even if leased (in-flight requests already hold copies of their values)."""
+        """Remove a run even if leased (in-flight requests already hold references to its values)."""
         return self._runs.pop(run_id, None) is not None
 
     def usage(self) -> dict:
@@ -105,6 +150,6 @@ class SourceStore:
             "budget_bytes": self.budget,
             "used_bytes": self.used_bytes,
             "evictions": self.evictions,
-            "runs": [{"run_id": r.run_id, "bytes": r.nbytes, "values": len(r.values), "leases": r.leases}
+            "runs": [{"run_id": r.run_id, "bytes": r.nbytes, "values": len(r.keys), "leases": r.leases}
                      for r in self._runs.values()],
         }

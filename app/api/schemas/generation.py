@@ -43,9 +43,10 @@ class GenerateRequest(SamplingFields):
     """causalboard's native generation request."""
 
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, description="The prompt text.")
-    logprobs: int = Field(
-        0, ge=0, le=MAX_TOP_LOGPROBS, description="Top alternatives per generated token (the chosen token's logprob is always returned)."
-    )
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="null (default): no per-token logprobs (not computed); 0: the chosen token's logprob per generated "
+                    "token; k > 0: also the top-k alternatives.")
     stream: bool = Field(False, description="Stream token deltas as server-sent events.")
     interventions: InterventionsSpec | None = Field(
         None, description="Per-request steer / patch / capture / noise / score_token_ids (see docs/concepts.md). "
@@ -70,7 +71,7 @@ class GenerateResponse(BaseModel):
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    logprobs: list[float] = Field(description="Logprob of each generated token.")
+    logprobs: list[float] = Field(description="Logprob of each generated token (empty unless `logprobs` was requested).")
     top_logprobs: list[dict[str, float]] = Field(description="Per generated token: token id -> logprob (top-k).")
     finish_reason: str | None
     scores: list[dict[str, float]] = Field(
@@ -119,7 +120,7 @@ class CompletionRequest(SamplingFields):
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
-            logprobs=0 if self.logprob_token_ids is not None else self.logprobs or 0,
+            logprobs=0 if self.logprob_token_ids is not None else self.logprobs,
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
         )

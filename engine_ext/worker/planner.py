@@ -1,0 +1,356 @@
+"""Turning requests' programs into the op's per-step buffer contents.
+
+Two stages:
+
+1. **`RequestPlan.build`** — once per request (at registration, and again when the global steering
+   changes): compose everything that applies at each (site, position) into slots
+   (`SlotTable`, content-addressed and shared) and keep the result as small numpy tables:
+   a *prompt template* (site -> slot for every prompt position), a *generation template* (for
+   every generated position), *explicit* (position, site, slot) entries that override the
+   templates (patches, noise, steering at listed positions), and the capture sites/positions.
+2. **`StepPlanner.plan_step`** — every step, from the rows vLLM scheduled (request id, row offset,
+   tokens already computed): vectorised writes of the templates and explicit entries into the
+   host `row_slot[row, site]` / `cap_dst[row, site]` tables for the rows of planned requests,
+   one upload (pinned, non-blocking on CUDA), and one checksum fold per request and step.
+   A step with nothing planned (and nothing planned in the previous step) does no work at all.
+
+Composition at one (site, position) — exactly what the transformers oracle does
+(`engine_ext.reference.hf`): the patch first (`a = f32(1 - alpha)`, `c = f32(alpha) * target`;
+zero-ablation: no `c`), then every add that applies there, in order (the request's steering
+entries in spec order, its noise, then the global steering): `c = c + f32(scale * vector)`.
+A replace with alpha 1 from a stored (x, r) pair and nothing added is a `PAIR` slot (bit-exact).
+
+Rows and positions: in both vLLM runners, request i of a step owns rows
+`query_start_loc[i] .. query_start_loc[i+1]`, which hold positions `num_computed[i]` onward. This
+holds under chunked prefill (a window of the prompt), mixed prefill/decode batches (each request
+its own window), preemption and resume (recomputed positions are visited again: every write is
+idempotent per position), async scheduling without speculative decoding (vLLM's CPU-side
+`num_computed` is exact) and padding (rows past the last request belong to no one).
+
+After the forward, `after_forward` starts the device-to-host copy of the captured rows without
+waiting; the rows are filed under their requests at the next step (or when results are
+collected), by which time the copy has long finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine_ext.program import AddOp, WorkerProgram
+from engine_ext.worker.checksum import ActionChecksum
+from engine_ext.worker.intervention_op import SiteBuffers, SlotMode
+from engine_ext.worker.slots import SlotTable, SlotValue
+from engine_ext.worker.source_store import StoredPair
+
+_EMPTY_I32 = np.zeros(0, np.int32)
+_EMPTY_I64 = np.zeros(0, np.int64)
+
+
+def _digest(*arrays: np.ndarray) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _op_identity(op: AddOp, pos: int) -> tuple:
+    """Content identity of what `op` adds at `pos` (vector bytes and scale)."""
+    if op.per_pos is not None:
+        return ("noise", _digest(np.asarray(op.per_pos[pos], "<f4")))
+    ident = getattr(op, "_identity", None)
+    if ident is None:
+        ident = op._identity = ("vec", _digest(np.asarray(op.vec, "<f4"), np.asarray([op.scale], "<f8")))
+    return ident
+
+
+def _rep_identity(rep: tuple[float, Any]) -> tuple:
+    alpha, t = rep
+    if t is None:
+        return ("zero", alpha)
+    if isinstance(t, StoredPair):
+        return ("pair", alpha, t.ident)
+    return ("vec", alpha, _digest(np.asarray(t, "<f4")))
+
+
+def _slot_value(rep: tuple[float, Any] | None, ops: list[AddOp], pos: int) -> SlotValue:
+    if rep is not None:
+        alpha, t = rep
+        if alpha == 1.0 and isinstance(t, StoredPair) and not ops:
+            return SlotValue(SlotMode.PAIR, pair=t)
+        if t is None:
+            tv = None
+        elif isinstance(t, StoredPair):
+            tv = (t.x.float() + t.r.float()).numpy()
+        else:
+            tv = np.asarray(t, np.float32)
+        a = float(np.float32(1.0 - alpha))
+        c = None if tv is None else np.float32(alpha) * tv
+    else:
+        a, c = 1.0, None
+    for op in ops:
+        v = op.vector_at(pos)
+        c = v.astype(np.float32) if c is None else c + v
+    return SlotValue(SlotMode.AFFINE, a=a, c=c)
+
+
+def _covers_prompt(op: AddOp, n_prompt: int) -> bool:
+    if op.phase == "decode":
+        return False
+    if op.every:
+        return True
+    return op.per_pos is None and len(op.pos) >= n_prompt > 0 and int(op.pos[0]) == 0 and int(op.pos[n_prompt - 1]) == n_prompt - 1
+
+
+def _covers_gen(op: AddOp) -> bool:
+    return op.phase != "prefill" and (op.every or op.gen)
+
+
+def _explicit_positions(op: AddOp, n_prompt: int, covers_prompt: bool, covers_gen: bool) -> list[int]:
+    pos = sorted(op.per_pos) if op.per_pos is not None else op.pos.tolist()
+    out = []
+    for p in pos:
+        if p < n_prompt:
+            if op.phase != "decode" and not covers_prompt:
+                out.append(int(p))
+        elif op.phase != "prefill" and not covers_gen:
+            out.append(int(p))
+    return out
+
+
+@dataclass
+class RequestPlan:
+    """One request's composed interventions (see the module docstring)."""
+
+    key: str
+    n_prompt: int
+    prompt_sites: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    prompt_slots: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    gen_sites: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    gen_slots: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    ex_pos: np.ndarray = field(default_factory=lambda: _EMPTY_I64)
+    ex_site: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    ex_slot: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    cap_sites: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    cap_pos: np.ndarray = field(default_factory=lambda: _EMPTY_I64)
+    cap_gen: bool = False
+    #: slots this plan holds a reference to (released when the request finishes)
+    held: list[int] = field(default_factory=list)
+    #: crc32 of the plan's content (slot contents by digest, sites, positions): what the
+    #: checksum folds per applied window
+    digest: int = 0
+    #: the global-steering version the plan was composed with
+    global_version: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prompt_sites.size or self.gen_sites.size or self.ex_pos.size or self.cap_sites.size)
+
+    @classmethod
+    def build(cls, key: str, n_prompt: int, prog: WorkerProgram | None, global_adds: list[AddOp], slots: SlotTable,
+              global_version: int = 0) -> "RequestPlan":
+        """Compose `prog` (None: no program of its own) and the global steering for a request with
+        `n_prompt` prompt tokens. Raises SlotCapacityError (nothing held) when slots run out."""
+        ops = (list(prog.adds) if prog is not None else []) + list(global_adds)
+        replaces = prog.replaces if prog is not None else {}
+        plan = cls(key=key, n_prompt=n_prompt, global_version=global_version)
+        described: list[tuple] = []
+        by_site: dict[int, list[tuple[AddOp, bool, bool, set[int]]]] = {}
+        for op in ops:
+            cp, cg = _covers_prompt(op, n_prompt), _covers_gen(op)
+            ex = set(_explicit_positions(op, n_prompt, cp, cg))
+            if cp or cg or ex:
+                by_site.setdefault(op.site, []).append((op, cp, cg, ex))
+        rep_sites: dict[int, dict[int, tuple]] = {}
+        for (site, pos), rep in replaces.items():
+            rep_sites.setdefault(site, {})[pos] = rep
+        p_sites, p_slots, g_sites, g_slots = [], [], [], []
+        ex_rows: list[tuple[int, int, int]] = []
+        try:
+            for site in sorted(set(by_site) | set(rep_sites)):
+                entries = by_site.get(site, [])
+                for region, pick, sites_out, slots_out in (("prompt", 1, p_sites, p_slots), ("gen", 2, g_sites, g_slots)):
+                    here = [op for op, cp, cg, _ in entries if (cp, cg)[pick - 1]]
+                    if here:
+                        pos = 0 if region == "prompt" else n_prompt
+                        skey = ("A", None, tuple(_op_identity(op, pos) for op in here))
+                        slot = plan._acquire(slots, skey, lambda: _slot_value(None, here, pos))
+                        sites_out.append(site)
+                        slots_out.append(slot)
+                        described.append((region, site, skey))
+                reps = rep_sites.get(site, {})
+                for p in sorted(set().union(*(ex for *_, ex in entries), reps)):
+                    here = [op for op, cp, cg, ex in entries if p in ex or (cp if p < n_prompt else cg)]
+                    rep = reps.get(p)
+                    if rep is not None and rep[0] == 1.0 and isinstance(rep[1], StoredPair) and not here:
+                        skey = ("P", _rep_identity(rep))
+                    else:
+                        skey = ("A", _rep_identity(rep) if rep is not None else None,
+                                tuple(_op_identity(op, p) for op in here))
+                    slot = plan._acquire(slots, skey, lambda rep=rep, here=here, p=p: _slot_value(rep, here, p))
+                    ex_rows.append((p, site, slot))
+                    described.append(("at", p, site, skey))
+        except BaseException:
+            slots.release(plan.held)
+            plan.held = []
+            raise
+        plan.prompt_sites, plan.prompt_slots = np.asarray(p_sites, np.int32), np.asarray(p_slots, np.int32)
+        plan.gen_sites, plan.gen_slots = np.asarray(g_sites, np.int32), np.asarray(g_slots, np.int32)
+        if ex_rows:
+            ex_rows.sort()
+            arr = np.asarray(ex_rows, np.int64)
+            plan.ex_pos, plan.ex_site, plan.ex_slot = arr[:, 0], arr[:, 1].astype(np.int32), arr[:, 2].astype(np.int32)
+        if prog is not None and prog.capture_sites:
+            plan.cap_sites = np.asarray(prog.capture_sites, np.int32)
+            plan.cap_pos = np.unique(np.asarray(prog.capture_pos, np.int64))
+            plan.cap_gen = bool(prog.capture_gen)
+            described.append(("capture", tuple(plan.cap_sites.tolist()), tuple(plan.cap_pos.tolist()), plan.cap_gen))
+        plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
+        return plan
+
+    def _acquire(self, slots: SlotTable, key, make) -> int:
+        slot = slots.acquire(key, make)
+        self.held.append(slot)
+        return slot
+
+
+@dataclass
+class _CaptureBlock:
+    """Captured rows of one request in one step: row `base + i * len(sites) + j` of the step's
+    capture buffer holds position `positions[i]` at site `sites[j]`."""
+
+    owner: Any
+    positions: np.ndarray
+    sites: np.ndarray
+    base: int
+
+
+class StepPlanner:
+    """Per-step buffer contents for one engine's `SiteBuffers` (see the module docstring)."""
+
+    def __init__(self, buffers: SiteBuffers, slots: SlotTable, checksum: ActionChecksum, sink):
+        """`sink(owner, positions, sites, xs, rs)` receives each request's captured rows of a step
+        (xs/rs: [positions, sites, hidden] host tensors in the model dtype)."""
+        self.b, self.slots, self.checksum, self.sink = buffers, slots, checksum, sink
+        on_host = buffers.device.type != "cuda"
+        # host tables; on a CPU engine they are the op's buffers themselves (no copy)
+        self.hs = buffers.row_slot.numpy() if on_host else np.full((buffers.max_rows, buffers.num_sites), -1, np.int32)
+        self.hc = buffers.cap_dst.numpy() if on_host else np.full((buffers.max_rows, buffers.num_sites), -1, np.int32)
+        self.on_host = on_host
+        self._dirty_rows = 0          # rows [0, n) of the device tables that may hold entries
+        self._blocks: list[_CaptureBlock] = []
+        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, list[_CaptureBlock]]] = []
+        self.steps = 0
+        self.applied_steps = 0
+
+    def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow) -> None:
+        """Fill the tables for this step's rows. `plans` maps request id -> RequestPlan (requests
+        without one are left untouched); `on_overflow(req_id, message)` is told about a request
+        whose captures do not fit this step (its rows are then left untouched)."""
+        self.steps += 1
+        self.checksum.begin_step()
+        self.file_captures()
+        hs, hc = self.hs, self.hc
+        if self.on_host and self._dirty_rows:
+            hs[: self._dirty_rows] = -1
+            hc[: self._dirty_rows] = -1
+        max_row = 0
+        n_cap = 0
+        blocks: list[_CaptureBlock] = []
+        if plans:
+            qsl = query_start_loc
+            for i, rid in enumerate(req_ids):
+                plan = plans.get(rid)
+                if plan is None or plan.empty:
+                    continue
+                row0, n, p0 = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(num_computed[i])
+                if n <= 0:
+                    continue
+                p1 = p0 + n
+                # captures first: a request whose captures overflow is left untouched this step
+                cpos = _EMPTY_I64
+                if plan.cap_sites.size:
+                    a, z = np.searchsorted(plan.cap_pos, (p0, p1))
+                    cpos = plan.cap_pos[a:z]
+                    if plan.cap_gen and p1 > plan.n_prompt:
+                        gen = np.arange(max(p0, plan.n_prompt), p1, dtype=np.int64)
+                        cpos = np.union1d(cpos, gen)
+                    k = cpos.size * plan.cap_sites.size
+                    if k and n_cap + k > self.b.max_capture_rows:
+                        on_overflow(rid, "capture rows of the step exceeded; raise max_capture_rows or capture fewer "
+                                         "sites x positions per request")
+                        continue
+                pb = min(p1, plan.n_prompt)
+                if pb > p0 and plan.prompt_sites.size:
+                    hs[row0: row0 + (pb - p0), plan.prompt_sites] = plan.prompt_slots
+                ga = max(p0, plan.n_prompt)
+                if p1 > ga and plan.gen_sites.size:
+                    hs[row0 + (ga - p0): row0 + n, plan.gen_sites] = plan.gen_slots
+                if plan.ex_pos.size:
+                    a, z = np.searchsorted(plan.ex_pos, (p0, p1))
+                    if z > a:
+                        hs[row0 + plan.ex_pos[a:z] - p0, plan.ex_site[a:z]] = plan.ex_slot[a:z]
+                if cpos.size:
+                    ids = n_cap + np.arange(cpos.size * plan.cap_sites.size, dtype=np.int32).reshape(cpos.size, plan.cap_sites.size)
+                    hc[(row0 + cpos - p0)[:, None], plan.cap_sites[None, :]] = ids
+                    blocks.append(_CaptureBlock(rid, cpos, plan.cap_sites, n_cap))
+                    n_cap += ids.size
+                max_row = max(max_row, row0 + n)
+                self.checksum.fold_window(plan.digest, p0, p1)
+        self._blocks = blocks
+        if max_row:
+            self.applied_steps += 1
+        self.slots.flush()
+        self._upload(max_row)
+
+    def _upload(self, max_row: int) -> None:
+        b = self.b
+        m = max(max_row, self._dirty_rows)
+        if self.on_host:
+            if m:
+                act = (self.hs[:m] >= 0).any(axis=0) | (self.hc[:m] >= 0).any(axis=0)
+                b.active[:] = act.tolist()
+            else:
+                b.active[:] = [False] * b.num_sites
+        elif m:
+            b.row_slot[:m].copy_(torch.from_numpy(self.hs[:m]).pin_memory(), non_blocking=True)
+            b.cap_dst[:m].copy_(torch.from_numpy(self.hc[:m]).pin_memory(), non_blocking=True)
+            if max_row:
+                self.hs[:max_row] = -1
+                self.hc[:max_row] = -1
+        self._dirty_rows = max_row
+
+    def after_forward(self) -> None:
+        """Start copying this step's captured rows to the host (filed later by `file_captures`)."""
+        if not self._blocks:
+            return
+        blocks, self._blocks = self._blocks, []
+        k = blocks[-1].base + blocks[-1].positions.size * blocks[-1].sites.size
+        b = self.b
+        if b.device.type == "cuda":
+            xs = torch.empty((k, b.hidden), dtype=b.dtype, pin_memory=True)
+            rs = torch.empty((k, b.hidden), dtype=b.dtype, pin_memory=True)
+            xs.copy_(b.cap_x[:k], non_blocking=True)
+            rs.copy_(b.cap_r[:k], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            xs, rs, done = b.cap_x[:k].clone(), b.cap_r[:k].clone(), None
+        self._pending.append((done, xs, rs, blocks))
+
+    def file_captures(self) -> None:
+        """Wait for the pending capture copies and hand each request's block to the sink."""
+        pending, self._pending = self._pending, []
+        for done, xs, rs, blocks in pending:
+            if done is not None:
+                done.synchronize()
+            for blk in blocks:
+                k = blk.positions.size * blk.sites.size
+                shape = (blk.positions.size, blk.sites.size, xs.shape[-1])
+                self.sink(blk.owner, blk.positions, blk.sites, xs[blk.base: blk.base + k].view(shape),
+                          rs[blk.base: blk.base + k].view(shape))

@@ -1,0 +1,112 @@
+"""`SlotTable`: the persistent, reference-counted table of intervention values on the device.
+
+A slot holds one composed value that rows can point at (`row_slot[row, site] = slot`): an
+`AFFINE` edit `new = a * s + c` or a stored `PAIR` written back as is (see `intervention_op`).
+Slots are content-addressed: requests that need the same value (the same steering vector at the
+same scale, say) share one slot, uploaded once. A request holds references to its slots from
+registration until it finishes; a slot whose last reference is released is free for reuse.
+
+Uploads are batched per step (`flush`) and never block the host: values are staged in pinned
+memory and copied with `non_blocking=True`, ordered on the current stream before the forward that
+reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine_ext.worker.intervention_op import SiteBuffers, SlotMode
+from engine_ext.worker.source_store import StoredPair
+
+
+@dataclass(frozen=True)
+class SlotValue:
+    """What one slot does: `AFFINE` with `a` and `c` (fp32 vector; None = zeros), or `PAIR` with
+    a stored (x, r) pair (model dtype) written back as is."""
+
+    mode: SlotMode
+    a: float = 1.0
+    c: np.ndarray | None = None
+    pair: StoredPair | None = None
+
+
+class SlotCapacityError(RuntimeError):
+    """Every slot is in use."""
+
+
+class SlotTable:
+    def __init__(self, buffers: SiteBuffers):
+        self.b = buffers
+        self.capacity = buffers.max_slots
+        self._by_key: dict[Hashable, int] = {}
+        self._key_of: list[Hashable | None] = [None] * self.capacity
+        self._refs = np.zeros(self.capacity, np.int64)
+        self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out low ids first
+        self._pending: list[tuple[int, SlotValue]] = []
+
+    def __len__(self) -> int:
+        return self.capacity - len(self._free)
+
+    def acquire(self, key: Hashable, make) -> int:
+        """The slot holding `key`'s value (one more reference); `make()` builds the value the
+        first time. Raises SlotCapacityError when every slot is in use."""
+        slot = self._by_key.get(key)
+        if slot is None:
+            if not self._free:
+                raise SlotCapacityError(f"all {self.capacity} intervention slots are in use; raise max_slots "
+                                        "or send fewer distinct intervention values at once")
+            slot = self._free.pop()
+            self._by_key[key] = slot
+            self._key_of[slot] = key
+            self._pending.append((slot, make()))
+        self._refs[slot] += 1
+        return slot
+
+    def release(self, slots) -> None:
+        for slot in slots:
+            self._refs[slot] -= 1
+            if self._refs[slot] == 0:
+                del self._by_key[self._key_of[slot]]
+                self._key_of[slot] = None
+                self._free.append(slot)
+
+    def flush(self) -> None:
+        """Copy this step's new slot values to the device (before the forward reads them)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        b = self.b
+        slots = [s for s, _ in pending]
+        modes = np.array([int(v.mode) for _, v in pending], np.int32)
+        a = np.array([v.a for _, v in pending], np.float32)
+        c = np.zeros((len(pending), b.hidden), np.float32)
+        for i, (_, v) in enumerate(pending):
+            if v.c is not None:
+                c[i] = v.c
+        idx = _to_device(torch.tensor(slots, dtype=torch.long), b.device)
+        b.slot_mode.index_copy_(0, idx, _to_device(torch.from_numpy(modes), b.device))
+        b.slot_a.index_copy_(0, idx, _to_device(torch.from_numpy(a), b.device))
+        b.slot_c.index_copy_(0, idx, _to_device(torch.from_numpy(c), b.device))
+        by_run: dict[int, tuple[Any, list[int], list[int]]] = {}
+        for (slot, v) in pending:
+            if v.pair is not None:
+                run, to, rows = by_run.setdefault(id(v.pair.run), (v.pair.run, [], []))
+                to.append(slot)
+                rows.append(v.pair.row)
+        for run, to, rows in by_run.values():  # one gather per stored run
+            ridx = torch.tensor(rows, dtype=torch.long)
+            pidx = _to_device(torch.tensor(to, dtype=torch.long), b.device)
+            b.slot_px.index_copy_(0, pidx, _to_device(run.x.index_select(0, ridx).to(b.dtype), b.device))
+            b.slot_pr.index_copy_(0, pidx, _to_device(run.r.index_select(0, ridx).to(b.dtype), b.device))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without blocking the host (pinned staging for CUDA)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
