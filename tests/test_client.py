@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from app.client import AsyncCausalboardClient, CausalboardClient, CausalboardError
+from app.sweep.fold import result_from_events
 from app.sweep.result import SweepResult
 from engine_ext import GenerationParams
 
@@ -94,7 +95,7 @@ def test_sweep_sync_and_async_streaming_and_not_agree(cb, server_url, tasks, eng
             return a_plain, a_events
 
     a_plain, a_events = asyncio.run(run_async())
-    a_streamed = SweepResult.from_events(a_events)
+    a_streamed = result_from_events(a_events)
 
     n_tokens = len(engine.tokenize(pair["corrupt_prompt"]))
     assert plain.layers == [0, 2, 4] and plain.positions == list(range(n_tokens)) and plain.metric == "recovered"
@@ -105,9 +106,7 @@ def test_sweep_sync_and_async_streaming_and_not_agree(cb, server_url, tasks, eng
     assert types[0] == "start" and types[-1] == "summary" and "progress" in types
     cells = [e for e in events if e["type"] == "cell"]
     assert len(cells) == len(plain.layers) * len(plain.positions) == events[0]["cells_total"]
-    folded = SweepResult.from_start(events[0])
-    for e in events[1:-1]:
-        folded.apply_event(e)
+    folded = result_from_events(events[:-1])  # the cells, without the summary
     np.testing.assert_array_equal(folded.to_numpy(), streamed.to_numpy())  # events and summary agree exactly
     assert len({plain.meta["sweep_id"], streamed.meta["sweep_id"], a_plain.meta["sweep_id"]}) == 3
     assert not any(r.meta.get("cancelled") for r in (plain, streamed, a_plain, a_streamed))
@@ -301,9 +300,7 @@ def test_broken_sweep_stream_resumes_on_the_real_server(server_url, tasks):
     assert summary["cells_done"] == len(cells)
     # the server cancels a sweep whose POST stream dropped (unless it had already finished)
     assert summary["cancelled"] or summary["cells_done"] == summary["cells_total"]
-    folded = SweepResult.from_start(events[0])
-    for e in events[1:-1]:
-        folded.apply_event(e)
+    folded = result_from_events(events[:-1])
     np.testing.assert_array_equal(folded.to_numpy(), SweepResult.from_summary(summary).to_numpy())
 
 

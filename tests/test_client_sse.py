@@ -1,5 +1,6 @@
-"""The client's SSE handling against a canned server (no engine): parsing, unknown events,
-errors before the stream, and resuming a broken sweep stream with `Last-Event-ID`."""
+"""The client's SSE handling against a canned server (no engine): reading the stream (httpx-sse),
+unknown events, malformed events, errors before the stream, and resuming a broken sweep stream
+with `Last-Event-ID`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.client.http import RESUME_TRIES, AsyncCausalboardClient, CausalboardClient, CausalboardError
 from app.api.sse import DONE, sse_event
-from app.client.sse import SSEMessage, decode_events, iter_messages
+from app.client.sse import StreamTruncated, iter_events
 
 from .conftest import free_port
 
@@ -34,7 +35,8 @@ def sweep_events(sweep_id: str, *, cancelled: bool = False) -> list[dict]:
         for j, pos in enumerate(POSITIONS):
             evs.append({"type": "cell", "hook": "post_block", "layer": layer, "position": pos, "value": grid[i][j]})
             if pos == 1:
-                evs.append({"type": "progress", "cells_done": i * 3 + j + 1, "cells_total": 6})
+                evs.append({"type": "progress", "done": i * 3 + j + 1, "total": 6, "voided": 0, "elapsed_s": 0.1 * (i + 1),
+                            "cells_per_s": 20.0})
         if i == 0:
             evs.append({"type": "from_the_future", "payload": [1, 2, 3]})
     evs.append({"type": "noise_floor", "value": 0.002})
@@ -82,6 +84,13 @@ def canned_app() -> FastAPI:
                 yield t
             yield DONE
 
+        async def malformed():
+            yield texts[0]
+            yield sse_event({"type": "cell", "hook": "post_block", "position": 0, "value": 0.5}, 1)  # no layer
+            for t in texts[2:]:
+                yield t
+            yield DONE
+
         async def drop_after(n: int, *, slow: bool = False, clean_end: bool = False):
             for t in texts[:n]:
                 yield t
@@ -95,6 +104,7 @@ def canned_app() -> FastAPI:
         app.state.events[sweep_id] = texts
         plans = {
             "normal": (normal(), []),
+            "malformed": (malformed(), []),
             "drop": (drop_after(4), ["rest"]),
             "drop-early": (drop_after(0), ["rest"]),
             "drop-twice": (drop_after(3), ["one-then-drop", "rest"]),
@@ -156,28 +166,32 @@ def _types(evs: list[dict]) -> list[str]:
     return [e["type"] for e in evs]
 
 
-# ---- the parser ------------------------------------------------------------------------------------
-def test_parser_follows_the_event_stream_rules():
+# ---- reading the stream (httpx-sse) ----------------------------------------------------------------
+def read(text: str) -> list[tuple[dict, str | None]]:
+    """(data, own id) of each event of a `text/event-stream` body."""
+    response = httpx.Response(200, headers={"content-type": "text/event-stream"}, text=text)
+    return [(ev.data, ev.id) for ev in iter_events(response)]
+
+
+def test_reading_follows_the_event_stream_rules():
     text = (": a comment\n"
             "retry: 1000\n"
-            "id: 7\nevent: cell\ndata: {\"a\":\ndata:1}\n\n"     # two data lines, no space after one colon
-            "data: second\r\n\r\n"                                # CRLF, no id
-            "id: 9\n\n"                                           # id only: no event
+            "id: 7\nevent: cell\ndata: {\"a\":\ndata:1}\n\n"  # two data lines (joined by a newline), no space after a colon
+            "data: {\"b\": 2}\r\n\r\n"                     # CRLF; no id of its own (the stream's last id is still 7)
+            "id: 9\n\n"                                       # id only: no event
+            "event: numbers\ndata: [3, 4]\n\n"                 # not an object: wrapped with the event's name
+            "id: 10\ndata: {\"c\": 3}\n\n"
             "data: [DONE]\n\n"
-            "data: unterminated")
-    msgs = list(iter_messages(text.splitlines()))
-    assert msgs == [SSEMessage('{"a":\n1}', "cell", "7"), SSEMessage("second", "message", None), SSEMessage("[DONE]")]
-    first = next(decode_events(text.splitlines()))
-    assert (first.data, first.id) == ({"a": 1}, "7")
-    # "second" is not JSON: decode_events refuses it rather than guessing
-    with pytest.raises(json.JSONDecodeError):
-        list(decode_events(["data: second", ""]))
+            "data: {\"after\": true}\n\n")
+    assert read(text) == [({"a": 1}, "7"), ({"b": 2}, None), ({"type": "numbers", "data": [3, 4]}, None), ({"c": 3}, "10")]
 
 
-def test_decode_stops_at_done_and_keeps_ids():
-    lines = (sse_event({"type": "x"}, 0) + sse_event([1, 2], 1) + DONE + sse_event({"type": "after"}, 2)).splitlines()
-    evs = list(decode_events(lines))
-    assert [(e.data, e.id) for e in evs] == [({"type": "x"}, "0"), ({"type": "message", "data": [1, 2]}, "1")]
+def test_a_body_without_done_is_truncated_and_bad_json_is_refused():
+    with pytest.raises(StreamTruncated):  # an httpx transport error: a sweep stream resumes after it
+        read('id: 0\ndata: {"x": 1}\n\ndata: {"unterminated": ')
+    assert issubclass(StreamTruncated, httpx.RemoteProtocolError)
+    with pytest.raises(json.JSONDecodeError):  # "second" is not JSON: refused rather than guessed
+        read("data: second\n\n")
 
 
 # ---- streams against the canned server ------------------------------------------------------------
@@ -202,6 +216,17 @@ def test_patch_sweep_streams_with_callback_and_progress(canned, capsys):
     assert res.noise_floor == 0.002 and res.top(1)[0]["token"] == " B"
     err = capsys.readouterr().err
     assert "6/6" in err and "cell" in err  # the tqdm bar reached the total
+
+
+def test_a_malformed_event_raises_naming_its_field(canned):
+    url, _ = canned
+    seen = []
+    with CausalboardClient(url) as cb:
+        assert len(list(cb.stream_sweep(prompt="malformed", answer_token=" A"))) == len(sweep_events("malformed"))  # raw: passed through
+        with pytest.raises(CausalboardError) as info:
+            cb.patch_sweep(on_event=seen.append, prompt="malformed", answer_token=" A")
+    assert info.value.field == "cell.layer" and "malformed sweep event" in info.value.message
+    assert [e["type"] for e in seen] == ["start"]  # the callback never got the malformed event
 
 
 def test_error_before_the_stream_raises_with_the_field(canned):

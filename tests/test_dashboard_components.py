@@ -16,7 +16,7 @@ from engine_ext.errors import SpecError
 
 from app.dashboard.tracing.heatmap import CELL_LOOKS, ColorScale, SweepHeatmap, legend_html, position_labels, visible_token
 from app.dashboard.tracing.form import NOISE_SPAN, SweepForm, default_form, zoom_request
-from app.dashboard.tracing.state import CellStatus
+from app.sweep.fold import CellStatus
 from app.sweep.result import SweepResult
 from tests.test_dashboard_state import cell, start_event, summary_event
 

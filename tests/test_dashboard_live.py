@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from app.dashboard.tracing.state import CellStatus
+from app.sweep.fold import CellStatus
 from app.dashboard.tracing.view import TracingView
 
 pytestmark = pytest.mark.engine

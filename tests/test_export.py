@@ -23,6 +23,7 @@ from PIL import Image
 
 from app.figures import export
 from app.figures.style import WIDTHS, token_label
+from app.sweep.fold import result_from_events
 from app.sweep.result import SweepResult
 from engine_ext.errors import SpecError
 
@@ -68,7 +69,7 @@ def _grid(hook: str) -> list[list[float | None]]:
 
 
 def synthetic_summary() -> dict:
-    """The summary object of `POST /v1/patch_sweep` (wire contract in app/sweep/result.py)."""
+    """The summary object of `POST /v1/patch_sweep` (wire format: `SweepSummary` in app/sweep/schema.py)."""
     hook_grids = [{"hook": h, "grid": _grid(h), "argmax": None} for h in HOOKS]
     return {
         "sweep_id": "sw-synthetic-0001", "model": "causalboard-tiny (synthetic example)",
@@ -357,13 +358,13 @@ def test_pending_cells_of_an_unfinished_sweep(result):
 def test_a_live_stream_exports_mid_sweep():
     """The dashboard's download buttons work on a result folded from the SSE events so far."""
     s = synthetic_summary()
-    start = {"type": "start", "sweep_id": s["sweep_id"], "layers": LAYERS, "positions": POSITIONS, "hooks": HOOKS,
-             "metric": "recovered", "token_strings": TOKENS, "subject_positions": SUBJECT, "cells_total": 108}
+    start = {"type": "start", "sweep_id": s["sweep_id"], "layers": LAYERS, "positions": POSITIONS, "hook": HOOKS[0],
+             "hooks": HOOKS, "metric": "recovered", "token_strings": TOKENS, "subject_positions": SUBJECT, "cells_total": 108}
     events = [start, {"type": "skip", "position": UNALIGNED, "reason": "unaligned"},
               {"type": "cell", "hook": "post_block", "layer": 0, "position": 7, "value": 0.93},
               {"type": "cell", "hook": "post_attn", "layer": 2, "position": 5, "value": None, "error": "source run evicted"},
-              {"type": "progress", "cells_done": 3, "cells_total": 108}]
-    live = SweepResult.from_events(events)
+              {"type": "progress", "done": 3, "total": 108, "voided": 1, "elapsed_s": 0.5, "cells_per_s": 6.0}]
+    live = result_from_events(events)
     rows = list(csv.DictReader(io.StringIO(export.export_bytes(live, "csv").decode())))
     counts = {st: sum(r["status"] == st for r in rows) for st in export.STATUSES}
     assert counts == {"ok": 1, "skipped": 12, "voided": 1, "pending": 108 - 14, "within_noise": 0}
@@ -480,7 +481,7 @@ def test_subset_of_hooks_and_formats(result, tmp_path):
     assert again.hooks == HOOKS
 
 
-def test_heatmap_method_draws_through_the_exporter(result):
-    fig = result.heatmap("post_attn", width="double", title="custom $x$ title")
+def test_plot_sweep_width_and_literal_title(result):
+    fig = export.plot_sweep(result, "post_attn", width="double", title="custom $x$ title")
     assert fig.get_size_inches()[0] == pytest.approx(7.0)
     assert fig.axes[0].get_title(loc="left") == r"custom \$x\$ title"

@@ -5,6 +5,8 @@ real server is compared with it."""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 
 import pytest
@@ -95,6 +97,32 @@ def test_typed_request_and_response_models(app_and_spec):
     guarded = [("post", "/v1/steering/set"), ("delete", "/v1/patch_source/{run_id}"), ("post", "/v1/capture")]
     for method, path in guarded:
         assert "401" in spec["paths"][path][method]["responses"], path
+
+
+def test_sweep_summary_status_and_events_are_documented(app_and_spec):
+    _, spec = app_and_spec
+    schemas = spec["components"]["schemas"]
+    post = spec["paths"]["/v1/patch_sweep"]["post"]["responses"]["200"]["content"]
+    assert post["application/json"]["schema"] == {"$ref": "#/components/schemas/SweepSummary"}
+    summary = schemas["SweepSummary"]
+    assert summary["additionalProperties"] is False
+    for field in ("layers", "positions", "grid", "hook_grids", "argmax", "clean", "corrupt", "skipped", "alignment",
+                  "noise_floor", "auto_captured", "captured_source_run", "within_noise", "checksum", "cells_done", "cancelled"):
+        assert summary["properties"][field].get("description"), field
+        assert field in summary["required"], field  # the server always sends it
+    by_id = spec["paths"]["/v1/patch_sweep/{sweep_id}"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert {s["$ref"] for s in by_id["anyOf"]} == {"#/components/schemas/SweepSummary", "#/components/schemas/SweepStatus"}
+    for path, method in (("/v1/patch_sweep", "post"), ("/v1/patch_sweep/{sweep_id}/events", "get")):
+        content = spec["paths"][path][method]["responses"]["200"]["content"]
+        events = content["text/event-stream"]["schema"]
+        assert [v["properties"]["type"]["const"] for v in events["oneOf"]] == [
+            "start", "warning", "skip", "checksum", "cell", "noise_floor", "progress", "error", "summary"]
+        summary_event = events["oneOf"][-1]
+        assert set(summary_event["properties"]) == {"type"} | set(summary["properties"])
+    assert "application/json" not in spec["paths"]["/v1/patch_sweep/{sweep_id}/events"]["get"]["responses"]["200"].get("content", {})
+    # every reference of the document resolves
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)))
+    assert refs <= set(schemas), refs - set(schemas)
 
 
 def test_served_openapi_matches(http, app_and_spec):

@@ -13,8 +13,11 @@ Contracts:
   server's dotted request field (None when the error is not about one field). Transport failures
   (server unreachable, a stream that cannot be resumed) raise httpx's own `TransportError`s.
 * Streams (`stream_generate`, `stream_sweep`, `sweep_events`) yield the API's JSON events as
-  dicts, in server order, `[DONE]` removed, unknown event types passed through. Errors sent
-  before the first event are plain JSON and raise `CausalboardError`.
+  dicts, in server order, `[DONE]` removed, unknown event types passed through (read with
+  httpx-sse: `app/client/sse.py`). Errors sent before the first event are plain JSON and raise
+  `CausalboardError`.
+* `patch_sweep` folds a streamed sweep's events with the sweep's one event reader
+  (`app.sweep.fold.SweepFold`); a malformed event raises `CausalboardError` naming its field.
 * A sweep stream that breaks after its `start` event (connection reset, truncated body, read
   timeout) is resumed from `GET /v1/patch_sweep/{sweep_id}/events` with `Last-Event-ID` set to the
   last id received; every event is delivered exactly once. It gives up (re-raising the transport
@@ -39,9 +42,12 @@ from urllib.parse import quote
 
 import httpx
 import numpy as np
+from httpx_sse import aconnect_sse, connect_sse
 
-from app.client.sse import StreamEvent, aiter_messages, decode_message, iter_messages
+from app.client.sse import StreamEvent, aiter_events, iter_events
+from app.sweep.fold import SweepFold
 from app.sweep.result import SweepResult
+from app.sweep.schema import SweepEventError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 #: consecutive reconnects without a new event before a broken sweep stream is given up
@@ -293,10 +299,6 @@ def _stream_is_ok(response: httpx.Response) -> bool:
     return response.status_code < 400 and response.headers.get("content-type", "").startswith("text/event-stream")
 
 
-class _StreamEnded(httpx.RemoteProtocolError):
-    """The body ended cleanly but before `data: [DONE]` (a truncated stream)."""
-
-
 class _ResumeState:
     """What a sweep stream has delivered, for de-duplication and resumption."""
 
@@ -339,54 +341,48 @@ class _ResumeState:
         return f"/v1/patch_sweep/{_seg(self.sweep_id)}/events", headers, delay
 
 
-class _SweepFold:
-    """Feeds a sweep's events to the caller's callback and an optional tqdm bar; keeps the
-    summary (or the server's error) to make the result."""
+def _fold(fold: SweepFold, ev: dict) -> None:
+    try:
+        fold.apply(ev)
+    except SweepEventError as exc:
+        raise CausalboardError(0, exc.field, f"malformed sweep event: {exc}", {"error": str(exc), "field": exc.field, "event": ev}) from exc
 
-    def __init__(self, on_event: Callable[[dict], Any] | None, progress: bool):
-        self.on_event = on_event
-        self.summary: dict | None = None
-        self.error: dict | None = None
+
+class _ProgressBar:
+    """A tqdm bar on stderr following a sweep's folded cells (off unless `enabled`)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
         self.bar = None
-        self._progress = progress
 
-    def feed(self, ev: dict) -> Any:
-        kind = ev.get("type")
-        if kind == "summary":
-            self.summary = ev
-        elif kind == "error":
-            self.error = ev
-        if self._progress:
-            self._advance(ev)
-        return self.on_event(ev) if self.on_event is not None else None
-
-    def _advance(self, ev: dict) -> None:
-        kind = ev.get("type")
-        total = ev.get("cells_total", ev.get("total"))
-        if self.bar is None and kind in ("start", "progress", "summary"):
+    def show(self, fold: SweepFold) -> None:
+        if not self.enabled or fold.result is None:  # nothing to count before the axes are known
+            return
+        total = fold.cells_total
+        if self.bar is None:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, unit="cell", desc="sweep", file=sys.stderr, leave=True)
-        if self.bar is None:
-            return
-        if total is not None and self.bar.total != total:
+        if self.bar.total != total:
             self.bar.total = total
-        done = ev.get("cells_done", ev.get("done")) if kind in ("progress", "summary") else None
-        if isinstance(done, (int, float)) and done >= self.bar.n:
-            self.bar.update(done - self.bar.n)
+        if fold.cells_done > self.bar.n:
+            self.bar.update(fold.cells_done - self.bar.n)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
-    def result(self) -> SweepResult:
-        partial = SweepResult.from_summary(self.summary) if self.summary is not None else None
-        if self.error is not None:
-            msg = str(self.error.get("error") or self.error.get("message") or "the sweep failed")
-            raise SweepFailed(msg, self.error, partial)
-        if partial is None:
-            raise CausalboardError(0, None, "the sweep stream ended without a summary")
-        return partial
+
+def _sweep_outcome(fold: SweepFold) -> SweepResult:
+    """The result of a folded sweep stream: its summary's, or `SweepFailed` when the server
+    reported an error (with the partial result when a summary followed)."""
+    partial = fold.result if fold.finished else None
+    if fold.errors:
+        message = fold.errors[-1] or "the sweep failed"
+        raise SweepFailed(message, {"type": "error", "error": fold.errors[-1]}, partial)
+    if partial is None:
+        raise CausalboardError(0, None, "the sweep stream ended without a summary")
+    return partial
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -454,13 +450,16 @@ class CausalboardClient:
         with `meta["cancelled"]` true."""
         if on_event is None and not progress:
             return self._do(_Ops.patch_sweep(request_fields))
-        fold = _SweepFold(on_event, progress)
+        fold, bar = SweepFold(), _ProgressBar(progress)
         try:
             for ev in self.stream_sweep(**request_fields):
-                fold.feed(ev)
+                _fold(fold, ev)
+                bar.show(fold)
+                if on_event is not None:
+                    on_event(ev)
         finally:
-            fold.close()
-        return fold.result()
+            bar.close()
+        return _sweep_outcome(fold)
 
     def stream_sweep(self, **request_fields: Any) -> Iterator[dict]:
         """The SSE events of `POST /v1/patch_sweep` (resumed after a break; see the module doc).
@@ -489,17 +488,15 @@ class CausalboardClient:
     def _events(self, method: str, path: str, body: Any, headers: dict, resume: _ResumeState | None) -> Iterator[dict]:
         while True:
             try:
-                with self._http.stream(method, path, json=body, headers=headers) as response:
+                with connect_sse(self._http, method, path, json=body, headers=dict(headers)) as source:
+                    response = source.response
                     if not _stream_is_ok(response):
                         response.read()
                         _check_stream(response)
-                    for msg in iter_messages(response.iter_lines()):
-                        ev = decode_message(msg)
-                        if ev is None:
-                            return
+                    for ev in iter_events(response):
                         if resume is None or resume.accept(ev):
                             yield ev.data
-                    raise _StreamEnded("the event stream ended before [DONE]")
+                    return
             except _RETRYABLE:
                 nxt = resume.next_resume() if resume is not None else None
                 if nxt is None:
@@ -599,15 +596,17 @@ class AsyncCausalboardClient:
                           **request_fields: Any) -> SweepResult:
         if on_event is None and not progress:
             return await self._do(_Ops.patch_sweep(request_fields))
-        fold = _SweepFold(on_event, progress)
+        fold, bar = SweepFold(), _ProgressBar(progress)
         try:
             async for ev in self.stream_sweep(**request_fields):
-                out = fold.feed(ev)
+                _fold(fold, ev)
+                bar.show(fold)
+                out = on_event(ev) if on_event is not None else None
                 if inspect.isawaitable(out):
                     await out
         finally:
-            fold.close()
-        return fold.result()
+            bar.close()
+        return _sweep_outcome(fold)
 
     async def stream_sweep(self, **request_fields: Any) -> AsyncIterator[dict]:
         async for ev in self._events("POST", "/v1/patch_sweep", _sweep_body(request_fields, True), {}, _ResumeState()):
@@ -630,17 +629,15 @@ class AsyncCausalboardClient:
     async def _events(self, method: str, path: str, body: Any, headers: dict, resume: _ResumeState | None) -> AsyncIterator[dict]:
         while True:
             try:
-                async with self._http.stream(method, path, json=body, headers=headers) as response:
+                async with aconnect_sse(self._http, method, path, json=body, headers=dict(headers)) as source:
+                    response = source.response
                     if not _stream_is_ok(response):
                         await response.aread()
                         _check_stream(response)
-                    async for msg in aiter_messages(response.aiter_lines()):
-                        ev = decode_message(msg)
-                        if ev is None:
-                            return
+                    async for ev in aiter_events(response):
                         if resume is None or resume.accept(ev):
                             yield ev.data
-                    raise _StreamEnded("the event stream ended before [DONE]")
+                    return
             except _RETRYABLE:
                 nxt = resume.next_resume() if resume is not None else None
                 if nxt is None:

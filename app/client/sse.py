@@ -1,120 +1,85 @@
-"""Reading server-sent events (the client side of `app/api/sse.py`).
+"""Reading the API's server-sent events (the client side of `app/api/sse.py`) on `httpx-sse`.
 
-`SSEParser` turns text lines into `SSEMessage`s following the WHATWG event-stream rules that
-matter here: `data:` lines (several in one event are joined with "\\n"), `id:`, `event:`,
-comment lines starting with `:`, `retry:` (ignored), one optional space after the colon, a blank
-line ending an event, and an unterminated last event being discarded. `decode_events` turns
-messages into the JSON objects the causalboard API sends and stops at `data: [DONE]`.
+httpx-sse parses the event stream (WHATWG rules: `data:` lines joined with "\\n", `id:`,
+`event:`, comments, `retry:`, a blank line ending an event, an unterminated last event dropped).
+On top of it, this module turns each event into the JSON object the causalboard API sends
+(`StreamEvent`), skips events without data, stops at `data: [DONE]`, and reports a body that ends
+before it (`StreamTruncated`, an httpx transport error, so a sweep stream resumes).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+
+import httpx
+from httpx_sse import EventSource, ServerSentEvent
 
 #: the data of the stream's last message (not JSON; never delivered as an event)
 DONE_DATA = "[DONE]"
 
 
 @dataclass(frozen=True)
-class SSEMessage:
-    """One dispatched event: `data` (lines joined by "\\n"), `event` type ("message" when the
-    stream gave none), and `id`: the event's own `id:` field, or None when it had none (unlike a
-    browser's `lastEventId`, which persists: callers that resume track the last id themselves,
-    and de-duplicate by the ids events really carried)."""
-
-    data: str
-    event: str = "message"
-    id: str | None = None
-
-
-class SSEParser:
-    """Incremental parser: feed lines (without their line terminator), get messages."""
-
-    def __init__(self) -> None:
-        self._data: list[str] = []
-        self._event = ""
-        self._id: str | None = None
-
-    def feed_line(self, line: str) -> SSEMessage | None:
-        """Consume one line; return the message it completes (a blank line), else None."""
-        line = line.rstrip("\r\n")
-        if not line:
-            return self._dispatch()
-        if line.startswith(":"):
-            return None
-        name, sep, value = line.partition(":")
-        if sep and value.startswith(" "):
-            value = value[1:]
-        if name == "data":
-            self._data.append(value)
-        elif name == "id":
-            if "\0" not in value:
-                self._id = value
-        elif name == "event":
-            self._event = value
-        # `retry` and unknown field names are ignored, as the spec says
-        return None
-
-    def _dispatch(self) -> SSEMessage | None:
-        data, event, event_id = self._data, self._event, self._id
-        self._data, self._event, self._id = [], "", None
-        if not data:
-            return None
-        return SSEMessage("\n".join(data), event or "message", event_id)
-
-
-def iter_messages(lines: Iterable[str]) -> Iterator[SSEMessage]:
-    """Messages of a stream of text lines."""
-    parser = SSEParser()
-    for line in lines:
-        msg = parser.feed_line(line)
-        if msg is not None:
-            yield msg
-
-
-async def aiter_messages(lines: AsyncIterable[str]) -> AsyncIterator[SSEMessage]:
-    """Messages of an async stream of text lines."""
-    parser = SSEParser()
-    async for line in lines:
-        msg = parser.feed_line(line)
-        if msg is not None:
-            yield msg
-
-
-@dataclass(frozen=True)
 class StreamEvent:
-    """A decoded API event: the JSON object and the SSE id it came with (None if it had none)."""
+    """A decoded API event: the JSON object, and the `id:` it carried itself (None when it had
+    none). httpx-sse reports the stream's last id on every event, as a browser's `lastEventId`
+    does; an event whose id equals the previous event's on the same connection did not send
+    one. Callers that resume de-duplicate by the ids events really carried."""
 
     data: dict
     id: str | None
 
 
-def decode_message(msg: SSEMessage) -> StreamEvent | None:
-    """The JSON event of a message, or None for `[DONE]`. Non-object JSON payloads are wrapped
-    as `{"type": "<event name>", "data": payload}` so callers always get a dict."""
-    if msg.data.strip() == DONE_DATA:
-        return None
-    payload = json.loads(msg.data)
-    if not isinstance(payload, dict):
-        payload = {"type": msg.event, "data": payload}
-    return StreamEvent(payload, msg.id)
+class StreamTruncated(httpx.RemoteProtocolError):
+    """The body ended cleanly but before `data: [DONE]` (a truncated stream)."""
 
 
-def decode_events(lines: Iterable[str]) -> Iterator[StreamEvent]:
-    """Decoded events of a stream, stopping at `[DONE]`."""
-    for msg in iter_messages(lines):
-        ev = decode_message(msg)
-        if ev is None:
+class _Decoder:
+    """httpx-sse events of one connection -> `StreamEvent`s (None for an event without data)."""
+
+    def __init__(self) -> None:
+        self._previous_id = ""
+
+    def decode(self, sse: ServerSentEvent) -> StreamEvent | None:
+        own_id = sse.id if sse.id != self._previous_id else ""
+        self._previous_id = sse.id
+        if not sse.data:  # an `id:`/`retry:`-only block: nothing to deliver (WHATWG: no dispatch)
+            return None
+        payload = json.loads(sse.data)
+        if not isinstance(payload, dict):  # callers always get an object
+            payload = {"type": sse.event, "data": payload}
+        return StreamEvent(payload, own_id or None)
+
+
+def _is_done(sse: ServerSentEvent) -> bool:
+    return sse.data.strip() == DONE_DATA
+
+
+def iter_events(response: httpx.Response) -> Iterator[StreamEvent]:
+    """The decoded events of a streamed `text/event-stream` response up to `data: [DONE]`.
+    Raises `StreamTruncated` when the body ends before it, and ValueError for data that is not
+    JSON."""
+    decoder = _Decoder()
+    for sse in EventSource(response).iter_sse():
+        if _is_done(sse):
             return
-        yield ev
+        ev = decoder.decode(sse)
+        if ev is not None:
+            yield ev
+    raise StreamTruncated("the event stream ended before [DONE]")
 
 
-async def adecode_events(lines: AsyncIterable[str]) -> AsyncIterator[StreamEvent]:
-    """Async `decode_events`."""
-    async for msg in aiter_messages(lines):
-        ev = decode_message(msg)
-        if ev is None:
+async def aiter_events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
+    """Async `iter_events`."""
+    decoder = _Decoder()
+    async for sse in EventSource(response).aiter_sse():
+        if _is_done(sse):
             return
-        yield ev
+        ev = decoder.decode(sse)
+        if ev is not None:
+            yield ev
+    raise StreamTruncated("the event stream ended before [DONE]")
+
+
+__all__ = ["DONE_DATA", "StreamEvent", "StreamTruncated", "aiter_events", "iter_events"]

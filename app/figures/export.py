@@ -18,7 +18,8 @@ TrueType fonts (PDF) and text kept as text (SVG); PNGs are 300 dpi. They are dra
 rcParams change. Save a figure from `plot_sweep` with `save_figure` (not `fig.savefig`): the
 font-embedding rcParams are read when saving.
 
-Cell statuses (CSV `status` column and figure marks), from the summary's fields:
+Cell statuses (CSV `status` column and figure marks) are `app.sweep.fold.result_statuses` of the
+summary's fields, named:
 
 * `ok` — a value; `within_noise` — a value listed in `within_noise` (its effect is within the
   noise floor; drawn with a dot);
@@ -55,6 +56,7 @@ from engine_ext.errors import SpecError
 from app.figures.style import (HATCH, MARK_COLOR, NO_VALUE_COLOR, PNG_DPI, color_scale, colorbar_fraction, direction_label,
                            export_rc, figure_size, font_size, layer_ticks, literal, metric_label, position_font_size,
                            token_label, width_inches)
+from app.sweep.fold import CellStatus, result_statuses
 from app.sweep.result import SweepResult
 
 FIGURE_FORMATS = ("pdf", "svg", "png")
@@ -70,31 +72,16 @@ MEDIA_TYPES = {"pdf": "application/pdf", "svg": "image/svg+xml", "png": "image/p
 
 
 # ---- cell statuses -------------------------------------------------------------------------------
+#: the export's name of each cell status (CSV `status` column, manifest `by_status`)
+STATUS_NAMES = {CellStatus.DONE: "ok", CellStatus.NOISE: "within_noise", CellStatus.SKIPPED: "skipped",
+                CellStatus.VOIDED: "voided", CellStatus.PENDING: "pending"}
+
+
 def cell_statuses(result: SweepResult, hook: str | None = None) -> np.ndarray:
-    """Status of every cell of `hook` (layers x positions array of str, values in `STATUSES`)."""
+    """Status of every cell of `hook` (layers x positions array of str, values in `STATUSES`):
+    `app.sweep.fold.result_statuses` under the export's names (`STATUS_NAMES`)."""
     hook = _check_hook(result, hook)
-    grid = result.grids[hook]
-    status = np.where(np.isfinite(grid), "ok", "pending").astype(object)
-    rows = {layer: i for i, layer in enumerate(result.layers)}
-    cols = {pos: j for j, pos in enumerate(result.positions)}
-    for entry in result.meta.get("skipped") or []:
-        j = cols.get(_int_or_none(entry.get("position")))
-        if j is None:
-            continue
-        if entry.get("layer") is None:  # an unaligned position: the whole column was not run
-            column = status[:, j]
-            column[column == "pending"] = "skipped"
-        elif entry.get("hook") in (None, hook):
-            i = rows.get(_int_or_none(entry.get("layer")))
-            if i is not None and status[i, j] == "pending":
-                status[i, j] = "voided"
-    for entry in result.meta.get("within_noise") or []:
-        if entry.get("hook") not in (None, hook):
-            continue
-        i, j = rows.get(_int_or_none(entry.get("layer"))), cols.get(_int_or_none(entry.get("position")))
-        if i is not None and j is not None and status[i, j] == "ok":
-            status[i, j] = "within_noise"
-    return status
+    return np.vectorize(STATUS_NAMES.__getitem__, otypes=[object])(result_statuses(result, hook))
 
 
 # ---- the figure ----------------------------------------------------------------------------------
@@ -572,10 +559,3 @@ def _check_stem(stem: str) -> str:
     if not isinstance(stem, str) or not stem or stem in (".", "..") or any(c in stem for c in "/\\\0"):
         raise SpecError("stem", f"must be a plain file name stem, got {stem!r}")
     return stem
-
-
-def _int_or_none(x: Any) -> int | None:
-    try:
-        return int(x)
-    except (TypeError, ValueError):
-        return None

@@ -1,60 +1,26 @@
-"""`SweepResult`: one patch sweep as plain data (numpy grids per hook + everything needed to
-label, interpret and regenerate it). Built from the server's `summary` (the non-streaming
-response body of `POST /v1/patch_sweep`, or the last `summary` event of its SSE stream), or
-incrementally from the stream's events (`SweepResult.from_events`, `SweepResult.apply_event`).
+"""`SweepResult`: one patch sweep as plain data — numpy grids per hook, plus every other summary
+field (`meta`) needed to label, interpret and regenerate it. Built from a summary
+(`SweepResult.from_summary`: the JSON answer of `POST /v1/patch_sweep`, its last stream event, a
+saved file), or from a stream's events by the sweep's one event reader (`app/sweep/fold.py`:
+`SweepFold`, `result_from_events`), which also fills a result cell by cell while a sweep runs.
 
-Wire contract (the summary object; fork-compatible fields first)
------------------------------------------------------------------
-Fields of the reference fork's `PatchSweepResponse` (same names and meaning):
-
-* `layers: list[int]`, `positions: list[int]` — the axes; `grid[i][j]` is `layers[i]` x
-  `positions[j]` (positions are token indices of the corrupt `prompt`).
-* `hook: str`, `grid: list[list[float|None]]`, `argmax` — the first hook's grid
-  (`argmax = {"layer", "position", "value"}` = max value, or None).
-* `hook_grids: [{"hook", "grid", "argmax"}] | None` — every hook (multi-hook sweeps; None for a
-  single hook, as in the fork).
-* `metric: str` — the unit of the grid values (`logprob`, `logit_diff`, `prob`, `recovered`).
-* `clean`, `corrupt: float | None` — baseline values of the *basis* metric (`logprob`,
-  `logit_diff` or `prob`; for `recovered` the basis named by `recovered_basis`).
-* `skipped: list[dict]` — `{"position", "reason"}` for unaligned positions (not run), and
-  `{"hook", "layer", "position", "reason"}` for voided cells (value null).
-* `alignment: {"n_clean", "n_corrupt", "prefix_len", "suffix_len", "unaligned_positions",
-  "position_map"} | None` — `position_map` maps corrupt position (as str) -> clean position.
-* `noise_floor: float | None` — in the metric's units.
-* `auto_captured: bool`, `captured_source_run: str | None`.
-
-causalboard extensions (old clients ignore them):
-
-* `sweep_id`, `model`, `prompt`, `clean_prompt`, `prompt_token_ids`, `token_strings` (display
-  string of each corrupt-prompt token), `clean_token_ids`, `clean_token_strings`.
-* `hooks: list[str]`; `metric_requested` (differs from `metric` only when `recovered` was asked
-  for but is undefined — see `notes`); `recovered_basis`.
-* `answer_token_id`, `answer_token`, `foil_token_id`, `foil_token`, `alpha`.
-* `source: {"kind": "run" | "zeros" | "vector" | "inline" | "mean", "run_id"?, "name"?}`.
-* `noise: {"positions", "scale", "seed", "samples"} | None` — noise corruption of the prompt.
-* `noise_floor_detail: {"solo", "in_batch": [...], "units"}`; `within_noise: [{"hook", "layer",
-  "position"}]` — cells whose effect (|value - corrupt| in metric units; |value| for
-  `recovered`) is within the noise floor.
-* `subject_positions: list[int]` — positions of `subject` / noise span, for figure marks.
-* `checksum: {"consistent": bool, ...}` — cross-rank determinism of the engine's interventions.
-* `cells_total`, `cells_done`, `cells_voided`, `elapsed_s`, `cancelled: bool`, `notes: [str]`,
-  `versions: {name: version}`.
-
-Stream events (each a JSON object with `type`; unknown types must be ignored): `start`
-(axes, tokens, alignment, cells_total), `skip` (an unaligned position), `cell` ({hook, layer,
-position, value} or a voided cell re-sent with `value: null` and `error`), `progress`,
-`noise_floor`, `checksum`, `warning`, `error`, `summary` (the object above); then `[DONE]`.
+The summary's fields, their types and meanings are declared in `app/sweep/schema.py`
+(`SweepSummary`). `meta` keeps them as JSON data (a dict), verbatim: a file saved by another
+version round-trips whatever it holds. Figures of a result: `app.figures.export.plot_sweep`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
+
+from app.sweep.schema import SweepSummary
 
 #: summary keys that hold per-hook grids (rebuilt from `grids` when serializing)
 _GRID_KEYS = ("grid", "hook_grids", "argmax")
@@ -74,8 +40,10 @@ class SweepResult:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def from_summary(cls, summary: dict) -> "SweepResult":
-        """From the non-streaming response / the `summary` event."""
+    def from_summary(cls, summary: SweepSummary | Mapping[str, Any]) -> "SweepResult":
+        """From a summary: the model, or its JSON form (a `summary` event's `type` is ignored)."""
+        if isinstance(summary, SweepSummary):
+            summary = summary.model_dump(mode="json", exclude={"type"})
         layers = [int(x) for x in summary["layers"]]
         positions = [int(x) for x in summary["positions"]]
         if summary.get("hook_grids"):
@@ -83,56 +51,9 @@ class SweepResult:
         else:
             pairs = [(summary["hook"], summary["grid"])]
         grids = {h: _to_array(g, len(layers), len(positions)) for h, g in pairs}
-        meta = {k: v for k, v in summary.items() if k not in _GRID_KEYS and k not in ("layers", "positions", "metric")}
+        meta = {k: v for k, v in summary.items() if k not in _GRID_KEYS and k not in ("type", "layers", "positions", "metric")}
         meta.setdefault("hooks", [h for h, _ in pairs])
         return cls(layers, positions, [h for h, _ in pairs], summary.get("metric", "logprob"), grids, meta)
-
-    @classmethod
-    def from_start(cls, start: dict) -> "SweepResult":
-        """An empty (all-NaN) result with the axes of a `start` event; fill it with `apply_event`."""
-        layers = [int(x) for x in start["layers"]]
-        positions = [int(x) for x in start["positions"]]
-        hooks = list(start.get("hooks") or [start["hook"]])
-        grids = {h: np.full((len(layers), len(positions)), np.nan) for h in hooks}
-        meta = {k: v for k, v in start.items() if k not in ("type", "layers", "positions", "metric")}
-        meta["hooks"] = hooks
-        meta.setdefault("skipped", [])
-        return cls(layers, positions, hooks, start.get("metric", "logprob"), grids, meta)
-
-    @classmethod
-    def from_events(cls, events: Iterable[dict]) -> "SweepResult":
-        """Fold a stream's events (dicts, `[DONE]` already removed). Raises ValueError when the
-        stream has no `start` or `summary` event."""
-        result: SweepResult | None = None
-        for ev in events:
-            if ev.get("type") == "summary":
-                return cls.from_summary(ev)
-            if ev.get("type") == "start":
-                result = cls.from_start(ev)
-            elif result is not None:
-                result.apply_event(ev)
-        if result is None:
-            raise ValueError("the stream had no 'start' or 'summary' event")
-        return result
-
-    def apply_event(self, ev: dict) -> None:
-        """Apply one stream event in place (cells, skips, noise floor, checksum, progress);
-        unknown event types are ignored."""
-        kind = ev.get("type")
-        if kind == "cell":
-            hook = ev.get("hook") or self.hooks[0]
-            i, j = self.layers.index(int(ev["layer"])), self.positions.index(int(ev["position"]))
-            value = ev.get("value")
-            self.grids[hook][i, j] = np.nan if value is None else float(value)
-            if value is None and ev.get("error"):
-                self.meta.setdefault("skipped", []).append(
-                    {"hook": hook, "layer": int(ev["layer"]), "position": int(ev["position"]), "reason": ev["error"]})
-        elif kind == "skip":
-            self.meta.setdefault("skipped", []).append({"position": ev["position"], "reason": ev["reason"]})
-        elif kind == "noise_floor":
-            self.meta["noise_floor"] = ev.get("value")
-        elif kind in ("checksum", "progress"):
-            self.meta[kind] = {k: v for k, v in ev.items() if k != "type"}
 
     # ---- access --------------------------------------------------------------------------------
     @property
@@ -171,15 +92,9 @@ class SweepResult:
         cells.sort(key=lambda c: -c["value"])
         return cells[:k]
 
-    def heatmap(self, hook: str | None = None, ax: Any = None, **kwargs: Any) -> Any:
-        """Draw one hook's grid with matplotlib (see `app.figures.export.plot_sweep`); returns the figure."""
-        from app.figures.export import plot_sweep
-
-        return plot_sweep(self, hook=hook, ax=ax, **kwargs)
-
     # ---- serialization -------------------------------------------------------------------------
     def to_summary(self) -> dict:
-        """The summary object (wire contract above); `from_summary(to_summary())` round-trips."""
+        """The summary as JSON data (`SweepSummary`'s fields); `from_summary(to_summary())` round-trips."""
         out = dict(self.meta)
         out.update(layers=list(self.layers), positions=list(self.positions), metric=self.metric, hooks=list(self.hooks))
         hook_grids = []

@@ -19,6 +19,9 @@ A sweep has two phases:
 Cancelling a sweep (client disconnect, `cancel`) aborts its in-flight requests, skips the rest,
 releases the lease and drops the auto-captured run; its log ends with a summary marked
 `cancelled`. Logs of the last `KEEP_FINISHED` sweeps stay readable (`GET .../events` replay).
+
+Events and the summary are built as the models of `app/sweep/schema.py` (the wire format); the log
+holds their JSON form.
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ from engine_ext.specs import Capture, Interventions
 from engine_ext.sites import site_from_index
 
 from app.sweep.plan import PlanError, SweepCell, SweepPlan, build_plan
-from app.sweep.schema import PatchSweepRequest
 from app.sweep.result import argmax_cell
+from app.sweep.schema import (CellEvent, CellRef, CellRepeat, ChecksumEvent, ErrorEvent, HookGrid, NoiseFloorDetail,
+                              NoiseFloorEvent, PatchSweepRequest, ProgressEvent, SkipEvent, StartEvent, SummaryEvent,
+                              SweepAlignment, SweepChecksum, SweepEventModel, SweepNoise, SweepSetup, SweepSource,
+                              SweepStatus, SweepSummary, VoidedCell, WarningEvent, WorkerChecksum)
 
 logger = logging.getLogger("causalboard.sweep")
 
@@ -53,7 +59,7 @@ MIN_EFFECT = 1e-6
 
 
 class SweepRun:
-    """One sweep: its plan, its event log (`(id, event)` pairs) and its lifecycle."""
+    """One sweep: its plan, its event log (`(id, event JSON)` pairs) and its lifecycle."""
 
     def __init__(self, plan: SweepPlan):
         self.plan = plan
@@ -62,7 +68,11 @@ class SweepRun:
         self.errors: dict[tuple[str, int, int], str] = {}
         self.state = "preparing"  # preparing | running | done | cancelled | failed
         self.task: asyncio.Task | None = None
-        self.summary: dict | None = None
+        #: what the `start` event said (the summary repeats it)
+        self.setup: SweepSetup | None = None
+        #: the last checksum status logged
+        self.checksum: SweepChecksum | None = None
+        self.summary: SweepSummary | None = None
         self.started = time.monotonic()
         self._wake = asyncio.Event()
 
@@ -74,8 +84,9 @@ class SweepRun:
     def finished(self) -> bool:
         return self.state in ("done", "cancelled", "failed")
 
-    def emit(self, event: dict) -> None:
-        self.log.append((len(self.log), event))
+    def emit(self, event: SweepEventModel) -> None:
+        """Log an event (as JSON data) and wake the followers."""
+        self.log.append((len(self.log), event.model_dump(mode="json")))
         self._notify()
 
     def close(self, state: str) -> None:
@@ -105,9 +116,9 @@ class SweepRun:
         if self.task is not None and not self.task.done() and not self.task.cancelling():
             self.task.cancel()
 
-    def status(self) -> dict:
-        return {"sweep_id": self.sweep_id, "state": self.state, "cells_total": len(self.plan.cells),
-                "cells_done": len(self.values), "elapsed_s": round(time.monotonic() - self.started, 3)}
+    def status(self) -> SweepStatus:
+        return SweepStatus(sweep_id=self.sweep_id, state=self.state, cells_total=len(self.plan.cells),
+                           cells_done=len(self.values), elapsed_s=round(time.monotonic() - self.started, 3))
 
 
 class _Baselines:
@@ -132,7 +143,7 @@ class SweepService:
         return self.runs.get(sweep_id)
 
     def status(self) -> dict:
-        active = [r.status() for r in self.runs.values() if not r.finished]
+        active = [r.status().model_dump() for r in self.runs.values() if not r.finished]
         return {"active": len(active), "sweeps": active, "recent": len(self.runs) - len(active)}
 
     def _remember(self, run: SweepRun) -> None:
@@ -209,19 +220,12 @@ class SweepService:
             base.notes.append(f"recovered is undefined: the clean and corrupt baselines are equal ({plan.basis} "
                               f"{base.clean:.6g} vs {base.corrupt:.6g}); values are raw {plan.basis}")
 
-        a = plan.alignment
-        run.emit({
-            "type": "start", "sweep_id": plan.sweep_id, "layers": plan.layers, "positions": plan.positions,
-            "hook": plan.hooks[0], "hooks": plan.hooks, "metric": base.metric, "metric_requested": plan.metric,
-            "recovered_basis": req.recovered_basis if plan.metric == "recovered" else None,
-            "auto_captured": base.auto_captured, "captured_source_run": src.run_id if base.auto_captured else None,
-            "cells_total": len(plan.cells), "clean": base.clean, "corrupt": base.corrupt,
-            "alignment": a.to_json() if a else None, **self._token_fields(plan),
-        })
+        run.setup = self._setup(plan, base)
+        run.emit(StartEvent(**dict(run.setup)))
         for note in base.notes:
-            run.emit({"type": "warning", "message": note})
+            run.emit(WarningEvent(message=note))
         for s in plan.skipped_positions:
-            run.emit({"type": "skip", **s})
+            run.emit(SkipEvent(**s))
         await self._emit_checksum(run)
 
     async def _score(self, ids: list[int], plan: SweepPlan, noise, patch=None) -> dict[int, float]:
@@ -299,20 +303,16 @@ class SweepService:
                         else:
                             repeats[cell.key] = value
                         if in_batch:
-                            run.emit({"type": "noise_floor", **self._noise_floor(in_batch, base, _pairs(raw, repeats)),
-                                      "final": len(in_batch) + len(repeats) == k_nf + len(repeat_at)})
+                            nf = self._noise_floor(in_batch, base, _pairs(raw, repeats))
+                            run.emit(NoiseFloorEvent(**dict(nf), final=len(in_batch) + len(repeats) == k_nf + len(repeat_at)))
                     continue
                 if value is not None:
                     raw[cell.key] = value
                 shown = None if value is None else self._metric(value, base)
                 run.values[cell.key] = shown
-                event = {"type": "cell", "hook": cell.hook, "layer": cell.layer, "position": cell.position, "value": shown}
                 if value is None:
                     run.errors[cell.key] = error
-                    event["error"] = error
-                else:
-                    event["raw"] = value
-                run.emit(event)
+                run.emit(CellEvent(hook=cell.hook, layer=cell.layer, position=cell.position, value=shown, error=error, raw=value))
                 now = time.monotonic()
                 if now - last_progress >= PROGRESS_EVERY_S or len(run.values) == n:
                     last_progress = now
@@ -321,11 +321,11 @@ class SweepService:
             state = "cancelled"
         except EngineDeadError as exc:
             state = "failed"
-            run.emit({"type": "error", "error": f"engine: {exc}"})
+            run.emit(ErrorEvent(error=f"engine: {exc}"))
         except Exception as exc:
             state = "failed"
             logger.exception("sweep %s failed", plan.sweep_id)
-            run.emit({"type": "error", "error": f"{type(exc).__name__}: {exc}"})
+            run.emit(ErrorEvent(error=f"{type(exc).__name__}: {exc}"))
         finally:
             if waiter is not None:
                 waiter.cancel()
@@ -338,7 +338,7 @@ class SweepService:
             if state == "done":
                 await self._emit_checksum(run)
             run.summary = self._summary(run, base, in_batch, _pairs(raw, repeats), cancelled=state != "done")
-            run.emit({"type": "summary", **run.summary})
+            run.emit(SummaryEvent(**dict(run.summary)))
             run.close(state)
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -360,90 +360,89 @@ class SweepService:
     async def _emit_checksum(self, run: SweepRun) -> None:
         try:
             status = await anyio.to_thread.run_sync(self.engine.intervention_status)
-            run.emit({"type": "checksum", **status["determinism"],
-                      "workers": [{k: w.get(k) for k in ("tp_rank", "pp_rank", "action_checksum", "action_count")} for w in status["workers"]]})
+            run.checksum = SweepChecksum(**status["determinism"], workers=[
+                WorkerChecksum(**{k: w.get(k) for k in ("tp_rank", "pp_rank", "action_checksum", "action_count")})
+                for w in status["workers"]])
         except Exception as exc:
-            run.emit({"type": "checksum", "consistent": None, "error": str(exc)})
+            run.checksum = SweepChecksum(consistent=None, error=str(exc))
+        run.emit(ChecksumEvent(**dict(run.checksum)))
 
     def _metric(self, basis_value: float, base: _Baselines) -> float:
         if base.metric == "recovered":
             return (basis_value - base.corrupt) / (base.clean - base.corrupt)
         return basis_value
 
-    def _noise_floor(self, in_batch: list[float], base: _Baselines, repeated: list[dict] | None = None) -> dict:
+    def _noise_floor(self, in_batch: list[float], base: _Baselines, repeated: list[CellRepeat] | None = None) -> NoiseFloorDetail:
         """Largest deviation (metric units) of an in-batch baseline from the solo baseline, or of
         a repeated cell from its first run."""
         repeated = repeated or []
-        dev = max([abs(v - base.corrupt_solo0) for v in in_batch] + [abs(r["repeat"] - r["first"]) for r in repeated])
+        dev = max([abs(v - base.corrupt_solo0) for v in in_batch] + [abs(r.repeat - r.first) for r in repeated])
         if base.metric == "recovered":
             dev /= abs(base.clean - base.corrupt)
-        return {"value": dev, "solo": base.corrupt_solo0, "in_batch": list(in_batch), "cell_repeats": repeated,
-                "units": base.metric}
+        return NoiseFloorDetail(value=dev, solo=base.corrupt_solo0, in_batch=list(in_batch), cell_repeats=repeated,
+                                units=base.metric)
 
-    def _progress(self, run: SweepRun) -> dict:
+    def _progress(self, run: SweepRun) -> ProgressEvent:
         elapsed = time.monotonic() - run.started
         done = len(run.values)
-        return {"type": "progress", "done": done, "total": len(run.plan.cells), "voided": len(run.errors),
-                "elapsed_s": round(elapsed, 3), "cells_per_s": round(done / elapsed, 3) if elapsed > 0 else None}
+        return ProgressEvent(done=done, total=len(run.plan.cells), voided=len(run.errors), elapsed_s=round(elapsed, 3),
+                             cells_per_s=round(done / elapsed, 3) if elapsed > 0 else None)
 
-    def _token_fields(self, plan: SweepPlan) -> dict:
-        eng, req = self.engine, plan.request
-        return {
-            "model": eng.info.model, "prompt": req.prompt, "clean_prompt": req.clean_prompt if req.noise is None else req.prompt,
-            "prompt_token_ids": plan.corrupt_ids, "token_strings": eng.token_strings(plan.corrupt_ids),
-            "clean_token_ids": plan.clean_ids,
-            "clean_token_strings": eng.token_strings(plan.clean_ids) if plan.clean_ids is not None else None,
-            "answer_token_id": plan.answer_id, "answer_token": eng.token_strings([plan.answer_id])[0],
-            "foil_token_id": plan.foil_id, "foil_token": eng.token_strings([plan.foil_id])[0] if plan.foil_id is not None else None,
-            "alpha": req.alpha, "source": plan.source.to_json(), "subject_positions": plan.subject_positions,
-            "noise": ({"positions": plan.noise_positions, "scale": req.noise.scale, "seed": req.noise.seed,
-                       "samples": req.noise.samples} if req.noise else None),
-        }
+    def _setup(self, plan: SweepPlan, base: _Baselines) -> SweepSetup:
+        """What the sweep is, once its baselines are known: the `start` event's fields."""
+        eng, req, src, a = self.engine, plan.request, plan.source, plan.alignment
+        return SweepSetup(
+            sweep_id=plan.sweep_id, layers=plan.layers, positions=plan.positions, hook=plan.hooks[0], hooks=plan.hooks,
+            metric=base.metric, metric_requested=plan.metric,
+            recovered_basis=req.recovered_basis if plan.metric == "recovered" else None,
+            auto_captured=base.auto_captured, captured_source_run=src.run_id if base.auto_captured else None,
+            cells_total=len(plan.cells), clean=base.clean, corrupt=base.corrupt,
+            alignment=SweepAlignment(**a.to_json()) if a else None,
+            model=eng.info.model, prompt=req.prompt, clean_prompt=req.clean_prompt if req.noise is None else req.prompt,
+            prompt_token_ids=plan.corrupt_ids, token_strings=eng.token_strings(plan.corrupt_ids),
+            clean_token_ids=plan.clean_ids,
+            clean_token_strings=eng.token_strings(plan.clean_ids) if plan.clean_ids is not None else None,
+            answer_token_id=plan.answer_id, answer_token=eng.token_strings([plan.answer_id])[0],
+            foil_token_id=plan.foil_id, foil_token=eng.token_strings([plan.foil_id])[0] if plan.foil_id is not None else None,
+            alpha=req.alpha, source=SweepSource(**src.to_json()), subject_positions=plan.subject_positions,
+            noise=(SweepNoise(positions=plan.noise_positions, scale=req.noise.scale, seed=req.noise.seed,
+                              samples=req.noise.samples) if req.noise else None),
+        )
 
-    def _summary(self, run: SweepRun, base: _Baselines, in_batch: list[float], repeated: list[dict], cancelled: bool) -> dict:
+    def _summary(self, run: SweepRun, base: _Baselines, in_batch: list[float], repeated: list[CellRepeat],
+                 cancelled: bool) -> SweepSummary:
         plan = run.plan
         nf = self._noise_floor(in_batch, base, repeated) if in_batch else None
-        floor = nf["value"] if nf else None
+        floor = nf.value if nf else None
         threshold = max(floor, MIN_EFFECT) if floor is not None else None
         corrupt_metric = 0.0 if base.metric == "recovered" else base.corrupt
         hook_grids, within = [], []
         for hook in plan.hooks:
             grid = [[run.values.get((hook, l, p)) for p in plan.positions] for l in plan.layers]
-            hook_grids.append({"hook": hook, "grid": grid, "argmax": argmax_cell(grid, plan.layers, plan.positions)})
+            hook_grids.append(HookGrid(hook=hook, grid=grid, argmax=argmax_cell(grid, plan.layers, plan.positions)))
             if threshold is not None:
-                within += [{"hook": hook, "layer": l, "position": p} for l in plan.layers for p in plan.positions
+                within += [CellRef(hook=hook, layer=l, position=p) for l in plan.layers for p in plan.positions
                            if run.values.get((hook, l, p)) is not None and abs(run.values[(hook, l, p)] - corrupt_metric) <= threshold]
-        voided = [{"hook": h, "layer": l, "position": p, "reason": e} for (h, l, p), e in run.errors.items()]
-        a = plan.alignment
+        voided = [VoidedCell(hook=h, layer=l, position=p, reason=e) for (h, l, p), e in run.errors.items()]
         notes = list(base.notes)
         if cancelled:
             notes.append(f"cancelled after {len(run.values)} of {len(plan.cells)} cells")
-        eng = self.engine
-        last_checksum = next((ev for _, ev in reversed(run.log) if ev.get("type") == "checksum"), None)
-        return {
-            "sweep_id": plan.sweep_id, "layers": plan.layers, "positions": plan.positions,
-            "hook": plan.hooks[0], "hooks": plan.hooks, "metric": base.metric, "metric_requested": plan.metric,
-            "recovered_basis": plan.request.recovered_basis if plan.metric == "recovered" else None,
-            "grid": hook_grids[0]["grid"], "argmax": hook_grids[0]["argmax"],
-            "hook_grids": hook_grids if len(hook_grids) > 1 else None,
-            "clean": base.clean, "corrupt": base.corrupt,
-            "skipped": list(plan.skipped_positions) + voided,
-            "alignment": a.to_json() if a else None,
-            "noise_floor": floor, "noise_floor_detail": nf, "within_noise": within, "within_noise_threshold": threshold,
-            "auto_captured": base.auto_captured,
-            "captured_source_run": plan.source.run_id if base.auto_captured else None,
-            "source_kept": base.auto_captured and plan.request.keep_source and not cancelled,
-            **self._token_fields(plan),
-            "checksum": {k: v for k, v in last_checksum.items() if k != "type"} if last_checksum else None,
-            "cells_total": len(plan.cells), "cells_done": len(run.values), "cells_voided": len(run.errors),
-            "elapsed_s": round(time.monotonic() - run.started, 3), "cancelled": cancelled,
-            "notes": notes, "versions": dict(eng.info.versions),
-        }
+        return SweepSummary(
+            **dict(run.setup),
+            grid=hook_grids[0].grid, argmax=hook_grids[0].argmax, hook_grids=hook_grids if len(hook_grids) > 1 else None,
+            skipped=list(plan.skipped_positions) + voided,
+            noise_floor=floor, noise_floor_detail=nf, within_noise=within, within_noise_threshold=threshold,
+            source_kept=base.auto_captured and plan.request.keep_source and not cancelled,
+            checksum=run.checksum,
+            cells_done=len(run.values), cells_voided=len(run.errors),
+            elapsed_s=round(time.monotonic() - run.started, 3), cancelled=cancelled,
+            notes=notes, versions=dict(self.engine.info.versions),
+        )
 
 
-def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int, int], float]) -> list[dict]:
+def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int, int], float]) -> list[CellRepeat]:
     """Repeated cells whose both runs have a value (basis units)."""
-    return [{"hook": k[0], "layer": k[1], "position": k[2], "first": raw[k], "repeat": v}
+    return [CellRepeat(hook=k[0], layer=k[1], position=k[2], first=raw[k], repeat=v)
             for k, v in sorted(repeats.items()) if k in raw]
 
 

@@ -5,6 +5,9 @@
 * `GET /v1/patch_sweep/{sweep_id}/events` — replay a recent/running sweep's SSE stream after
   the `Last-Event-ID` header (resume);
 * `DELETE /v1/patch_sweep/{sweep_id}` — cancel a running sweep.
+
+Bodies are the models of `app/sweep/schema.py`: `SweepSummary`, `SweepStatus`, and one
+`SweepEvent` per SSE `data:` line (documented as the `text/event-stream` schema).
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ from app.api.errors import error_response
 from app.api.schemas.generation import ErrorResponse
 from app.api.sse import DONE, sse_event
 from app.sweep.plan import PlanError
-from app.sweep.schema import PatchSweepRequest
+from app.sweep.schema import PatchSweepRequest, SweepStatus, SweepSummary, event_json_schema
 from app.sweep.service import SweepRun, SweepService
 
 router = APIRouter(tags=["patching"])
 
 _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 503, 507)}
-_SSE = {"content": {"text/event-stream": {}}, "description": "The summary (JSON), or server-sent events when stream=true"}
+#: the stream: `id: <n>` + `data: <one SweepEvent>` per event, then `data: [DONE]`
+_EVENT_STREAM = {"text/event-stream": {"schema": event_json_schema()}}
+_SUMMARY_OR_SSE = {"content": _EVENT_STREAM, "description": "The summary (JSON), or server-sent events when stream=true"}
+_SSE = {"content": _EVENT_STREAM, "description": "Server-sent events: `id: <n>` and `data: <event>` each, then `data: [DONE]`"}
 
 
 def sweep_service(request: Request) -> SweepService:
@@ -44,7 +50,8 @@ async def _sse(run: SweepRun, after: int, cancel_on_disconnect: bool) -> AsyncIt
             run.cancel()
 
 
-@router.post("/v1/patch_sweep", responses={**_ERRORS, 200: _SSE}, dependencies=[Depends(require_api_key)])
+@router.post("/v1/patch_sweep", response_model=SweepSummary, responses={**_ERRORS, 200: _SUMMARY_OR_SSE},
+             dependencies=[Depends(require_api_key)])
 async def patch_sweep(req: PatchSweepRequest, request: Request):
     """Activation-patching sweep over layers x positions (x hooks): one request per cell,
     patched from the clean run (auto-captured from `clean_prompt`, or a stored `source_run`),
@@ -63,19 +70,19 @@ async def patch_sweep(req: PatchSweepRequest, request: Request):
         await run.task
     finally:
         run.cancel()
-    return JSONResponse(run.summary)
+    return JSONResponse(run.summary.model_dump(mode="json"))
 
 
-@router.get("/v1/patch_sweep/{sweep_id}", responses=_ERRORS)
+@router.get("/v1/patch_sweep/{sweep_id}", response_model=SweepSummary | SweepStatus, responses=_ERRORS)
 async def sweep_summary(sweep_id: str, request: Request):
-    """The summary of a finished sweep, or `{"sweep_id", "state", "cells_done", ...}` while it runs."""
+    """The summary of a finished sweep (`SweepSummary`), or its state while it runs (`SweepStatus`)."""
     run = sweep_service(request).get(sweep_id)
     if run is None:
         return error_response(404, f"sweep_id: no recent sweep {sweep_id!r}", "sweep_id")
-    return JSONResponse(run.summary if run.summary is not None else run.status())
+    return JSONResponse((run.summary if run.summary is not None else run.status()).model_dump(mode="json"))
 
 
-@router.get("/v1/patch_sweep/{sweep_id}/events", responses={**_ERRORS, 200: _SSE})
+@router.get("/v1/patch_sweep/{sweep_id}/events", response_class=StreamingResponse, responses={**_ERRORS, 200: _SSE})
 async def sweep_events(sweep_id: str, request: Request, last_event_id: str | None = Header(None)):
     """Replay a recent or running sweep's events after `Last-Event-ID` (all of them when
     absent), then follow it live. Disconnecting here does not cancel the sweep."""

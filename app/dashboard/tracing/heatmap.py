@@ -25,7 +25,7 @@ from bokeh.models import BoxSelectTool, ColorBar, ColumnDataSource, FactorRange,
 from bokeh.palettes import RdBu11, Viridis256, interp_palette
 from bokeh.plotting import figure
 
-from app.dashboard.tracing.state import CellStatus, status_grid
+from app.sweep.fold import CellStatus, status_grid
 
 DIVERGING = tuple(interp_palette(RdBu11, 255))  # blue (negative) - white (0) - red (positive)
 SEQUENTIAL = tuple(Viridis256)

@@ -11,8 +11,8 @@ How it streams (the pattern verified in the project's front-end research notes: 
 must not be changed from an asyncio task): `start` launches an asyncio task that reads the SSE events of
 `POST /v1/patch_sweep` (`stream: true`, `keep_source: true`) through `AsyncCausalboardClient`
 and only appends them to a buffer; a 100 ms periodic callback drains the buffer into the pure
-`SweepState`, then sends each heatmap ONE incremental update. The view talks to the API over
-HTTP only.
+`SweepState` (the sweep's event fold, `app.sweep.fold.SweepFold`), then sends each heatmap ONE
+incremental update. The view talks to the API over HTTP only.
 
 Contracts:
 
@@ -46,7 +46,9 @@ from app.dashboard.tracing.heatmap import METRIC_FORMULAS, SweepHeatmap, legend_
 from app.dashboard.tracing.form import CORRUPT_PROMPT, METRICS, NOISE_SPAN, SweepForm, default_form, zoom_request
 from engine_ext.errors import SpecError
 from engine_ext.sites import HOOKS
-from app.dashboard.tracing.state import CellStatus, SweepState
+from app.dashboard.tracing.state import SweepState
+from app.sweep.fold import CellStatus
+from app.sweep.schema import SummaryEvent, SweepEventError
 
 logger = logging.getLogger("causalboard.dashboard")
 
@@ -409,9 +411,13 @@ class TracingView(pn.viewable.Viewer):
                 self._show_error(ev["message"])
                 self._finish_run()
             else:
-                self.state.apply(ev)
-                if kind == "summary":
-                    self._adopt_summary(ev)
+                try:
+                    folded = self.state.apply(ev)
+                except SweepEventError as exc:
+                    self._show_error(f"malformed sweep event: {exc}")
+                    continue
+                if isinstance(folded, SummaryEvent):
+                    self._adopt_summary(folded)
         rebuilt = self.state.axes_changed
         if rebuilt:
             self.state.axes_changed = False
@@ -432,11 +438,11 @@ class TracingView(pn.viewable.Viewer):
         self._update_controls()
         self._done.set()
 
-    def _adopt_summary(self, summary: dict) -> None:
-        kept = summary.get("source_kept")
+    def _adopt_summary(self, summary: SummaryEvent) -> None:
+        kept = summary.source_kept
         if kept is None:  # servers without the field: kept when auto-captured and not cancelled
-            kept = bool(summary.get("auto_captured")) and not summary.get("cancelled")
-        new = summary.get("captured_source_run") if kept else None
+            kept = summary.auto_captured and not summary.cancelled
+        new = summary.captured_source_run if kept else None
         if new and self._kept_run and new != self._kept_run:
             self._drop_later(self._kept_run)
         if new:
@@ -560,15 +566,14 @@ class TracingView(pn.viewable.Viewer):
         a = s.alignment
         if not a:
             return _span("alignment", "identity (stored run)")
-        unaligned = list(a.get("unaligned_positions") or [])
+        unaligned = list(a.unaligned_positions)
         toks = r.meta.get("token_strings") or []
         if unaligned:
             shown = ", ".join(f"{p}:{html.escape(visible_token(toks[p]))}" if p < len(toks) else str(p) for p in unaligned)
             un = f"unaligned (skipped) positions: {shown}"
         else:
             un = "no unaligned positions"
-        text = (f"clean {a.get('n_clean')} / corrupt {a.get('n_corrupt')} tokens · prefix {a.get('prefix_len')} · "
-                f"suffix {a.get('suffix_len')} · {un}")
+        text = f"clean {a.n_clean} / corrupt {a.n_corrupt} tokens · prefix {a.prefix_len} · suffix {a.suffix_len} · {un}"
         return _span("alignment", text)
 
     def _baselines_html(self) -> str:
