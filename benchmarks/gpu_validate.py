@@ -97,17 +97,19 @@ def run_checks(args) -> dict:
             w = rr.captures[(l, h)][p].float().cpu().numpy()
             cos = float(np.dot(v, w) / (np.linalg.norm(v) * np.linalg.norm(w) + 1e-12))
             worst = min(worst, cos)
-        return {"ok": worst >= CAPTURE_COS_MIN, "min_cosine": worst, "n": len(gen.captures), "tolerance": f"cos>={CAPTURE_COS_MIN}"}
+        want = len(sites) * len(ids)
+        return {"ok": worst >= CAPTURE_COS_MIN and len(gen.captures) == want, "min_cosine": worst, "n": len(gen.captures),
+                "expected": want, "tolerance": f"cos>={CAPTURE_COS_MIN}"}
 
     def self_patch():
-        params = GenerationParams(max_tokens=6)
+        params = GenerationParams(max_tokens=6, logprobs=0)
         clean = eng.generate(ids, params)
         out = {}
         for l in layers:
             hooks = ("pre_attn", "post_attn", "post_block")
             eng.capture(ids, [f"L{l}.{h}" for h in hooks], "all_prompt", keep_as=f"self{l}", return_values=False)
             g = eng.generate(ids, params, Interventions(patch=tuple(Patch.make(f"L{l}.{h}", "all_prompt", {"run": f"self{l}"}) for h in hooks)))
-            out[l] = g.token_ids == clean.token_ids and g.logprobs == clean.logprobs
+            out[l] = not g.intervention.voided and g.token_ids == clean.token_ids and g.logprobs == clean.logprobs
             eng.drop_source(f"self{l}")
         return {"ok": all(out.values()), "bit_exact_per_layer": out}
 
@@ -116,7 +118,7 @@ def run_checks(args) -> dict:
         v *= 4.0 * float(np.linalg.norm(eng.capture(ids, [f"L{L // 2}.post_block"], "last_prompt").captures[(L // 2, "post_block", len(ids) - 1)])) / np.linalg.norm(v)
         spec = Interventions(steer=(Steer.make([f"L{L // 2}.post_block"], v, scale=0.25),))
         g = eng.generate(ids, GenerationParams(max_tokens=1, logprobs=1), spec)
-        base = eng.generate(ids, GenerationParams(max_tokens=1))
+        base = eng.generate(ids, GenerationParams(max_tokens=1, logprobs=0))
         r = ref.generate(ids, 1, edits=[RefEdit.steer((L // 2, "post_block"), v, scale=0.25, positions=range(len(ids)), gen=True)])
         diff = abs(g.logprobs[0] - float(r.step_logprobs[0][g.token_ids[0]]))
         return {"ok": diff <= LOGPROB_TOL_BF16 and g.logprobs != base.logprobs, "same_token_as_oracle": g.token_ids == r.token_ids,
@@ -132,6 +134,11 @@ def run_checks(args) -> dict:
         eng.drop_source("cc")
         return {"ok": got == want, "patched": got, "clean": want}
 
+    def logprobs_on_request():
+        plain = eng.generate(ids, GenerationParams(max_tokens=3))
+        with_lp = eng.generate(ids, GenerationParams(max_tokens=3, logprobs=0))
+        return {"ok": plain.logprobs == [] and len(with_lp.logprobs) == 3 and plain.token_ids == with_lp.token_ids}
+
     def neighbours():
         prompts = [ids] + [o if isinstance(o, list) else eng.tokenize(o) for o in P["others"]]
         eng.capture(prompts[2], [f"L{L // 2}.post_attn"], "all_prompt", keep_as="nb", return_values=False)
@@ -139,33 +146,37 @@ def run_checks(args) -> dict:
         specs = [None, Interventions(steer=(Steer.make(["L1.pre_attn"], v),)),
                  Interventions(patch=(Patch.make(f"L{L // 2}.post_attn", "all_prompt", {"run": "nb"}),)),
                  Interventions(capture=Capture.make([f"L{L - 1}.post_block"], "all"))]
-        params = GenerationParams(max_tokens=8)
+        params = GenerationParams(max_tokens=8, logprobs=0)
         eng.reset_prefix_cache()
         a = eng.generate(prompts, params, specs)
         eng.reset_prefix_cache()
         b = eng.generate(prompts, params, [None] * 4)
         eng.drop_source("nb")
-        return {"ok": a[0].token_ids == b[0].token_ids and a[0].logprobs == b[0].logprobs,
+        applied = a[1].logprobs != b[1].logprobs and all(not g.intervention.voided for g in a[1:]) and len(a[3].captures) > 0
+        return {"ok": a[0].token_ids == b[0].token_ids and a[0].logprobs == b[0].logprobs and applied,
+                "neighbours_intervened": applied,
                 "max_logprob_diff": max(abs(x - y) for x, y in zip(a[0].logprobs, b[0].logprobs))}
 
     def prefix_cache():
-        params = GenerationParams(max_tokens=4)
+        params = GenerationParams(max_tokens=4, logprobs=0)
         eng.reset_prefix_cache()
         fresh = eng.generate(ids, params)
         eng.reset_prefix_cache()
         v = np.ones(eng.info.hidden_size, np.float32) * 3
         steered = eng.generate(ids, params, Interventions(steer=(Steer.make(["L0.pre_attn"], v, positions="all_prompt"),)))
         rerun = eng.generate(ids, params)
-        return {"ok": rerun.logprobs == fresh.logprobs and rerun.token_ids == fresh.token_ids, "steered_differs": steered.logprobs != fresh.logprobs}
+        return {"ok": rerun.logprobs == fresh.logprobs and rerun.token_ids == fresh.token_ids and steered.logprobs != fresh.logprobs,
+                "steered_differs": steered.logprobs != fresh.logprobs}
 
     def voided():
-        g = eng.generate(ids, GenerationParams(max_tokens=1), Interventions(patch=(Patch.make("L1.pre_attn", "all_prompt", {"run": "nope"}),)))
+        g = eng.generate(ids, GenerationParams(max_tokens=1, logprobs=0), Interventions(patch=(Patch.make("L1.pre_attn", "all_prompt", {"run": "nope"}),)))
         st = eng.intervention_status()
         return {"ok": g.intervention.voided and st["determinism"]["consistent"], "determinism": st["determinism"]}
 
     for name, fn in [("captures_vs_oracle", captures), ("self_patch_bit_exact", self_patch), ("steering_vs_oracle", steering),
                      ("corrupt_to_clean_bit_exact", corrupt_to_clean), ("neighbours_bit_exact", neighbours),
-                     ("prefix_cache_isolation", prefix_cache), ("missing_source_voided", voided)]:
+                     ("prefix_cache_isolation", prefix_cache), ("missing_source_voided", voided),
+                     ("logprobs_only_on_request", logprobs_on_request)]:
         check(name, fn)
     res["all_ok"] = all(c.get("ok") for c in checks.values())
     ref = None  # free the oracle's GPU memory (the checks above are done with it)

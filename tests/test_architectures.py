@@ -54,6 +54,9 @@ def test_qwen_sites_match_the_reference(tmp_path, arch, engine):
         ids = eng.tokenize(prompt)
         gen = eng.capture(prompt, ["L0.pre_attn", "L1.post_attn", "L1.post_block"], "all_prompt")
         run = ref.run(ids, capture=[(0, "pre_attn"), (1, "post_attn"), (1, "post_block")])
+        # every site x position arrives (the engine core runs in its own process here)
+        assert set(gen.captures) == {(l, h, p) for l, h in [(0, "pre_attn"), (1, "post_attn"), (1, "post_block")]
+                                     for p in range(len(ids))}
         for (layer, hook, pos), v in gen.captures.items():
             assert np.allclose(v, run.captures[(layer, hook)][pos].numpy(), atol=2e-4, rtol=2e-4)
         v = np.random.default_rng(0).standard_normal(128).astype(np.float32) * 4
@@ -65,6 +68,7 @@ def test_qwen_sites_match_the_reference(tmp_path, arch, engine):
         eng.capture(prompt, ["L1.pre_attn"], "all_prompt", keep_as="q", return_values=False)
         plain = eng.generate(prompt, GenerationParams(max_tokens=3, logprobs=0))
         patched = eng.generate(prompt, GenerationParams(max_tokens=3, logprobs=0), Interventions(patch=(Patch.make("L1.pre_attn", "all_prompt", {"run": "q"}),)))
+        assert patched.intervention.status == "ok", patched.intervention.errors
         assert patched.logprobs == plain.logprobs  # bit-exact
 
 

@@ -162,7 +162,10 @@ class WorkerState:
             logger.error("global steering not applied to request %s: %s", req_id, exc)
 
     def finish(self, req_id: str) -> None:
-        """The request left the engine (finished or aborted): drop its state, plan and leases."""
+        """The request left the engine (finished or aborted): drop its state, plan and leases.
+        Its results wait for `collect` (captures still in flight are filed first)."""
+        if req_id in self.requests:
+            self.planner.file_captures()
         self.prompt_lens.pop(req_id, None)
         plan = self.plans.pop(req_id, None)
         if plan is not None:
@@ -175,7 +178,6 @@ class WorkerState:
         if self.by_key.get(st.program.key) is st:
             del self.by_key[st.program.key]
         if not st.collected:
-            self.planner.file_captures()
             self.results[st.program.key] = self._result(st)
             if len(self.results) > MAX_UNCOLLECTED:
                 for k in list(self.results)[: len(self.results) - MAX_UNCOLLECTED]:
