@@ -86,6 +86,8 @@ class GenerationDelta:
     #: per generated token: logprobs of the requested score token ids
     scores: list[dict[int, float]] = field(default_factory=list)
     intervention: InterventionResult | None = None
+    #: prompt tokens whose KV came from the prefix cache (reported with the last delta)
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -104,6 +106,8 @@ class Generation:
     finish_reason: str | None = None
     scores: list[dict[int, float]] = field(default_factory=list)
     intervention: InterventionResult | None = None
+    #: prompt tokens whose KV came from the prefix cache instead of being computed
+    num_cached_tokens: int = 0
 
     def extend(self, delta: GenerationDelta) -> None:
         self.token_ids.extend(delta.token_ids)
@@ -115,6 +119,8 @@ class Generation:
             self.finish_reason = delta.finish_reason
         if delta.intervention is not None:
             self.intervention = delta.intervention
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
 
     @property
     def captures(self) -> dict:

@@ -25,6 +25,8 @@ from engine_ext.sites import Site, Span, site_from_index
 
 PROGRAM_VERSION = 1
 EXTRA_ARGS_KEY = "causalboard"
+#: `extra_args` key of `[first modified position, salt]` (see `program_to_extra_args`)
+KV_SALT_KEY = "causalboard_kv"
 
 
 @dataclass(frozen=True)
@@ -206,8 +208,33 @@ def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *,
     return {"v": PROGRAM_VERSION, "key": key, "n_prompt": prompt.n, "max_pos": max_pos, "hash": spec_hash(body), **body}
 
 
-def program_to_extra_args(program: dict) -> dict:
-    return {EXTRA_ARGS_KEY: canonical_json(program)}
+def first_modified_position(program: dict) -> int | None:
+    """The first position whose residual stream (and so whose KV) the program changes, or None
+    when it changes nothing (captures only). Everything before it is computed exactly as for the
+    unmodified prompt, so its KV may be shared through the prefix cache."""
+    n = int(program["n_prompt"])
+    out: list[int] = []
+    for s in program["steer"]:
+        out += [p for p in s["pos"] if (p < n and s["phase"] != "decode") or (p >= n and s["phase"] != "prefill")]
+        if s["gen"] and s["phase"] != "prefill":
+            out.append(n)
+    for p in program["patch"]:
+        out += p["dst"]
+    if program.get("noise"):
+        out += program["noise"]["pos"]
+    return min(out) if out else None
+
+
+def program_to_extra_args(program: dict, kv_salt: str | None = None) -> dict:
+    """`SamplingParams.extra_args` for a compiled program. With `kv_salt`, every KV block that
+    holds a position the program modifies is hashed with that salt (`KV_SALT_KEY`: the seam adds
+    it to vLLM's block hashes), so it is never shared with a request that computes it
+    differently, while the blocks before `first_modified_position` stay shareable."""
+    extra: dict[str, Any] = {EXTRA_ARGS_KEY: canonical_json(program)}
+    first = first_modified_position(program)
+    if kv_salt is not None and first is not None:
+        extra[KV_SALT_KEY] = [first, kv_salt]
+    return extra
 
 
 # ---- worker side ------------------------------------------------------------------------------

@@ -82,7 +82,8 @@ class PatchSweepRequest(StrictModel):
     noise: NoiseSpec | None = Field(None, description="Noise corruption of the prompt instead of a corrupt prompt.")
     subject: SpanSpec | None = Field(None, description="Subject span of the corrupt prompt, marked in figures.")
     noise_floor_samples: int = Field(6, ge=1, le=32, description="Unpatched baseline re-runs spread through the cell batch.")
-    max_concurrency: int = Field(64, ge=1, le=1024, description="Cells in flight at once.")
+    max_concurrency: int | None = Field(None, ge=1, le=4096, description="Cells in flight at once (default: as many as "
+                                                                      "the engine batches, its max_num_seqs).")
 
     def hook_list(self) -> list[str]:
         return list(dict.fromkeys(self.hooks)) if self.hooks else [self.hook]

@@ -239,7 +239,7 @@ class SweepService:
     # ---- phase 2: fan-out -----------------------------------------------------------------------
     async def _fan_out(self, run: SweepRun, base: _Baselines) -> None:
         plan = run.plan
-        sem = asyncio.Semaphore(plan.request.max_concurrency)
+        sem = asyncio.Semaphore(plan.request.max_concurrency or max(1, self.engine.info.max_num_seqs))
         results: asyncio.Queue = asyncio.Queue()
         n = len(plan.cells)
         k_nf = plan.request.noise_floor_samples

@@ -61,6 +61,8 @@ class EngineInfo:
     runner: str = ""
     embedding_std: float = 1.0
     batch_invariant: bool = False
+    #: requests vLLM batches at once (the engine's scheduler limit)
+    max_num_seqs: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

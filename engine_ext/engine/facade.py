@@ -170,7 +170,8 @@ class Engine:
             own = metadata.version("causalboard")
         except metadata.PackageNotFoundError:
             own = "source"
-        max_len = self._loop.call(lambda e: e.model_config.max_model_len).result()
+        max_len, max_seqs = self._loop.call(
+            lambda e: (e.model_config.max_model_len, e.vllm_config.scheduler_config.max_num_seqs)).result()
         name = BUNDLED_MODEL_NAME if self.model_path == BUNDLED_MODEL_PATH else self.model_path.name
         return EngineInfo(
             model=name,
@@ -180,6 +181,7 @@ class Engine:
             hidden_size=int(hf_config.hidden_size),
             vocab_size=int(hf_config.vocab_size),
             max_model_len=int(max_len),
+            max_num_seqs=int(max_seqs),
             device=self.device,
             dtype=self.dtype,
             enforce_eager=self.enforce_eager,
@@ -286,10 +288,9 @@ class Engine:
                 program = compile_program(spec, self._prompt_info(text, ids, params.max_tokens), self._dims,
                                           key=prep.key, named_vector_dims=self._named.get, limits=self.config.limits)
                 prep.program_hash = program["hash"]
-                extra_args = program_to_extra_args(program)
-                if spec.modifies_stream():
-                    # never share KV blocks with requests computed differently
-                    prep.cache_salt = f"cb-{program['hash']}-{prep.key}"
+                # KV blocks at or after the first modified position get a salt of their own: never
+                # shared with requests computed differently; the blocks before it stay shared
+                extra_args = program_to_extra_args(program, kv_salt=f"cb-{program['hash']}-{prep.key}")
                 if spec.capture is not None and program["capture"]["pos"][:-1]:
                     skip_cache_read = True  # cached prompt positions would not be recomputed/captured
         if fresh and prep.cache_salt is None:

@@ -74,6 +74,7 @@ def delta_from_output(output: Any, worker_result: dict | None, top_k: int, score
         finish_reason=comp.finish_reason,
         scores=scores,
         intervention=_intervention_result(worker_result, program_hash) if worker_result is not None else None,
+        num_cached_tokens=int(output.num_cached_tokens or 0) if output.finished else None,
     )
 
 

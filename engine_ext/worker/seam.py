@@ -31,6 +31,14 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   (eager, compiled or graph replay).
 * V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
   `query_start_loc_np`, `num_computed_tokens_np`).
+* `vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys` (and `block_pool`'s import of it,
+  used for KV-cache events), in the scheduler's process: a request whose
+  `extra_args["causalboard_kv"] = [first, salt]` gets `salt` added to the hash of every KV block
+  ending after position `first` (`program.program_to_extra_args`). Blocks before the first
+  modified position stay shareable through the prefix cache; blocks an intervention changes are
+  never reused by a request that computes them differently. Inert for other requests. Installed
+  also by `register_plugin`, because with several workers the scheduler runs in a process that
+  never imports the worker extension.
 
 Registered: custom ops `vllm::causalboard_site` and `vllm::causalboard_embed_site`
 (`vllm.utils.torch_utils.direct_register_custom_op`).
@@ -133,8 +141,11 @@ def check_vllm_version() -> str:
 
 
 def register_plugin() -> None:
-    """`vllm.general_plugins` entry point: refuse a vLLM version the seam was not checked against."""
+    """`vllm.general_plugins` entry point (every vLLM process): refuse a vLLM version the seam was
+    not checked against, and install the scheduler-side patch (`KV_SALT_PATCHES`)."""
     version = check_vllm_version()
+    for patch in KV_SALT_PATCHES:
+        _apply(patch)
     logger.debug("causalboard plugin loaded (vLLM %s)", version)
 
 
@@ -318,24 +329,60 @@ def _wrap_v2_prepare_inputs(cls: Any) -> None:
 # ---- the patch table ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Patch:
-    """One class whose methods the seam replaces: `install` applies `apply(cls)` to the class
-    `module.cls`; `methods` are what it replaces (they make up `PATCHED_SYMBOLS`). An `optional`
-    module that does not import here (the V2 runner on CPU builds) is skipped."""
+    """One class (or module) whose attributes the seam replaces: `install` applies `apply(obj)` to
+    `module.cls` (to the module itself when `cls` is None); `methods` are the attributes it
+    replaces (they make up `PATCHED_SYMBOLS`). An `optional` module that does not import here
+    (the V2 runner on CPU builds) is skipped."""
 
     module: str
-    cls: str
+    cls: str | None
     methods: tuple[str, ...]
     apply: Callable[[Any], None]
     optional: bool = False
 
     @property
     def symbols(self) -> tuple[str, ...]:
-        return tuple(f"{self.module}.{self.cls}.{m}" for m in self.methods)
+        owner = f"{self.module}.{self.cls}" if self.cls else self.module
+        return tuple(f"{owner}.{m}" for m in self.methods)
 
 
 def _layer_patch(module: str, cls: str) -> Patch:
     return Patch(module, cls, ("__init__", "forward"), functools.partial(_patch_layer_class, LAYER_FORWARD_SHA[(module, cls)]))
 
+
+def _wrap_block_hash_extra_keys(module: Any) -> None:
+    from engine_ext.program import KV_SALT_KEY
+
+    orig = getattr(module, "generate_block_hash_extra_keys")
+    if getattr(orig, "_cb_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
+        keys, next_mm_idx = orig(request, start_token_idx, end_token_idx, start_mm_idx)
+        sp = getattr(request, "sampling_params", None)
+        kv = sp.extra_args.get(KV_SALT_KEY) if sp is not None and sp.extra_args else None
+        if kv is not None and end_token_idx > kv[0]:
+            keys = (*(keys or ()), kv[1])
+        return keys, next_mm_idx
+
+    generate_block_hash_extra_keys._cb_wrapped = True
+    module.generate_block_hash_extra_keys = generate_block_hash_extra_keys
+
+
+def _rebind_block_hash_extra_keys(module: Any) -> None:
+    """`block_pool` imported the function by name: point it at the wrapped one."""
+    from vllm.v1.core import kv_cache_utils
+
+    _wrap_block_hash_extra_keys(kv_cache_utils)
+    module.generate_block_hash_extra_keys = kv_cache_utils.generate_block_hash_extra_keys
+
+
+#: the scheduler-side patch (also installed by `register_plugin` in every vLLM process)
+KV_SALT_PATCHES: tuple[Patch, ...] = (
+    Patch("vllm.v1.core.kv_cache_utils", None, ("generate_block_hash_extra_keys",), _wrap_block_hash_extra_keys),
+    Patch("vllm.v1.core.block_pool", None, ("generate_block_hash_extra_keys",), _rebind_block_hash_extra_keys),
+)
 
 PATCHES: tuple[Patch, ...] = (
     *(_layer_patch(module, cls) for module, cls in LAYER_FORWARD_SHA),
@@ -343,6 +390,7 @@ PATCHES: tuple[Patch, ...] = (
           lambda c: (_wrap_execute_model(c), _wrap_v1_model_forward(c))),
     Patch("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("execute_model", "prepare_inputs"),
           lambda c: (_wrap_execute_model(c), _wrap_v2_prepare_inputs(c)), optional=True),
+    *KV_SALT_PATCHES,
 )
 
 #: every vLLM symbol this module replaces (derived from `PATCHES`; see the module docstring)
@@ -350,10 +398,28 @@ PATCHED_SYMBOLS: tuple[str, ...] = tuple(sym for p in PATCHES for sym in p.symbo
 
 
 def is_patched(symbol: str) -> bool:
-    """Whether `module.Class.method` currently carries causalboard's replacement."""
-    module, cls, method = symbol.rsplit(".", 2)
-    obj = getattr(getattr(importlib.import_module(module), cls), method)
-    return bool(getattr(obj, "_cb_wrapped", False))
+    """Whether `module.Class.method` (or `module.function`) carries causalboard's replacement."""
+    for patch in PATCHES:
+        if symbol in patch.symbols:
+            owner = importlib.import_module(patch.module)
+            if patch.cls:
+                owner = getattr(owner, patch.cls)
+            return bool(getattr(getattr(owner, symbol.rsplit(".", 1)[1]), "_cb_wrapped", False))
+    raise KeyError(f"{symbol} is not in the seam's patch table")
+
+
+def _apply(patch: Patch) -> bool:
+    """Apply one patch; False when its optional module does not import here."""
+    try:
+        module = importlib.import_module(patch.module)
+    except Exception as exc:
+        if not patch.optional:
+            raise
+        # the V2 runner needs Triton; CPU builds run V1 only
+        logger.debug("%s not importable here (%s); not patched", patch.module, exc)
+        return False
+    patch.apply(getattr(module, patch.cls) if patch.cls else module)
+    return True
 
 
 _INSTALLED = False
@@ -367,13 +433,5 @@ def install() -> None:
     check_vllm_version()
     _register_ops()
     for patch in PATCHES:
-        try:
-            module = importlib.import_module(patch.module)
-        except Exception as exc:
-            if not patch.optional:
-                raise
-            # the V2 runner needs Triton; CPU builds run V1 only
-            logger.debug("%s not importable here (%s); not patched", patch.module, exc)
-            continue
-        patch.apply(getattr(module, patch.cls))
+        _apply(patch)
     _INSTALLED = True

@@ -77,6 +77,7 @@ class GenerateResponse(BaseModel):
     scores: list[dict[str, float]] = Field(
         default_factory=list, description="Per generated token: logprob of each requested score_token_ids id.")
     intervention: InterventionResultBody | None = Field(None, description="Present when the request had interventions.")
+    num_cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache (not recomputed).")
 
 
 class CompletionRequest(SamplingFields):
@@ -154,9 +155,11 @@ class StatusResponse(BaseModel):
     hidden_size: int
     vocab_size: int
     max_model_len: int
+    max_num_seqs: int = Field(0, description="Requests the engine batches at once.")
     device: str
     dtype: str
     enforce_eager: bool
+    batch_invariant: bool = Field(False, description="vLLM's batch-invariant kernels are on (GPU).")
     hooks: list[str] = Field(description="Residual-stream hooks the engine can intervene on, per layer.")
     versions: dict[str, str]
     startup_seconds: float

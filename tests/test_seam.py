@@ -1,0 +1,75 @@
+"""The vLLM seam as a map: `PATCHES` is what `install()` applies, `PATCHED_SYMBOLS` is derived
+from it and says exactly which vLLM attributes carry causalboard's replacements; and the
+scheduler-side KV salt that keeps intervened KV blocks out of other requests' prefix cache."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from types import SimpleNamespace
+
+from engine_ext.program import KV_SALT_KEY, first_modified_position
+from engine_ext.worker import seam
+
+
+def _replaced_attributes() -> set[str]:
+    """Every attribute of the modules and classes in the patch table that carries `_cb_wrapped`."""
+    found = set()
+    for patch in seam.PATCHES:
+        try:
+            owner = importlib.import_module(patch.module)
+        except Exception:
+            assert patch.optional, patch.module
+            continue
+        prefix = patch.module
+        if patch.cls:
+            owner = getattr(owner, patch.cls)
+            prefix = f"{patch.module}.{patch.cls}"
+        for name, value in inspect.getmembers(owner):
+            if getattr(value, "_cb_wrapped", False) and (patch.cls is None or name in vars(owner)):
+                found.add(f"{prefix}.{name}")
+    return found
+
+
+def test_install_patches_exactly_the_listed_symbols():
+    seam.install()
+    importable = [s for s in seam.PATCHED_SYMBOLS
+                  if not any(s in p.symbols and p.optional and not _imports(p.module) for p in seam.PATCHES)]
+    assert importable and all(seam.is_patched(s) for s in importable)
+    assert _replaced_attributes() == set(importable)
+    assert len(set(seam.PATCHED_SYMBOLS)) == len(seam.PATCHED_SYMBOLS)
+
+
+def _imports(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except Exception:
+        return False
+
+
+def test_kv_salt_covers_exactly_the_blocks_from_the_first_modified_position():
+    seam.install()
+    from vllm.v1.core import block_pool, kv_cache_utils
+
+    assert block_pool.generate_block_hash_extra_keys is kv_cache_utils.generate_block_hash_extra_keys
+    salted = SimpleNamespace(mm_features=[], lora_request=None, cache_salt=None, prompt_embeds=None,
+                             sampling_params=SimpleNamespace(extra_args={KV_SALT_KEY: [20, "cb-salt"]}))
+    plain = SimpleNamespace(mm_features=[], lora_request=None, cache_salt=None, prompt_embeds=None,
+                            sampling_params=SimpleNamespace(extra_args=None))
+    keys = [kv_cache_utils.generate_block_hash_extra_keys(salted, a, a + 16, 0)[0] for a in (0, 16, 32)]
+    assert keys == [None, ("cb-salt",), ("cb-salt",)]  # block [0,16) ends before 20: shareable
+    assert kv_cache_utils.generate_block_hash_extra_keys(plain, 16, 32, 0)[0] is None
+
+
+def test_first_modified_position():
+    def prog(**parts):
+        return {"n_prompt": 10, "steer": [], "patch": [], "noise": None, **parts}
+
+    assert first_modified_position(prog()) is None  # captures only: nothing changes
+    assert first_modified_position(prog(patch=[{"dst": [7, 4]}])) == 4
+    assert first_modified_position(prog(noise={"pos": [3, 5]})) == 3
+    assert first_modified_position(prog(steer=[{"pos": list(range(10)), "gen": True, "phase": "both"}])) == 0
+    # decode-only steering leaves the prompt's KV as it is
+    assert first_modified_position(prog(steer=[{"pos": list(range(10)), "gen": True, "phase": "decode"}])) == 10
+    assert first_modified_position(prog(steer=[{"pos": [2], "gen": False, "phase": "prefill"}])) == 2
