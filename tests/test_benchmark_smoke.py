@@ -1,0 +1,53 @@
+"""The side-by-side benchmark harness (`benchmarks/compare/`) runs on CPU at tiny sizes and
+reports, so it cannot rot between GPU measurements. Asserts only that every part runs and emits
+its result lines (the numbers of a CPU smoke run mean nothing; docs/performance.md has the GPU
+figures)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, model_path
+
+pytestmark = pytest.mark.engine  # starts engines of its own
+
+BENCH = REPO / "benchmarks" / "compare"
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
+    assert not [ln for ln in lines if "error" in ln], lines
+    return lines
+
+
+def test_causalboard_part_runs_and_reports():
+    lines = _run("cb_bench.py", "--model", str(model_path()), "--device", "cpu", "--tasks", "p2,p1,p3,p1http",
+                 "--reps", "1", "--tag", "CB_smoke")
+    tags = {ln["bench"] for ln in lines}
+    assert {"CB_smoke_start", "CB_smoke_p2", "CB_smoke_p1", "CB_smoke_p3", "CB_smoke_p1http"} <= tags, tags
+    p1 = {ln["variant"]: ln for ln in lines if ln["bench"] == "CB_smoke_p1"}
+    assert set(p1["engine_patched_768"]["status_counts"]) == {"ok"}  # every cell patched, none voided
+    assert all(ln["cells_per_s"] > 0 for ln in p1.values())
+
+
+def test_stock_vllm_part_runs_and_reports():
+    lines = _run("vllm_bench.py", "--model", str(model_path()), "--tag", "S_smoke", "--tasks", "p1,p2", "--attn", "CPU_ATTN",
+                 "--dtype", "float32", "--p1-n", "32", "--p1-reps", "1", "--p2-reps", "1", "--batches", "2",
+                 "--max-tokens", "4")
+    tasks = {ln.get("task") for ln in lines}
+    assert {"p1", "p2"} <= tasks, lines
+    assert [ln for ln in lines if ln.get("task") == "p1"][0]["n_with_both_ids"] == 32
+
+
+def test_hf_hooks_part_runs_and_reports():
+    lines = _run("hf_patch.py", "--model", str(model_path()), "--device", "cpu", "--reps", "1", "--chunks", "16")
+    assert any("cells_per_s" in json.dumps(ln) for ln in lines), lines
