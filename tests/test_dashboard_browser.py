@@ -21,7 +21,7 @@ import pytest
 pytest_plugins = ["tests.browser"]
 pytest.register_assert_rewrite("tests.browser")
 
-from tests.browser import bokeh_columns, bokeh_figures, drag, screenshot, wait_until  # noqa: E402
+from tests.browser import _tab_close_cleanup_s, bokeh_columns, bokeh_figures, drag, screenshot, wait_until  # noqa: E402
 pytestmark = pytest.mark.browser
 
 SWEEP_TIMEOUT = 120.0
@@ -163,7 +163,14 @@ def test_sweep_fills_live_then_zoom_export_and_replace(page, server_url, http, t
     wait_until(lambda: sweep_id(page) not in (sid, zsum["sweep_id"]) and phase(page) == "finished",
                timeout=SWEEP_TIMEOUT, message="the replacing sweep")
     assert kept not in runs_in_store(http)
+    last_kept = server_summary(http, sweep_id(page))["captured_source_run"]
+    assert last_kept in runs_in_store(http)
     assert not page.cb_errors, page.cb_errors
+
+    # ---- closing the tab ends its session, which drops the run it kept for zooms
+    page.context.close()
+    wait_until(lambda: last_kept not in runs_in_store(http), timeout=_tab_close_cleanup_s(),
+               message="the closed tab's kept run to be dropped")
 
 
 def running_sweep(http, min_cells: int = 0, other_than: str | None = None) -> dict | None:
@@ -173,23 +180,31 @@ def running_sweep(http, min_cells: int = 0, other_than: str | None = None) -> di
     return active[0] if len(active) == 1 and active[0]["cells_done"] >= min_cells else None
 
 
+#: noise draws per cell of the cancel test's sweeps: each cell is this many engine requests
+NOISE_SAMPLES = 32
+
+
 def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
     status = http.get("/v1/status").json()
     open_dashboard(page, server_url, status)
-    # a slow sweep: every hook, one cell in flight, long prompts (~630 cells). On a loaded 2-core
-    # machine the browser (and Playwright's calls into it) can lag the server by many seconds while
-    # the engine runs, and the engine's speed varies several-fold, so the test times its clicks by
-    # what the server says is running, never by what the page shows
+    # a sweep that cannot finish before a click reaches the server, by construction: noise
+    # corruption with NOISE_SAMPLES draws (every cell is that many engine requests), every hook,
+    # one cell in flight, a long prompt: ~20 000 engine requests, minutes even on a fast engine.
+    # The test cancels it after a few cells, so it costs a few cells' time when it passes. On a
+    # loaded 2-core machine the browser (and Playwright's calls into it) can lag the server by many
+    # seconds while the engine runs, and the engine's speed varies several-fold, so the test
+    # times its clicks by what the server says is running, never by what the page shows
+    page.get_by_role("button", name="noise on a span").click()
     for hook in ("pre_attn", "post_attn"):
         page.get_by_role("button", name=hook).click()
     filler = " ".join(["The capital of Tarn is Tibbet"] * 5)
-    for label in ("Clean prompt", "Corrupt prompt"):
-        box = page.get_by_label(label, exact=True)
-        box.fill(f"{filler} {box.input_value()}")
-        box.press("Tab")
-    cells_in_flight = page.get_by_label("Cells in flight")
-    cells_in_flight.fill("1")
-    cells_in_flight.press("Enter")
+    prompt = page.get_by_label("Prompt (gets noise on the span)", exact=True)
+    prompt.fill(f"{filler} {prompt.input_value()}")
+    prompt.press("Tab")
+    for label, value in (("Noise samples", NOISE_SAMPLES), ("Cells in flight", 1)):
+        box = page.get_by_label(label)
+        box.fill(str(value))
+        box.press("Enter")
     time.sleep(0.3)
     assert running_sweep(http) is None
 
@@ -199,6 +214,8 @@ def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
     page.get_by_role("button", name="Run sweep").click()
     second = wait_until(lambda: running_sweep(http, other_than=first), timeout=SWEEP_TIMEOUT, message="the second sweep's start")["sweep_id"]
     replaced = server_summary(http, first)
+    assert replaced["noise"]["samples"] == NOISE_SAMPLES and len(replaced["hooks"]) == 3
+    assert replaced["cells_total"] * NOISE_SAMPLES > 15_000  # long by construction
     assert replaced["cancelled"] is True and replaced["cells_done"] < replaced["cells_total"], replaced["notes"]
     wait_until(lambda: page.locator('[data-cb="sweep-id"]').count() and sweep_id(page) == second,
                timeout=SWEEP_TIMEOUT, message="the page to show the second sweep")
@@ -256,3 +273,42 @@ def runs_in_store(http) -> list[str]:
 def read_download(download) -> bytes:
     with open(download.path(), "rb") as fh:
         return fh.read()
+
+
+def test_the_view_alone_under_panel_serve(page, server_url, http):
+    """The same `TracingView` under `panel serve` (Panel's own Tornado server, no FastAPI): a
+    sweep streams and finishes, and closing the tab ends the session, which drops its kept run."""
+    import socket
+
+    import panel as pn
+
+    from app.dashboard import CHECK_UNUSED_SESSIONS_MS, UNUSED_SESSION_LIFETIME_MS
+    from app.dashboard.tracing.view import TracingView
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = pn.serve({"tracing": lambda: TracingView(server_url, layers="0-1")}, port=port, address="127.0.0.1",
+                      threaded=True, show=False, websocket_origin=[f"127.0.0.1:{port}"],
+                      unused_session_lifetime_milliseconds=UNUSED_SESSION_LIFETIME_MS,
+                      check_unused_sessions_milliseconds=CHECK_UNUSED_SESSIONS_MS)
+    try:
+        def port_open() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(port_open, timeout=30, message="the panel server")
+        page.goto(f"http://127.0.0.1:{port}/tracing")
+        page.get_by_role("button", name="Run sweep").click()
+        wait_until(lambda: phase(page) == "finished", timeout=SWEEP_TIMEOUT, message="the sweep under panel serve")
+        summary = server_summary(http, sweep_id(page))
+        assert summary["layers"] == [0, 1] and not summary["cancelled"]
+        wait_until(lambda: filled(page) == summary["cells_done"], timeout=30, message="the heatmap's cells")
+        kept = summary["captured_source_run"]
+        assert summary["source_kept"] and kept in runs_in_store(http)
+        assert not page.cb_errors, page.cb_errors
+        page.context.close()
+        wait_until(lambda: kept not in runs_in_store(http), timeout=_tab_close_cleanup_s(),
+                   message="the closed tab's kept run to be dropped")
+    finally:
+        server.stop()

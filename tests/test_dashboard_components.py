@@ -1,6 +1,6 @@
 """Dashboard pieces without a browser or an engine: the sweep form, the heatmap figure (the
-Bokeh data it sends), the tracing view folding recorded events, the export file names, and
-the /dashboard mount on a FastAPI app."""
+Bokeh data it sends), the tracing view driven through its parameters (recorded events, derived
+controls), the client factory, the export file names, and the /dashboard mount on a FastAPI app."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import math
 import re
 from urllib.parse import urljoin
 
+import panel as pn
 import pytest
 
 from engine_ext.errors import SpecError
 
-from app.dashboard.tracing.heatmap import CELL_LOOKS, ColorScale, SweepHeatmap, legend_html, position_labels, visible_token
 from app.dashboard.tracing.form import NOISE_SPAN, SweepForm, default_form, zoom_request
+from app.dashboard.tracing.heatmap import SweepHeatmap, legend_html
+from app.figures.presentation import CELL_LOOKS, color_scale, legend_text, position_labels, token_text
 from app.sweep.fold import CellStatus
 from app.sweep.result import SweepResult
 from tests.test_dashboard_state import cell, start_event, summary_event
@@ -65,25 +67,29 @@ def test_default_form_is_a_real_fact_pair(tmp_path, tasks):
 
 
 # ---- heatmap -------------------------------------------------------------------------------------
-def test_token_labels_are_visible_and_unique():
-    assert visible_token(" ruled") == "␣ruled" and visible_token("a\nb\t") == "a⏎b⇥"
-    assert visible_token("\x00<b>") == "\\x00<b>" and visible_token("") == "∅"
-    labels = position_labels([0, 1, 2, 3], ["<s>", " the", " the", "\n"], marked=[2])
-    assert labels == ["0:<s>", "1:␣the", "2:␣the*", "3:⏎"]
-    assert len(set(labels)) == 4
+def test_token_labels_make_whitespace_visible_and_mark_the_subject():
+    assert token_text(" ruled") == "␣ruled" and token_text("a\nb\t") == "a↵b⇥"
+    assert token_text("\x00<b>") == "\\x00<b>" and token_text("") == "∅"
+    assert position_labels([0, 1, 2, 3], ["<s>", " the", " the", "\n"], subject=[2]) == ["<s>", "␣the", "␣the*", "↵"]
+    hm = SweepHeatmap("post_block", [0, 1], [3, 4], [" the", " the"], "recovered", subject=[4])
+    # repeated tokens stay apart: the top axis numbers the positions
+    assert hm.position_axis.major_label_overrides == {0: "3", 1: "4"}
+    assert hm.token_axis.major_label_overrides == {0: "␣the", 1: "␣the*"}
+    assert hm.layer_axis.major_label_overrides == {0: "0", 1: "1"}
 
 
 def test_color_scales_suit_the_metric():
-    rec = ColorScale("recovered")
+    rec = color_scale("recovered", [])
     assert (rec.low, rec.high) == (-1.0, 1.0) and rec.color(0.0) == "#f7f7f7"  # white centre at 0
     assert rec.color(1.0) == "#67001f" and rec.color(-1.0) == "#053061"
-    assert not rec.extend([0.5, float("nan")]) and rec.extend([-1.7])
-    assert (rec.low, rec.high) == (-2.0, 2.0)  # symmetric, grown to a round bound
-    ld = ColorScale("logit_diff")
-    assert ld.extend([3.2]) and (ld.low, ld.high) == (-4.0, 4.0)
-    lp = ColorScale("logprob", baselines=[-0.01, -13.8])
+    assert (color_scale("recovered", [0.5, float("nan")]).low, color_scale("recovered", [0.5]).high) == (-1.0, 1.0)
+    wild = color_scale("recovered", [-1.7, 0.2])
+    assert (wild.low, wild.high) == (-1.5, 1.5) and wild.extend == "min"  # clipped, flagged
+    ld = color_scale("logit_diff", [3.2])
+    assert (ld.low, ld.high) == (-4.0, 4.0)  # symmetric, grown to a round bound
+    lp = color_scale("logprob", [], baselines=[-0.01, -13.8])
     assert (lp.low, lp.high) == (-13.8, -0.01) and lp.diverging is False
-    assert ColorScale("prob").high == 1.0
+    assert color_scale("prob", [0.2]).high == 1.0
 
 
 def make_heatmap(metric="recovered"):
@@ -93,19 +99,19 @@ def make_heatmap(metric="recovered"):
 def test_heatmap_starts_pending_and_patches_only_changed_cells():
     hm = make_heatmap()
     data = hm.source.data
-    assert data["x"] == ["0:<s>", "1:␣a"] * 3 and data["y"] == ["0", "0", "1", "1", "2", "2"]
-    assert set(data["status_text"]) == {"pending"} and set(data["hatch"]) == {CELL_LOOKS[CellStatus.PENDING].hatch}
+    assert data["x"] == [0, 1] * 3 and data["y"] == [0, 0, 1, 1, 2, 2]
+    assert set(data["status_text"]) == {"pending"} and set(data["fill"]) == {CELL_LOOKS[CellStatus.PENDING].fill}
     assert all(math.isnan(v) for v in data["value"])
     hm.update([(1, 0, 0.5, CellStatus.DONE, "")])
     data = hm.source.data
     idx = 1 * 2 + 0
-    assert data["value"][idx] == 0.5 and data["value_text"][idx] == "0.5" and data["status_text"][idx] == "done"
+    assert data["value"][idx] == 0.5 and data["value_text"][idx] == "0.5" and data["status_text"][idx] == "ok"
     assert data["fill"][idx] == hm.scale.color(0.5) and data["hatch"][idx] == " "
     assert sum(1 for s in data["status_text"] if s == "pending") == 5
     hm.update([(2, 1, float("nan"), CellStatus.VOIDED, "evicted"), (0, 1, 0.0002, CellStatus.NOISE, "")])
     data = hm.source.data
     assert data["status_text"][5] == "voided — evicted" and data["fill"][5] == CELL_LOOKS[CellStatus.VOIDED].fill
-    assert data["alpha"][1] == CELL_LOOKS[CellStatus.NOISE].alpha
+    assert data["hatch"][5] == "x" and data["hatch"][1] == "." and data["fill"][1] == hm.scale.color(0.0002)
     assert hm.filled_cells() == 2
 
 
@@ -115,7 +121,8 @@ def test_heatmap_recolours_every_cell_when_the_range_grows():
     before = hm.source.data["fill"][0]
     hm.update([(0, 1, -3.0, CellStatus.DONE, "")])
     assert (hm.mapper.low, hm.mapper.high) == (-3.0, 3.0)
-    assert hm.source.data["fill"][0] != before == ColorScale("logit_diff").color(0.5)
+    assert hm.source.data["fill"][0] != before == color_scale("logit_diff", [0.5]).color(0.5)
+    assert hm.source.data["fill"][0] == color_scale("logit_diff", [0.5, -3.0]).color(0.5)
 
 
 def test_box_selection_becomes_a_zoom_rectangle():
@@ -126,13 +133,14 @@ def test_box_selection_becomes_a_zoom_rectangle():
 
 
 def test_legend_explains_every_look():
-    html = legend_html()
-    for look in CELL_LOOKS.values():
-        assert look.label in html
+    html = legend_html(noise_threshold=0.004)
+    for status in CELL_LOOKS:
+        assert legend_text(status, 0.004) in html
+    assert "within noise floor (±0.004)" in html
     assert html.count("<svg") == len(CELL_LOOKS)
 
 
-# ---- the tracing view on recorded events ---------------------------------------------------------------
+# ---- the tracing view, driven by its parameters -------------------------------------------------------
 def test_tracing_view_shows_recorded_events():
     from app.dashboard.tracing.view import TracingView
 
@@ -144,37 +152,96 @@ def test_tracing_view_shows_recorded_events():
               {"type": "noise_floor", "value": 0.001}]
     state = view.replay(events)
     assert set(view.heatmaps) == {"pre_attn", "post_block"}
-    pre = view.heatmaps["pre_attn"].source.data
-    assert pre["value"][0 * 4 + 1] == 0.9 and pre["x"][1] == "1:K<b>"
+    pre = view.heatmaps["pre_attn"]
+    assert pre.source.data["value"][0 * 4 + 1] == 0.9 and pre.labels[1] == "K<b>"
     post = view.heatmaps["post_block"].source.data
     assert math.isnan(post["value"][2 * 4 + 3]) and post["status_text"][2 * 4 + 3] == "voided — voided: evicted"
-    html = view.status.object
+    html = view.status_html
     assert 'data-cb="checksum">consistent (1 rank)' in html and 'data-cb="noise-floor">0.001' in html
     assert 'data-done="2" data-total="24"' in html
     assert "answer “&lt;i&gt;”" in html and "<i>" not in html  # token text is escaped in HTML
     assert state.cells_voided == 1
-    # a summary replaces the live view; the kept run enables zoom, exports get their names
+    assert view.sweep_id == "sw-test" and view.result is state.result and view.progress == pytest.approx(2 / 24)
+    assert view.phase == "idle" and view.export_hook == "pre_attn"
+    # a summary replaces the shown sweep; exports get their names; a recorded kept run is never adopted
     view.replay([summary_event()])
-    assert view.state.finished and view.status.object.count('data-final="1"') == 1
+    assert view.state.finished and view.status_html.count('data-final="1"') == 1 and view.phase == "done"
+    assert view.kept_run is None and view.b_zoom.disabled
     assert all(not d.disabled for d in view.downloads)
     assert [d.filename for d in view.downloads][:4] == ["sweep-sw-test_post_block.pdf", "sweep-sw-test_post_block.svg",
                                                         "sweep-sw-test_post_block.png", "sweep-sw-test.csv"]
 
 
-def test_form_errors_are_shown_not_sent():
+def test_controls_are_derived_from_the_parameters():
     from app.dashboard.tracing.view import TracingView
 
     view = TracingView("http://127.0.0.1:9")
-    view.w_layers.value = "3-1"
-    view.run_form()
-    assert view.error.visible and "layers:" in view.error.object
-    assert not view.running
+    assert view.b_cancel.disabled and view.b_zoom.disabled and all(d.disabled for d in view.downloads)
+    view.phase = "running"
+    assert not view.b_cancel.disabled and view.b_zoom.disabled
+    view.param.update(phase="done", kept_run="sweep-run1")
+    assert view.b_cancel.disabled and not view.b_zoom.disabled
+    # the corruption decides which fields show, and how the prompt field is labelled
+    widgets = {getattr(w, "label", None): w for w in view.__panel__().select(pn.widgets.Widget)}
+    assert widgets["Corrupt prompt"].visible and not widgets["Noise span (text in the prompt)"].visible
+    view.corruption = NOISE_SPAN
+    assert not widgets["Corrupt prompt"].visible and widgets["Noise span (text in the prompt)"].visible
+    assert widgets["Noise samples"].visible and widgets["Clean prompt"].label == "Prompt (gets noise on the span)"
+    # a form field typed in its widget is the parameter
+    widgets["Cells in flight"].value = 3
+    assert view.max_concurrency == 3 and view.form().max_concurrency == 3
+    # offered hooks follow the server's
+    view.set_hooks(["post_attn", "post_block"])
+    assert list(widgets["Hooks"].options) == ["post_attn", "post_block"] and view.hooks == ["post_block"]
+    # the selection on a heatmap is a parameter; zoom asks for one first
+    view.replay([summary_event()])
+    view.param.trigger("zoom_in")
+    assert view.error.startswith("zoom: select cells first")
+    view.heatmaps["post_block"].source.selected.indices = [0 * 4 + 1, 1 * 4 + 2]
+    assert view.selection == ([0, 1], [1, 2])
+    view.heatmaps["post_block"].source.selected.indices = []
+    assert view.selection is None
+
+
+def test_form_errors_are_shown_not_sent():
+    from app.dashboard.tracing.view import TracingView
+
+    assert TracingView("http://127.0.0.1:9", layers="0-3", hooks=["pre_attn"]).form().layers == "0-3"  # over the default form
+    view = TracingView("http://127.0.0.1:9")
+    view.layers = "3-1"
+    view.param.trigger("run_sweep")
+    assert view.error.startswith("layers:")
+    assert view.phase == "idle" and not view.running
+
+
+# ---- one client factory ---------------------------------------------------------------------------
+def test_both_views_get_their_client_from_one_factory(monkeypatch):
+    from app.client import AsyncCausalboardClient, CausalboardClient
+    from app.client.factory import async_client
+    from app.dashboard.steering.view import SteeringView
+    from app.dashboard.tracing.view import TracingView
+
+    monkeypatch.setenv("CAUSALBOARD_URL", "http://cb.example:8123")
+    monkeypatch.setenv("CAUSALBOARD_API_KEY", "the-servers-own-key")  # never picked up by a page
+    tracing, steering = TracingView(), SteeringView(autostart=False)
+    for view in (tracing, steering):
+        assert view.client.base_url == "http://cb.example:8123" and view._owns_client
+        assert "authorization" not in view.client._http.headers
+    keyed = TracingView("http://h:1", api_key="k1")
+    assert keyed.client._http.headers["authorization"] == "Bearer k1"
+    with CausalboardClient("http://h:2", api_key="k2") as sync:
+        client, owned = async_client(sync)
+        assert (client.base_url, client._http.headers["authorization"], owned) == ("http://h:2", "Bearer k2", True)
+    given = AsyncCausalboardClient("http://h:3")
+    assert async_client(given) == (given, False) and TracingView(given)._owns_client is False
+    with pytest.raises(TypeError):
+        async_client(3)
 
 
 # ---- export names match app.figures.export ---------------------------------------------------------------
 def test_download_names_and_bytes_match_the_export_manifest(tmp_path):
     from app.figures import export
-    from app.dashboard.tracing.view import EXPORTS, export_filename, export_payload
+    from app.dashboard.tracing.downloads import EXPORTS, export_filename, export_payload
 
     result = SweepResult.from_summary({k: v for k, v in summary_event().items() if k != "type"})
     stem = "sweep-sw-test"
@@ -265,4 +332,5 @@ def test_page_asks_for_the_api_key_before_building_the_views():
     connect.clicks += 1
     assert page.body[0] is page.tabs and page.tabs._names == ["Causal tracing", "Steering"]
     assert page.tracing.client._http.headers["authorization"] == "Bearer s3cret"
+    assert page.steering.client._http.headers["authorization"] == "Bearer s3cret"
     assert "unreachable" in page.header.object  # the status request failed (nothing listens on port 9)

@@ -15,6 +15,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import pytest
 from matplotlib.collections import QuadMesh
@@ -22,7 +23,9 @@ from matplotlib.colors import TwoSlopeNorm
 from PIL import Image
 
 from app.figures import export
-from app.figures.style import WIDTHS, token_label
+from app.figures.presentation import CELL_LOOKS, SEQUENTIAL, SUBJECT_LEGEND, legend_text, token_label
+from app.figures.style import WIDTHS, literal
+from app.sweep.fold import CellStatus
 from app.sweep.fold import result_from_events
 from app.sweep.result import SweepResult
 from engine_ext.errors import SpecError
@@ -269,7 +272,7 @@ def test_other_metrics_pick_their_scales(result):
     for g in lp["hook_grids"]:
         g["grid"] = [[None if v is None else -4.8 + 4.0 * max(v, 0.0) for v in row] for row in g["grid"]]
     mesh = _mesh(export.plot_sweep(SweepResult.from_summary(lp)))
-    assert mesh.get_cmap().name.startswith("Purples")
+    assert mesh.get_cmap().name == SEQUENTIAL.name
     assert mesh.norm.vmin <= -4.87 and mesh.norm.vmax >= -0.21  # both baselines inside the range
     assert mesh.colorbar.ax.get_ylabel() == "logprob (␣Quell)"
     mesh = _mesh(export.plot_sweep(result, cmap="viridis", vmin=-0.5, vmax=2.0))
@@ -280,24 +283,34 @@ def _mesh(fig):
     return next(c for c in fig.axes[0].collections if isinstance(c, QuadMesh))
 
 
+def _overlays(ax) -> dict[tuple[float, float, float], str]:
+    """(x, y, height) -> hatch of every hatched patch over the heatmap."""
+    return {(p.get_x(), p.get_y(), p.get_height()): p.get_hatch() for p in ax.patches if p.get_hatch()}
+
+
 def test_marks_and_legend_follow_the_cell_statuses(result):
     fig = export.plot_sweep(result, "post_attn")
     ax = fig.axes[0]
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert labels == ["subject token (bold)", "skipped (unaligned)", "voided", f"within noise floor (±{NOISE_FLOOR:.2g})"]
-    hatched = [p for p in ax.patches if p.get_hatch()]
-    assert [(p.get_x(), p.get_width(), p.get_height()) for p in hatched] == [(UNALIGNED, 1, len(LAYERS))]
-    marks = {line.get_marker(): list(zip(line.get_xdata(), line.get_ydata())) for line in ax.lines}
-    assert marks["x"] == [(VOIDED[2] + 0.5, VOIDED[1] + 0.5)]
-    assert marks["o"] == [(0.5, 4.5)]  # the within-noise cell of post_attn only
+    assert labels == [SUBJECT_LEGEND, f"within noise floor (±{NOISE_FLOOR:.2g})", "skipped (unaligned)", "voided (patch failed)"]
+    skipped, voided, noise = (CELL_LOOKS[s] for s in (CellStatus.SKIPPED, CellStatus.VOIDED, CellStatus.NOISE))
+    hatched = _overlays(ax)
+    assert {k: v[0] for k, v in hatched.items()} == {
+        (UNALIGNED, 0, len(LAYERS)): skipped.hatch,  # the whole unaligned column, one patch
+        (VOIDED[2], VOIDED[1], 1): voided.hatch,
+        (0, 4, 1): noise.hatch,  # the within-noise cell of post_attn only
+    }
+    voided_patch = next(p for p in ax.patches if p.get_hatch() and p.get_x() == VOIDED[2])
+    assert matplotlib.colors.to_hex(voided_patch.get_facecolor()) == voided.fill
+    assert not ax.lines
     ticks = ax.get_xticklabels()
     assert [t.get_fontweight() for t in ticks].count("bold") == 2
     assert ticks[2].get_text() == r"␣\$"  # escaped: never parsed as mathtext
     # the server's threshold (noise floor raised to a minimum effect) is what the dots mean
     raised = SweepResult.from_summary(synthetic_summary() | {"within_noise_threshold": 0.08})
     assert "within noise floor (±0.08)" in [t.get_text() for t in export.plot_sweep(raised).legends[0].get_texts()]
-    # post_block has no voided cell: no × in its legend; without marks there is no legend at all
-    assert "voided" not in [t.get_text() for t in export.plot_sweep(result).legends[0].get_texts()]
+    # post_block has no voided cell: not in its legend; without marks there is no legend at all
+    assert legend_text(CellStatus.VOIDED) not in [t.get_text() for t in export.plot_sweep(result).legends[0].get_texts()]
     bare = export.plot_sweep(result, show_marks=False)
     assert not bare.legends and not bare.axes[0].lines and not [p for p in bare.axes[0].patches if p.get_hatch()]
 
@@ -315,7 +328,7 @@ def test_draws_into_a_given_axes(result):
 
 def test_token_labels():
     assert token_label(" Paris") == "␣Paris"
-    assert token_label("$x$") == r"\$x\$"
+    assert token_label("$x$") == "$x$" and literal(token_label("$x$")) == r"\$x\$"  # escaped for matplotlib only
     assert token_label("\n") == "↵" and token_label("") == "∅" and token_label("a\tb") == "a⇥b"
     assert token_label("\x00") == "\\x00" and token_label("\u00a0") == "\\xa0"
     assert token_label("x" * 40).endswith("…") and len(token_label("x" * 40)) == 14
@@ -352,7 +365,7 @@ def test_pending_cells_of_an_unfinished_sweep(result):
     statuses = export.cell_statuses(partial, "post_block")
     assert (statuses[4:, UNALIGNED] == "skipped").all()
     assert (np.delete(statuses[4:], UNALIGNED, axis=1) == "pending").all()
-    assert "no value (pending)" in [t.get_text() for t in export.plot_sweep(partial).legends[0].get_texts()]
+    assert legend_text(CellStatus.PENDING) in [t.get_text() for t in export.plot_sweep(partial).legends[0].get_texts()]
 
 
 def test_a_live_stream_exports_mid_sweep():
@@ -370,7 +383,7 @@ def test_a_live_stream_exports_mid_sweep():
     assert counts == {"ok": 1, "skipped": 12, "voided": 1, "pending": 108 - 14, "within_noise": 0}
     fig = export.plot_sweep(live, "post_attn")
     assert [t.get_text() for t in fig.legends[0].get_texts()] == [
-        "subject token (bold)", "skipped (unaligned)", "voided", "no value (pending)"]
+        SUBJECT_LEGEND, "skipped (unaligned)", "voided (patch failed)", "pending (no value yet)"]
     with Image.open(io.BytesIO(export.export_bytes(live, "png", hook="post_attn"))) as im:
         assert im.width == 1050
 

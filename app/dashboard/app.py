@@ -17,7 +17,7 @@ from typing import Any
 import panel as pn
 
 from app.dashboard.tracing.form import BUNDLED_TASKS, default_form
-from app.dashboard.tracing.view import TracingView, make_async_client
+from app.dashboard.tracing.view import TracingView
 
 VERSION_ORDER = ("causalboard", "vllm", "torch", "transformers", "python")
 
@@ -48,7 +48,7 @@ def steering_tab(api_url: str, api_key: str | None) -> Any:
     except Exception as exc:  # not written yet, or broken: the tracing tab must still work
         return _placeholder(f"The steering view is not available: {type(exc).__name__}: {exc}")
     try:
-        return SteeringView(make_async_client(api_url, api_key) if api_key else api_url)
+        return SteeringView(api_url, api_key=api_key)
     except Exception as exc:
         return _placeholder(f"The steering view could not be built: {type(exc).__name__}: {exc}")
 
@@ -99,10 +99,7 @@ class DashboardPage(pn.viewable.Viewer):
             self.header.object = header_html(None, self.api_url, f"{type(exc).__name__}: {exc}")
             return
         self.header.object = header_html(status, self.api_url)
-        hooks = status.get("hooks")
-        if hooks:
-            tracing.w_hooks.options = list(hooks)
-            tracing.w_hooks.value = [h for h in tracing.w_hooks.value if h in hooks] or [hooks[-1]]
+        tracing.set_hooks(status.get("hooks") or ())
         tasks = Path(str(status.get("model_path", ""))) / "tasks.json"
         if tasks.is_file() and tasks.resolve() != BUNDLED_TASKS.resolve():
             tracing.set_form(default_form(tasks))

@@ -18,14 +18,18 @@ TrueType fonts (PDF) and text kept as text (SVG); PNGs are 300 dpi. They are dra
 rcParams change. Save a figure from `plot_sweep` with `save_figure` (not `fig.savefig`): the
 font-embedding rcParams are read when saving.
 
+What a figure shows (palette and range per metric, token labels, the look and legend text of
+each cell status, titles) is `app.figures.presentation`, which the dashboard's heatmaps render
+too: an exported figure has the colours, labels and marks the screen showed.
+
 Cell statuses (CSV `status` column and figure marks) are `app.sweep.fold.result_statuses` of the
-summary's fields, named:
+summary's fields, under their names in `presentation.STATUS_NAMES`:
 
 * `ok` — a value; `within_noise` — a value listed in `within_noise` (its effect is within the
-  noise floor; drawn with a dot);
+  noise floor; dotted);
 * `skipped` — no value, its position is listed in `skipped` without a layer (an unaligned
-  position, not run; hatched column);
-* `voided` — no value, listed in `skipped` with a layer (the engine voided that cell; ×);
+  position, not run; grey, hatched);
+* `voided` — no value, listed in `skipped` with a layer (the engine voided that cell; dark, crossed);
 * `pending` — no value and no reason (a running or cancelled sweep; plain grey).
 """
 
@@ -53,9 +57,11 @@ from matplotlib.patches import Patch, Rectangle
 
 from engine_ext.errors import SpecError
 
-from app.figures.style import (HATCH, MARK_COLOR, NO_VALUE_COLOR, PNG_DPI, color_scale, colorbar_fraction, direction_label,
-                           export_rc, figure_size, font_size, layer_ticks, literal, metric_label, position_font_size,
-                           token_label, width_inches)
+from app.figures.presentation import (CELL_LOOKS, LAYER_AXIS_LABEL, NO_VALUE_COLOR, STATUS_NAMES, SUBJECT_LEGEND,
+                                     figure_title, layer_ticks, legend_text, noise_threshold, position_labels,
+                                     result_metric_label, result_scale, subject_positions)
+from app.figures.style import (PNG_DPI, colorbar_fraction, colormap, export_rc, figure_size, font_size, hatch, literal, norm,
+                               position_font_size, width_inches)
 from app.sweep.fold import CellStatus, result_statuses
 from app.sweep.result import SweepResult
 
@@ -64,7 +70,8 @@ DATA_FORMATS = ("csv", "npz", "json")
 DEFAULT_FORMATS = ("pdf", "svg", "png", "csv", "npz")
 #: formats `export_bytes` serves ("zip" = every default format plus the manifest)
 BYTES_FORMATS = FIGURE_FORMATS + DATA_FORMATS + ("zip",)
-STATUSES = ("ok", "skipped", "voided", "pending", "within_noise")
+#: the cell status names (CSV `status` column, manifest `by_status`): `presentation.STATUS_NAMES`
+STATUSES = tuple(STATUS_NAMES.values())
 CSV_COLUMNS = ("hook", "layer", "position", "token", "value", "status")
 MANIFEST_FORMAT = "causalboard.sweep-export/1"
 MEDIA_TYPES = {"pdf": "application/pdf", "svg": "image/svg+xml", "png": "image/png", "csv": "text/csv",
@@ -72,14 +79,9 @@ MEDIA_TYPES = {"pdf": "application/pdf", "svg": "image/svg+xml", "png": "image/p
 
 
 # ---- cell statuses -------------------------------------------------------------------------------
-#: the export's name of each cell status (CSV `status` column, manifest `by_status`)
-STATUS_NAMES = {CellStatus.DONE: "ok", CellStatus.NOISE: "within_noise", CellStatus.SKIPPED: "skipped",
-                CellStatus.VOIDED: "voided", CellStatus.PENDING: "pending"}
-
-
 def cell_statuses(result: SweepResult, hook: str | None = None) -> np.ndarray:
     """Status of every cell of `hook` (layers x positions array of str, values in `STATUSES`):
-    `app.sweep.fold.result_statuses` under the export's names (`STATUS_NAMES`)."""
+    `app.sweep.fold.result_statuses` under their names (`app.figures.presentation.STATUS_NAMES`)."""
     hook = _check_hook(result, hook)
     return np.vectorize(STATUS_NAMES.__getitem__, otypes=[object])(result_statuses(result, hook))
 
@@ -90,19 +92,23 @@ def plot_sweep(result: SweepResult, hook: str | None = None, ax: Any = None, *, 
                show_marks: bool = True) -> Figure:
     """Heatmap of one hook's grid (default: the first hook): rows = layers (layer 0 at the
     bottom), columns = swept positions labelled with their tokens (position numbers on the top
-    axis), colorbar labelled with the metric (and its basis). With `show_marks`: subject tokens
-    bold with "*", unaligned positions hatched, voided cells ×, within-noise cells dotted, and a
-    legend for the marks present. `title=None` gives "<hook> · <direction>", "" none.
+    axis), colorbar labelled with the metric (and its basis). Colours, labels, status marks and
+    legend texts are `app.figures.presentation`'s, as on the dashboard. With `show_marks`:
+    subject tokens bold with "*", every cell status drawn with its look (skipped hatched, voided
+    dark with a cross, within-noise dotted; `presentation.CELL_LOOKS`) and a legend for the
+    statuses present. `title=None` gives "<hook> · <direction>", "" none.
 
     Without `ax` the figure is `width` wide ("single" 3.5 in, "double" 7.0 in, or inches) and as
     tall as the grid needs; with `ax` it draws into that axes and returns its figure. Save with
     `save_figure` so fonts are embedded."""
     hook = _check_hook(result, hook)
     width_inches(width)
-    status = cell_statuses(result, hook)
-    labels, subject = _position_labels(result, show_marks)
-    handles = _legend_handles(result, status, subject, show_marks)
-    title = _default_title(result, hook) if title is None else literal(title)
+    status = result_statuses(result, hook)
+    subject = subject_positions(result) if show_marks else set()
+    labels = [literal(label) for label in position_labels(result.positions, result.token_strings, subject)]
+    bold = {j for j, pos in enumerate(result.positions) if pos in subject}
+    handles = _legend_handles(result, status, bool(bold), show_marks)
+    title = literal(figure_title(result, hook)) if title is None else literal(title)
     with export_rc(width):
         own = ax is None
         if own:
@@ -115,9 +121,9 @@ def plot_sweep(result: SweepResult, hook: str | None = None, ax: Any = None, *, 
             ax = fig.add_subplot()
         fig = ax.figure
         _draw_grid(ax, result, hook, cmap, vmin, vmax, width if own else None)
-        _draw_axes(ax, result, labels, subject, width)
+        _draw_axes(ax, result, labels, bold, width)
         if show_marks:
-            _draw_marks(ax, status, width)
+            _draw_marks(ax, status)
         if handles:
             ncols = _legend_columns(width, len(handles))
             if own:  # constrained layout makes room for it under the token labels
@@ -319,17 +325,14 @@ def _draw_grid(ax: Any, result: SweepResult, hook: str, cmap: Any, vmin: float |
     """The heatmap and its colorbar. In a figure of our own (`own_width` set) the colorbar is an
     inset exactly as tall as the grid; in someone else's axes it takes space from that axes."""
     grid = result.grids[hook]
-    basis_is_metric = result.metric != "recovered"
-    baselines = (result.meta.get("clean"), result.meta.get("corrupt")) if basis_is_metric else ()
-    scale = color_scale(result.metric, grid, baselines=baselines, cmap=cmap, vmin=vmin, vmax=vmax)
+    scale = result_scale(result, hook, vmin=vmin, vmax=vmax)
     n_layers, n_positions = grid.shape
     # edgecolors="face": no hairline gaps between quads in PDF viewers
     mesh = ax.pcolormesh(np.arange(n_positions + 1), np.arange(n_layers + 1), np.ma.masked_invalid(grid),
-                         cmap=scale.cmap, norm=scale.norm, edgecolors="face", linewidth=0.0, rasterized=False)
+                         cmap=colormap(scale, cmap), norm=norm(scale), edgecolors="face", linewidth=0.0, rasterized=False)
     ax.set_xlim(0, n_positions)
     ax.set_ylim(0, n_layers)
-    m = result.meta
-    label = metric_label(result.metric, m.get("recovered_basis"), m.get("answer_token"), m.get("foil_token"))
+    label = literal(result_metric_label(result))
     if own_width is not None:
         cax = ax.inset_axes([1.03, 0.0, colorbar_fraction(own_width), 1.0])
         cbar = ax.figure.colorbar(mesh, cax=cax, extend=scale.extend, label=label)
@@ -341,18 +344,18 @@ def _draw_grid(ax: Any, result: SweepResult, hook: str, cmap: Any, vmin: float |
     return mesh
 
 
-def _draw_axes(ax: Any, result: SweepResult, labels: list[str], subject: set[int], width: str | float) -> None:
+def _draw_axes(ax: Any, result: SweepResult, labels: list[str], bold: set[int], width: str | float) -> None:
     n_layers, n_positions = len(result.layers), len(result.positions)
     size = position_font_size(width, n_positions)
     centres = np.arange(n_positions) + 0.5
     ax.set_xticks(centres, labels, rotation=45, ha="right", rotation_mode="anchor", fontsize=size)
     for j, text in enumerate(ax.get_xticklabels()):
-        if j in subject:
+        if j in bold:
             text.set_fontweight("bold")
     rows = layer_ticks(n_layers)
     base = font_size(width)  # explicit sizes: a caller's axes may predate our rcParams
     ax.set_yticks([i + 0.5 for i in rows], [str(result.layers[i]) for i in rows], fontsize=base - 1.0)
-    ax.set_ylabel("layer", fontsize=base)
+    ax.set_ylabel(LAYER_AXIS_LABEL, fontsize=base)
     top = ax.secondary_xaxis("top")
     top.set_xticks(centres, [str(p) for p in result.positions], fontsize=max(size - 1.0, 4.0))
     top.tick_params(length=1.5, pad=1.0, width=0.4)
@@ -360,69 +363,46 @@ def _draw_axes(ax: Any, result: SweepResult, labels: list[str], subject: set[int
     ax.tick_params(axis="both", which="both", length=2.0)
 
 
-def _draw_marks(ax: Any, status: np.ndarray, width: str | float) -> None:
+def _draws_over_the_mesh(status: CellStatus) -> bool:
+    """Whether cells of `status` need a patch over the heatmap: a hatch, or a fill other than
+    the value's colour and the mesh's no-value colour."""
+    look = CELL_LOOKS[status]
+    return bool(look.hatch) or look.fill not in (None, NO_VALUE_COLOR)
+
+
+def _draw_marks(ax: Any, status: np.ndarray) -> None:
+    """Each cell status' look over the mesh: one patch per vertical run of cells with that status
+    (an unaligned position is a whole column), filled with the look's fill (none: the value's
+    colour shows) and hatched with its pattern."""
     n_layers, n_positions = status.shape
-    for j in range(n_positions):  # normally whole columns (an unaligned position is never run)
-        for start, stop in _runs([i for i in range(n_layers) if status[i, j] == "skipped"]):
-            ax.add_patch(Rectangle((j, start), 1, stop - start, facecolor="none", edgecolor="none",
-                                   hatch=HATCH, hatchcolor=MARK_COLOR, linewidth=0.0))
-    cell_pt = _cell_points(width, n_positions)
-    ii, jj = np.nonzero(status == "voided")
-    if ii.size:
-        ax.plot(jj + 0.5, ii + 0.5, ls="none", marker="x", color=MARK_COLOR,
-                ms=_clamp(0.5 * cell_pt, 2.0, 6.0), mew=0.7)
-    ii, jj = np.nonzero(status == "within_noise")
-    if ii.size:
-        ax.plot(jj + 0.5, ii + 0.5, ls="none", marker="o", color=MARK_COLOR,
-                ms=_clamp(0.16 * cell_pt, 0.8, 2.2), mew=0.0)
+    for st, look in CELL_LOOKS.items():
+        if not _draws_over_the_mesh(st):
+            continue
+        for j in range(n_positions):
+            for start, stop in _runs([i for i in range(n_layers) if status[i, j] == st]):
+                ax.add_patch(Rectangle((j, start), 1, stop - start, facecolor=look.fill or "none", edgecolor="none",
+                                       hatch=hatch(look.hatch), hatchcolor=look.hatch_color, linewidth=0.0))
 
 
-def _legend_handles(result: SweepResult, status: np.ndarray, subject: set[int], show_marks: bool) -> list:
+def _legend_handles(result: SweepResult, status: np.ndarray, has_subject: bool, show_marks: bool) -> list:
+    """One legend entry per status present other than a plain value (presentation order and
+    texts), after the subject's."""
     if not show_marks:
         return []
     handles: list = []
-    if subject:
-        handles.append(Line2D([], [], ls="none", marker=r"$\ast$", color="black", ms=4.0, label="subject token (bold)"))
-    if np.any(status == "skipped"):
-        handles.append(Patch(facecolor=NO_VALUE_COLOR, edgecolor="none", hatch=HATCH, hatchcolor=MARK_COLOR,
-                             label="skipped (unaligned)"))
-    if np.any(status == "voided"):
-        handles.append(Line2D([], [], ls="none", marker="x", color=MARK_COLOR, ms=4.0, mew=0.7, label="voided"))
-    if np.any(status == "within_noise"):
-        # the server's threshold is the noise floor, raised to a tiny minimum effect
-        floor = result.meta.get("within_noise_threshold")
-        floor = result.meta.get("noise_floor") if floor is None else floor
-        text = "within noise floor" + (f" (±{floor:.2g})" if isinstance(floor, (int, float)) and math.isfinite(floor) else "")
-        handles.append(Line2D([], [], ls="none", marker="o", color=MARK_COLOR, ms=2.0, mew=0.0, label=text))
-    if np.any(status == "pending"):
-        handles.append(Patch(facecolor=NO_VALUE_COLOR, edgecolor="none", label="no value (pending)"))
+    if has_subject:
+        handles.append(Line2D([], [], ls="none", marker=r"$\ast$", color="black", ms=4.0, label=SUBJECT_LEGEND))
+    threshold = noise_threshold(result.meta)
+    for st, look in CELL_LOOKS.items():
+        if st is CellStatus.DONE or not np.any(status == st):
+            continue
+        handles.append(Patch(facecolor=look.fill or look.swatch, edgecolor="none", hatch=hatch(look.hatch),
+                             hatchcolor=look.hatch_color, label=legend_text(st, threshold)))
     return handles
-
-
-def _position_labels(result: SweepResult, show_marks: bool) -> tuple[list[str], set[int]]:
-    subject_positions = set(result.meta.get("subject_positions") or []) if show_marks else set()
-    labels, subject = [], set()
-    for j, (pos, tok) in enumerate(zip(result.positions, result.token_strings)):
-        label = token_label(tok)
-        if pos in subject_positions:
-            subject.add(j)
-            label += "*"
-        labels.append(label)
-    return labels, subject
-
-
-def _default_title(result: SweepResult, hook: str) -> str:
-    return f"{hook} · {direction_label(result.meta.get('source'), bool(result.meta.get('noise')))}"
 
 
 def _legend_columns(width: str | float, n: int) -> int:
     return max(1, min(n, 2 if width_inches(width) < 5.0 else 4))
-
-
-def _cell_points(width: str | float, n_positions: int) -> float:
-    """Approximate cell width in points (sizes the × and dot marks)."""
-    w_in = max(width_inches(width) - 1.0, 0.5)
-    return 72.0 * min(w_in / max(n_positions, 1), 0.3)
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:
@@ -434,10 +414,6 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((j, j + 1))
     return runs
-
-
-def _clamp(x: float, lo: float, hi: float) -> float:
-    return max(lo, min(hi, x))
 
 
 # ---- file helpers --------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""How a sweep figure looks: export rcParams, figure sizes, token labels and colour scales.
+"""The matplotlib side of a sweep figure: export rcParams, figure sizes, and the translation of
+`app.figures.presentation` (colour scales, hatch patterns, text) into matplotlib objects.
 
-Pure helpers for `app.figures.export`; nothing here touches files or global matplotlib state
-(`export_rc()` is a context manager around `matplotlib.rc_context`).
+What a figure shows — colours, ranges, token labels, status marks, legend texts — is defined in
+`app/figures/presentation.py`, shared with the dashboard. Pure helpers for `app.figures.export`;
+nothing here touches files or global matplotlib state (`export_rc()` is a context manager around
+`matplotlib.rc_context`).
 
 * **Vector output.** `EXPORT_RC` embeds TrueType fonts in PDF/PS (`fonttype 42`, editable text,
   no Type 3 bitmaps) and keeps SVG text as `<text>` (`svg.fonttype = "none"`). The rcParams
@@ -9,24 +12,19 @@ Pure helpers for `app.figures.export`; nothing here touches files or global matp
 * **Sizes.** A figure is exactly one column (3.5 in) or two columns (7.0 in) wide; its height
   follows the grid shape (`figure_size`). No `bbox_inches="tight"`: the width printed in the
   paper is the width drawn, so font sizes stay true.
-* **Colours.** `recovered` and `logit_diff` are signed (0 = no effect / no preference): a
-  diverging map centred at 0. `recovered` uses a symmetric range that always includes ±1 and
-  is clipped at ±`RECOVERED_CLIP` (overshoots show as colorbar arrows), so colours compare
-  across sweeps. `logprob` and `prob` get a sequential map over the data and both baselines.
+* **Colours.** `colormap(scale)` is a `ListedColormap` of the presentation palette, so a cell's
+  colour is the one the dashboard gives the same value; `norm(scale)` its range.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import unicodedata
-from dataclasses import dataclass
 from typing import Iterator
 
 import matplotlib
-import numpy as np
-from matplotlib.colors import Colormap, Normalize, TwoSlopeNorm
+from matplotlib.colors import Colormap, ListedColormap, Normalize, TwoSlopeNorm
 
+from app.figures.presentation import MAX_LABEL_CHARS, NO_VALUE_COLOR, ColorScale
 from engine_ext.errors import SpecError
 
 #: rcParams for every exported figure (fonts embedded as TrueType, SVG text kept as text)
@@ -54,18 +52,9 @@ WIDTHS = {"single": 3.5, "double": 7.0}
 #: base font size (pt) per width name
 FONT_SIZES = {"single": 7.0, "double": 8.0}
 PNG_DPI = 300
-#: `recovered` colour range: symmetric, at least ±1, at most ±RECOVERED_CLIP
-RECOVERED_CLIP = 1.5
-DIVERGING_METRICS = ("recovered", "logit_diff")
-SEQUENTIAL_METRICS = ("logprob", "prob")
-DIVERGING_CMAP = "RdBu_r"
-SEQUENTIAL_CMAP = "Purples"
-#: colour of cells without a value (skipped, voided, pending)
-NO_VALUE_COLOR = "#bdbdbd"
-MARK_COLOR = "#262626"
-HATCH = "////"
-#: longest token label (characters) before it is shortened with "…"
-MAX_LABEL_CHARS = 14
+#: hatch pattern -> how many times matplotlib repeats it (its density is per inch: 6 lines for
+#: one "/", and a paper cell is 0.06-0.3 in wide)
+HATCH_REPEAT = {"/": 4, "x": 3, ".": 3}
 
 
 @contextlib.contextmanager
@@ -116,122 +105,32 @@ def figure_size(width: str | float, n_layers: int, n_positions: int, longest_lab
     return w, round(plot_h + fixed, 2)
 
 
-def token_label(token: str) -> str:
-    """A token made readable and safe as matplotlib text: spaces as "␣", newlines as "↵", tabs
-    as "⇥", other control characters as `\\xNN`, the empty token as "∅", long tokens shortened
-    with "…", and `$` escaped so that no label is parsed as mathtext."""
-    if token == "":
-        return "∅"
-    out = []
-    for ch in token:
-        if ch == " ":
-            out.append("␣")
-        elif ch == "\n":
-            out.append("↵")
-        elif ch == "\t":
-            out.append("⇥")
-        elif unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp", "Zs"):
-            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    text = "".join(out)
-    if len(text) > MAX_LABEL_CHARS:
-        text = text[: MAX_LABEL_CHARS - 1] + "…"
-    return literal(text)
-
-
 def literal(text: str) -> str:
     """`text` escaped so matplotlib draws it verbatim (an unescaped pair of `$` would start
     mathtext; every other mathtext special is inert outside `$…$`)."""
     return text.replace("$", r"\$")
 
 
-@dataclass(frozen=True)
-class ColorScale:
-    """What `pcolormesh` and the colorbar need: the colormap (with the no-value colour set),
-    the norm, and the colorbar's `extend` ("neither", "min", "max" or "both")."""
-
-    cmap: Colormap
-    norm: Normalize
-    extend: str
-    diverging: bool
+def hatch(pattern: str) -> str | None:
+    """A presentation hatch pattern ("/", "x", ".") at the density a paper cell needs; None for none."""
+    return pattern * HATCH_REPEAT.get(pattern, 3) if pattern else None
 
 
-def color_scale(metric: str, values: np.ndarray, *, baselines: tuple[float | None, ...] = (),
-                cmap: str | Colormap | None = None, vmin: float | None = None,
-                vmax: float | None = None) -> ColorScale:
-    """The colour scale for `metric` over `values` (NaN = no value). `baselines` (clean and
-    corrupt values, when they are in the metric's units) are kept inside a sequential range.
-    `vmin`/`vmax` override the computed limits; a diverging scale whose limits straddle 0 stays
-    centred at 0 (`TwoSlopeNorm`)."""
-    diverging = metric in DIVERGING_METRICS
-    finite = values[np.isfinite(values)]
-    base = [float(b) for b in baselines if b is not None and math.isfinite(float(b))]
-    if diverging:
-        peak = float(np.max(np.abs(finite))) if finite.size else 0.0
-        if metric == "recovered":
-            lim = min(max(peak, 1.0), RECOVERED_CLIP)
-        else:
-            lim = max([peak] + [abs(b) for b in base]) or 1.0
-        lo, hi = -lim, lim
+def colormap(scale: ColorScale, cmap: str | Colormap | None = None) -> Colormap:
+    """The scale's palette as a matplotlib colormap (`ListedColormap`: `palette[floor(t · N)]`,
+    as the dashboard colours cells), or `cmap` instead; NaN cells get `NO_VALUE_COLOR`."""
+    if cmap is None:
+        base: Colormap = ListedColormap(list(scale.palette.colors), name=scale.palette.name)
     else:
-        pool = np.concatenate([finite, np.array(base, dtype=float)])
-        lo, hi = (float(pool.min()), float(pool.max())) if pool.size else (0.0, 1.0)
-        if hi <= lo:
-            lo, hi = lo - 0.5, hi + 0.5
-    if vmin is not None and vmax is None and diverging and vmin < 0:
-        vmax = -vmin
-    if vmax is not None and vmin is None and diverging and vmax > 0:
-        vmin = -vmax
-    lo = float(vmin) if vmin is not None else lo
-    hi = float(vmax) if vmax is not None else hi
-    if not hi > lo:
-        raise SpecError("vmax", f"must be greater than vmin ({lo} >= {hi})")
-    if diverging and lo < 0 < hi:
-        norm: Normalize = TwoSlopeNorm(vcenter=0.0, vmin=lo, vmax=hi) if lo != -hi else Normalize(lo, hi)
-    else:
-        norm = Normalize(lo, hi)
-    below = bool(finite.size and finite.min() < lo)
-    above = bool(finite.size and finite.max() > hi)
-    extend = {(False, False): "neither", (True, False): "min", (False, True): "max", (True, True): "both"}[(below, above)]
-    name = cmap if cmap is not None else (DIVERGING_CMAP if diverging else SEQUENTIAL_CMAP)
-    colormap = (matplotlib.colormaps[name] if isinstance(name, str) else name).with_extremes(bad=NO_VALUE_COLOR)
-    return ColorScale(colormap, norm, extend, diverging)
+        base = matplotlib.colormaps[cmap] if isinstance(cmap, str) else cmap
+    return base.with_extremes(bad=NO_VALUE_COLOR)
 
 
-def metric_label(metric: str, basis: str | None, answer: str | None, foil: str | None) -> str:
-    """Colorbar label: "recovered (logprob)", "logit_diff (␣Paris − ␣Rome)", "logprob (␣Paris)"."""
-    if metric == "recovered":
-        return f"recovered ({basis or 'logprob'})"
-    if metric == "logit_diff" and answer is not None and foil is not None:
-        return f"logit_diff ({token_label(answer)} − {token_label(foil)})"
-    if answer is not None:
-        return f"{metric} ({token_label(answer)})"
-    return metric
-
-
-def direction_label(source: dict | None, noised: bool) -> str:
-    """What the sweep wrote into the corrupt run, for the title: "clean → corrupt" (restoring
-    a stored clean run), "clean → noised", "zero-ablation", "mean-ablation", "vector ‘v’"."""
-    kind = (source or {}).get("kind", "run")
-    if kind == "zeros":
-        return "zero-ablation"
-    if kind == "mean":
-        return "mean-ablation"
-    if kind == "vector":
-        return f"vector ‘{literal(str(source.get('name', '?')))}’"
-    if kind == "inline":
-        return "inline vector"
-    return "clean → noised" if noised else "clean → corrupt"
-
-
-def layer_ticks(n_layers: int, max_ticks: int = 12) -> list[int]:
-    """Row indices that get a layer label: every row, or every k-th (always the last one)."""
-    step = max(1, math.ceil(n_layers / max_ticks))
-    ticks = list(range(0, n_layers, step))
-    if n_layers and ticks[-1] != n_layers - 1 and n_layers - 1 - ticks[-1] >= step / 2:
-        ticks.append(n_layers - 1)
-    return ticks
+def norm(scale: ColorScale) -> Normalize:
+    """The scale's range as a matplotlib norm (`TwoSlopeNorm` when it has an asymmetric centre)."""
+    if scale.center is not None:
+        return TwoSlopeNorm(vcenter=scale.center, vmin=scale.low, vmax=scale.high)
+    return Normalize(scale.low, scale.high)
 
 
 def position_font_size(width: str | float, n_positions: int) -> float:

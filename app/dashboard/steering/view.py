@@ -17,7 +17,8 @@ Behaviour
   engine). A change of the prompt or `max_tokens` re-runs both streams.
 * All scales zero (or no vector selected) sends no intervention: the steered column then equals
   the baseline.
-* Everything goes through `app.client.http.AsyncCausalboardClient` (HTTP only). Work is scheduled on
+* Everything goes through `app.client.http.AsyncCausalboardClient` (HTTP only; made by
+  `app.client.factory.async_client`, as the tracing view's). Work is scheduled on
   the running asyncio loop (the Bokeh server's, or the notebook kernel's); Panel applies the
   parameter/pane updates under the document lock. Without a running loop, call
   `await view.update()` / `await view.build_vector()` yourself.
@@ -27,20 +28,19 @@ from __future__ import annotations
 
 import asyncio
 import html
-import os
 import time
 from typing import Any, Awaitable, Callable
 
 import panel as pn
 import param
 
+from app.client.factory import async_client
 from app.dashboard.steering.vectors import (CAPTURE_MODES, NORMALISATIONS, ContrastiveVector,
                       abuild_contrastive_vector, check_vector_name, contrast_defaults,
                       parse_prompt_lines, steer_entry, steering_interventions)
 from engine_ext.bundled import bundled_tasks
 from engine_ext.sites import HOOKS, Site
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 KINDS = ("baseline", "steered")
 
 _STYLE = """
@@ -155,7 +155,7 @@ class SteeringView(pn.viewable.Viewer):
         super().__init__(**params)
         self.build_layer, self.build_hook = defaults.layer, defaults.hook
         self.param.build_layer.objects = [defaults.layer]
-        self.client, self._owns_client = _make_client(client_or_url, api_key)
+        self.client, self._owns_client = async_client(client_or_url, api_key)
         self.controls: dict[str, VectorControl] = {}
         self.vector_info: dict[str, dict] = {}      #: name -> {"dim", "norm"} from the server
         self.built: dict[str, ContrastiveVector] = {}  #: vectors built in this view, by name
@@ -478,21 +478,6 @@ class SteeringView(pn.viewable.Viewer):
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-def _make_client(client_or_url: Any, api_key: str | None = None) -> tuple[Any, bool]:
-    """(async client, whether this view owns it). A URL (default `$CAUSALBOARD_URL` or
-    http://127.0.0.1:8000) or a sync `CausalboardClient` gets a new `AsyncCausalboardClient`."""
-    from app.client import AsyncCausalboardClient, CausalboardClient
-
-    if client_or_url is None or isinstance(client_or_url, str):
-        url = client_or_url or os.environ.get("CAUSALBOARD_URL", DEFAULT_URL)
-        return AsyncCausalboardClient(url, api_key=api_key), True
-    if isinstance(client_or_url, CausalboardClient):
-        auth = client_or_url._http.headers.get("Authorization", "")
-        key = auth[len("Bearer "):] if auth.startswith("Bearer ") else api_key
-        return AsyncCausalboardClient(client_or_url.base_url, api_key=key), True
-    return client_or_url, False
-
-
 def _vector_infos(payload: Any) -> dict[str, dict]:
     """`GET /v1/steering/vectors` (`{"vectors": [{"name", "dim", "norm"}], ...}`) as
     `{name: {"dim", "norm"}}`."""

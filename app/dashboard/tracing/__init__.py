@@ -1,1 +1,1 @@
-"""The causal-tracing view: form, live state, heatmap and the Panel component."""
+"""The causal-tracing view: form, live state, status, heatmap, downloads and the Panel component."""

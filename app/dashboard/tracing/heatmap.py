@@ -1,192 +1,100 @@
 """One hook's live patch-sweep heatmap as a Bokeh figure, updated incrementally.
 
-Layout: positions (token labels `"<index>:<token>"`, whitespace made visible) on the x axis,
-layers on the y axis (lowest layer at the bottom). One rectangle per cell; its look comes from
-the cell's `CellStatus` (see `CELL_LOOKS`, also shown in the page's key):
+Everything the figure shows comes from `app.figures.presentation`, which the exported paper
+figures (`app.figures.export.plot_sweep`) render too: the palette and range of the metric's colour
+scale, the token labels (`*` on the subject), the position numbers on the top axis, the layer
+ticks, the title and the colour bar's label, and each `CellStatus`'s look (fill, hatch pattern,
+hatch colour) and legend text. So a cell has the same colour on screen and on paper.
 
-* pending — white with grey dots; skipped (unaligned position) — white with grey diagonal lines;
-* voided — dark grey with a white cross; within the noise floor — the value's colour, faded,
-  with grey dashes; done — the value's colour.
-
-Colours are computed here (not by a Bokeh colour transform) so that a status can override the
-colour; the `ColorBar` shows the same scale. The scale suits the metric (`ColorScale`): diverging
-blue-white-red centred at 0 for `recovered` and `logit_diff`, sequential Viridis for `logprob` and
-`prob`. The range only grows while a sweep streams, and all cells are recoloured when it does.
+Layout: one rectangle per cell, cell (layer index i, position index j) centred at (j, i): token
+labels along the bottom, position numbers along the top, layers bottom-up. Colours are computed
+here (`ColorScale.color`, not a Bokeh colour transform) so that a status can override them; the
+`ColorBar` shows the same scale. While a sweep streams the scale is recomputed from the values
+shown: when its range changes, every cell is recoloured.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
-from bokeh.models import BoxSelectTool, ColorBar, ColumnDataSource, FactorRange, HoverTool, LinearColorMapper
-from bokeh.palettes import RdBu11, Viridis256, interp_palette
+from bokeh.models import (BoxSelectTool, ColorBar, ColumnDataSource, FixedTicker, HoverTool, LinearAxis,
+                          LinearColorMapper, Range1d)
 from bokeh.plotting import figure
 
-from app.sweep.fold import CellStatus, status_grid
+from app.figures.presentation import (CELL_LOOKS, LAYER_AXIS_LABEL, POSITION_AXIS_LABEL, STATUS_MEANINGS,
+                                      SUBJECT_LEGEND, ColorScale, baselines_of, color_scale, figure_title, layer_ticks,
+                                      legend_text, position_labels, result_metric_label, subject_positions, token_text)
+from app.sweep.fold import CellStatus, result_statuses, status_grid
+from app.sweep.result import SweepResult
 
-DIVERGING = tuple(interp_palette(RdBu11, 255))  # blue (negative) - white (0) - red (positive)
-SEQUENTIAL = tuple(Viridis256)
-DIVERGING_METRICS = ("recovered", "logit_diff")
-
-#: what each metric's values are (shown in the status and the docs)
-METRIC_FORMULAS = {
-    "recovered": "recovered = (patched − corrupt) / (clean − corrupt)",
-    "logit_diff": "logit_diff = log p(answer) − log p(foil)",
-    "logprob": "logprob = log p(answer)",
-    "prob": "prob = p(answer)",
-}
-
-
-@dataclass(frozen=True)
-class CellLook:
-    """How a cell with a given status is drawn; `fill=None` means the value's colour."""
-
-    fill: str | None
-    alpha: float
-    hatch: str  # Bokeh hatch pattern code (" " = none)
-    hatch_color: str
-    label: str  # for the key
-
-
-CELL_LOOKS: dict[CellStatus, CellLook] = {
-    CellStatus.PENDING: CellLook("#ffffff", 1.0, ".", "#9e9e9e", "pending (not computed yet)"),
-    CellStatus.DONE: CellLook(None, 1.0, " ", "#ffffff", "value"),
-    CellStatus.NOISE: CellLook(None, 0.35, '"', "#8c8c8c", "within the noise floor (faded, dashed)"),
-    CellStatus.SKIPPED: CellLook("#ffffff", 1.0, "/", "#8c8c8c", "skipped: unaligned position (not run)"),
-    CellStatus.VOIDED: CellLook("#4d4d4d", 1.0, "x", "#ffffff", "voided: the patch failed to resolve"),
-}
-
-
-def visible_token(token: str) -> str:
-    """A token string with whitespace and control characters made visible (space → ␣,
-    newline → ⏎, tab → ⇥, other control characters → \\xNN). Bokeh draws axis labels and
-    tooltips as text, so no HTML escaping is needed for them; HTML panes must escape it."""
-    out = []
-    for ch in token:
-        if ch == " ":
-            out.append("␣")
-        elif ch == "\n":
-            out.append("⏎")
-        elif ch == "\t":
-            out.append("⇥")
-        elif ch == "\r":
-            out.append("↵")
-        elif ord(ch) < 32 or ord(ch) == 127:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return "".join(out) or "∅"
-
-
-def position_labels(positions: Sequence[int], token_strings: Sequence[str], marked: Iterable[int] = ()) -> list[str]:
-    """Axis labels `"<position>:<visible token>"` (unique even when a token repeats), with a
-    `*` after positions in `marked` (the subject / noised span, as in ROME's figures)."""
-    marked = set(marked)
-    return [f"{p}:{visible_token(t)}{'*' if p in marked else ''}" for p, t in zip(positions, token_strings)]
-
-
-class ColorScale:
-    """Maps values to palette colours for one metric; `extend` grows the range to cover values."""
-
-    def __init__(self, metric: str, baselines: Iterable[float | None] = ()):
-        self.metric = metric
-        self.diverging = metric in DIVERGING_METRICS
-        self.palette = DIVERGING if self.diverging else SEQUENTIAL
-        if self.diverging:
-            self.low, self.high = -1.0, 1.0
-        elif metric == "prob":
-            self.low, self.high = 0.0, 1.0
-        else:
-            self.low, self.high = math.inf, -math.inf
-        self.extend([b for b in baselines if b is not None])
-
-    @property
-    def ready(self) -> bool:
-        return self.low < self.high
-
-    def extend(self, values: Iterable[float]) -> bool:
-        """Grow the range to include `values` (NaN ignored); True when it changed."""
-        arr = np.asarray([v for v in values if v is not None], dtype=float)
-        arr = arr[np.isfinite(arr)]
-        if arr.size == 0:
-            return False
-        if self.diverging:
-            bound = _nice_ceiling(float(np.max(np.abs(arr))))
-            if bound <= self.high:
-                return False
-            self.low, self.high = -bound, bound
-            return True
-        lo, hi = min(self.low, float(arr.min())), max(self.high, float(arr.max()))
-        if lo == hi:
-            lo, hi = lo - 0.5, hi + 0.5
-        if (lo, hi) == (self.low, self.high):
-            return False
-        self.low, self.high = lo, hi
-        return True
-
-    def color(self, value: float) -> str:
-        if not self.ready or math.isnan(value):
-            return "#ffffff"
-        t = (value - self.low) / (self.high - self.low)
-        idx = int(round(min(1.0, max(0.0, t)) * (len(self.palette) - 1)))
-        return self.palette[idx]
-
-    def mapper(self) -> LinearColorMapper:
-        low, high = (self.low, self.high) if self.ready else (0.0, 1.0)
-        return LinearColorMapper(palette=list(self.palette), low=low, high=high, nan_color="#ffffff")
-
-
-def _nice_ceiling(x: float) -> float:
-    """A round number ≥ x (1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10 × 10^k) so the range grows in steps."""
-    if x <= 0:
-        return 1.0
-    exp = math.floor(math.log10(x))
-    for m in (1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10):
-        if m * 10**exp >= x:
-            return m * 10**exp
-    return 10 ** (exp + 1)
+#: Bokeh draws a hatch pattern in tiles of this many pixels (screen cells are 30-60 px wide)
+HATCH_SCALE = 7.0
+#: the columns of a heatmap's data source that change with a cell
+CELL_COLUMNS = ("fill", "hatch", "hatch_color", "value", "value_text", "status_text")
 
 
 def format_value(value: float) -> str:
     return "—" if math.isnan(value) else f"{value:.4g}"
 
 
+def status_text(status: CellStatus, reason: str = "") -> str:
+    """A cell's status as the tooltip shows it: its name (as in the CSV export) and reason."""
+    return CELL_LOOKS[status].name + (f" — {reason}" if reason else "")
+
+
 class SweepHeatmap:
     """The figure of one hook. `update(cells)` restyles the given cells with ONE
-    `ColumnDataSource.patch` (or replaces the data when the colour range grew). Must be called
-    with the Bokeh document lock held (from a periodic callback) when served."""
+    `ColumnDataSource.patch` (or replaces the data when the colour range changed). Must be
+    called with the Bokeh document lock held (from a periodic callback) when served."""
 
     def __init__(self, hook: str, layers: Sequence[int], positions: Sequence[int], token_strings: Sequence[str],
                  metric: str, *, baselines: Iterable[float | None] = (), title: str | None = None,
-                 marked: Iterable[int] = ()):
+                 subject: Iterable[int] = (), colorbar_label: str | None = None):
         self.hook, self.layers, self.positions, self.metric = hook, list(layers), list(positions), metric
-        self.labels = position_labels(self.positions, token_strings, marked)
-        self.tokens = [visible_token(t) for t in token_strings]
-        self.scale = ColorScale(metric, baselines)
+        self.labels = position_labels(self.positions, token_strings, subject)
+        self.tokens = [token_text(t) for t in token_strings]
+        self.baselines = tuple(baselines)
         n_l, n_p = len(self.layers), len(self.positions)
         self._values = np.full((n_l, n_p), np.nan)
         self._status = status_grid((n_l, n_p))
         self._reasons: dict[tuple[int, int], str] = {}
+        self.scale = self._scale()
         self.source = ColumnDataSource(self._columns())
-        self.mapper = self.scale.mapper()
-        self.figure = self._figure(title or f"{hook}")
+        self.mapper = LinearColorMapper(palette=list(self.scale.palette.colors), low=self.scale.low,
+                                        high=self.scale.high, nan_color=CELL_LOOKS[CellStatus.PENDING].fill)
+        self.figure = self._figure(title or hook, colorbar_label or metric)
+
+    @classmethod
+    def from_result(cls, result: SweepResult, hook: str, *, zoom: bool = False,
+                    statuses: np.ndarray | None = None, reasons: dict[tuple[int, int], str] | None = None) -> "SweepHeatmap":
+        """The heatmap of one hook of `result`, titled and labelled as the exported figure
+        (`presentation.figure_title`, `result_metric_label`), showing its values with `statuses`
+        (default: those the result's data imply, `app.sweep.fold.result_statuses`)."""
+        hm = cls(hook, result.layers, result.positions, result.token_strings, result.metric,
+                 baselines=baselines_of(result), title=figure_title(result, hook, zoom=zoom),
+                 subject=subject_positions(result), colorbar_label=result_metric_label(result))
+        statuses = result_statuses(result, hook) if statuses is None else statuses
+        grid = result.grids[hook]
+        reasons = reasons or {}
+        hm.update((i, j, float(grid[i, j]), statuses[i, j], reasons.get((i, j), ""))
+                  for i in range(grid.shape[0]) for j in range(grid.shape[1]))
+        return hm
 
     # ---- construction ------------------------------------------------------------------------
-    def _figure(self, title: str):
+    def _figure(self, title: str, colorbar_label: str):
         n_l, n_p = len(self.layers), len(self.positions)
         width = int(min(1100, max(400, 160 + 50 * n_p)))
-        height = int(min(700, max(220, 120 + 34 * n_l)))
+        height = int(min(700, max(240, 150 + 34 * n_l)))
         fig = figure(
-            title=title, x_range=FactorRange(*self.labels), y_range=FactorRange(*[str(l) for l in self.layers]),
+            title=title, x_range=Range1d(-0.5, n_p - 0.5), y_range=Range1d(-0.5, n_l - 0.5),
             width=width, height=height, tools="reset,save", toolbar_location="above",
-            x_axis_label="position:token (* subject)", y_axis_label="layer",
+            y_axis_label=LAYER_AXIS_LABEL,
         )
         renderer = fig.rect(
-            "x", "y", 1, 1, source=self.source, fill_color="fill", fill_alpha="alpha", hatch_pattern="hatch",
-            hatch_color="hatch_color", hatch_scale=7.0, hatch_weight=1.2, line_color="#ffffff", line_width=1,
+            "x", "y", 1, 1, source=self.source, fill_color="fill", hatch_pattern="hatch", hatch_color="hatch_color",
+            hatch_scale=HATCH_SCALE, hatch_weight=1.2, line_color="#ffffff", line_width=1,
             nonselection_fill_alpha=0.25, nonselection_hatch_alpha=0.25, selection_line_color="#000000",
             selection_line_width=2,
         )
@@ -197,36 +105,49 @@ class SweepHeatmap:
         ]))
         fig.toolbar.active_drag = box
         fig.grid.visible = False
-        fig.axis.major_tick_line_color = None
-        fig.axis.axis_line_color = None
+        columns = list(range(n_p))
+        self.token_axis = tokens = fig.below[0]
+        tokens.ticker = FixedTicker(ticks=columns)
+        tokens.major_label_overrides = dict(zip(columns, self.labels))
         if n_p > 8 or max((len(s) for s in self.labels), default=0) > 8:
-            fig.xaxis.major_label_orientation = 0.9
-        self.color_bar = ColorBar(color_mapper=self.mapper, title=self.metric, title_text_font_size="9pt", width=12)
+            tokens.major_label_orientation = 0.8
+        self.position_axis = LinearAxis(
+            ticker=FixedTicker(ticks=columns), major_label_overrides={j: str(p) for j, p in zip(columns, self.positions)},
+            axis_label=POSITION_AXIS_LABEL, axis_label_text_font_size="9pt", major_label_text_font_size="9pt")
+        fig.add_layout(self.position_axis, "above")
+        rows = layer_ticks(n_l)
+        self.layer_axis = fig.left[0]
+        self.layer_axis.ticker = FixedTicker(ticks=rows)
+        self.layer_axis.major_label_overrides = {i: str(self.layers[i]) for i in rows}
+        for axis in (tokens, self.position_axis, self.layer_axis):
+            axis.major_tick_line_color = None
+            axis.minor_tick_line_color = None
+            axis.axis_line_color = None
+        self.color_bar = ColorBar(color_mapper=self.mapper, title=colorbar_label, title_text_font_size="9pt", width=12)
         fig.add_layout(self.color_bar, "right")
         return fig
 
-    def _look(self, i: int, j: int) -> tuple[str, float, str, str, str, str]:
+    def _scale(self) -> ColorScale:
+        return color_scale(self.metric, self._values[self._has_value()], self.baselines)
+
+    def _look(self, i: int, j: int) -> tuple[str, str, str, str, str]:
         status, value = self._status[i, j], float(self._values[i, j])
         look = CELL_LOOKS[status]
         fill = look.fill if look.fill is not None else self.scale.color(value)
-        reason = self._reasons.get((i, j))
-        text = status.value + (f" — {reason}" if reason else "")
-        return fill, look.alpha, look.hatch, look.hatch_color, format_value(value), text
+        return fill, look.hatch or " ", look.hatch_color, format_value(value), status_text(status, self._reasons.get((i, j), ""))
 
     def _columns(self) -> dict[str, list]:
-        cols: dict[str, list] = {k: [] for k in ("x", "y", "hook", "layer", "position", "token", "fill", "alpha", "hatch",
-                                                 "hatch_color", "value", "value_text", "status_text")}
+        cols: dict[str, list] = {k: [] for k in ("x", "y", "hook", "layer", "position", "token", *CELL_COLUMNS)}
         for i, layer in enumerate(self.layers):
             for j, pos in enumerate(self.positions):
-                fill, alpha, hatch, hcolor, vtext, stext = self._look(i, j)
-                cols["x"].append(self.labels[j])
-                cols["y"].append(str(layer))
+                fill, hatch, hcolor, vtext, stext = self._look(i, j)
+                cols["x"].append(j)
+                cols["y"].append(i)
                 cols["hook"].append(self.hook)
                 cols["layer"].append(layer)
                 cols["position"].append(pos)
                 cols["token"].append(self.tokens[j])
                 cols["fill"].append(fill)
-                cols["alpha"].append(alpha)
                 cols["hatch"].append(hatch)
                 cols["hatch_color"].append(hcolor)
                 cols["value"].append(float(self._values[i, j]))
@@ -249,20 +170,20 @@ class SweepHeatmap:
             changed.append((i, j))
         if not changed:
             return 0
-        shown = self._values[self._has_value()]
-        if self.scale.extend(shown.tolist()):
-            self.mapper.update(low=self.scale.low, high=self.scale.high)
+        scale = self._scale()
+        if (scale.low, scale.high) != (self.scale.low, self.scale.high):
+            self.scale = scale
+            self.mapper.update(low=scale.low, high=scale.high)
             self.source.data = self._columns()
             return len(changed)
+        self.scale = scale
         n_p = len(self.positions)
-        patch: dict[str, list] = {k: [] for k in ("fill", "alpha", "hatch", "hatch_color", "value", "value_text", "status_text")}
+        patch: dict[str, list] = {k: [] for k in CELL_COLUMNS}
         for i, j in changed:
             idx = i * n_p + j
-            fill, alpha, hatch, hcolor, vtext, stext = self._look(i, j)
-            for key, val in zip(("fill", "alpha", "hatch", "hatch_color", "value_text", "status_text"),
-                                (fill, alpha, hatch, hcolor, vtext, stext)):
+            fill, hatch, hcolor, vtext, stext = self._look(i, j)
+            for key, val in zip(CELL_COLUMNS, (fill, hatch, hcolor, float(self._values[i, j]), vtext, stext)):
                 patch[key].append((idx, val))
-            patch["value"].append((idx, float(self._values[i, j])))
         self.source.patch(patch)
         return len(changed)
 
@@ -270,13 +191,7 @@ class SweepHeatmap:
         """The rectangle spanned by the selected cells as (layers, positions): every layer
         and every position (token index) from the smallest to the largest selected one, so a
         zoom over a coarse sweep becomes finer. None when nothing is selected."""
-        indices = list(self.source.selected.indices or [])
-        if not indices:
-            return None
-        n_p = len(self.positions)
-        rows = [self.layers[k // n_p] for k in indices]
-        cols = [self.positions[k % n_p] for k in indices]
-        return list(range(min(rows), max(rows) + 1)), list(range(min(cols), max(cols) + 1))
+        return block_of(self.source.selected.indices or [], self.layers, self.positions)
 
     def filled_cells(self) -> int:
         """Cells showing a value (done or within noise)."""
@@ -286,26 +201,42 @@ class SweepHeatmap:
         return (self._status == CellStatus.DONE) | (self._status == CellStatus.NOISE)
 
 
-def legend_html() -> str:
-    """The key explaining every cell look (HTML with inline SVG swatches)."""
-    items = []
+def block_of(indices: Sequence[int], layers: Sequence[int], positions: Sequence[int]) -> tuple[list[int], list[int]] | None:
+    """The (layers, positions) rectangle spanned by data-source row `indices` of a heatmap with
+    these axes (rows run position-fastest); None for no indices."""
+    if not indices:
+        return None
+    n_p = len(positions)
+    rows = [layers[k // n_p] for k in indices]
+    cols = [positions[k % n_p] for k in indices]
+    return list(range(min(rows), max(rows) + 1)), list(range(min(cols), max(cols) + 1))
+
+
+def legend_html(noise_threshold: float | None = None) -> str:
+    """The key: every cell look (an inline SVG swatch and its legend text, the status' meaning
+    as a tooltip) and the subject mark, as the exported figure's legend words them."""
+    items = [f'<span class="cb-key-item" title="{SUBJECT_LEGEND}"><b>*</b>&nbsp;{SUBJECT_LEGEND}</span>']
     for status, look in CELL_LOOKS.items():
-        items.append(f'<span class="cb-key-item" title="{status.value}">{_swatch(status, look)}&nbsp;{look.label}</span>')
+        items.append(f'<span class="cb-key-item" data-status="{look.name}" title="{STATUS_MEANINGS[status]}">'
+                     f'{_swatch(status)}&nbsp;{legend_text(status, noise_threshold)}</span>')
     return ('<div class="cb-key" style="display:flex;flex-wrap:wrap;gap:14px;font-size:12px;align-items:center">'
             "<b>Key:</b>" + "".join(items) + "</div>")
 
 
-def _swatch(status: CellStatus, look: CellLook) -> str:
-    fill = look.fill or ("#d6604d" if status == CellStatus.DONE else "#f4a582")
-    pattern = {
-        ".": '<circle cx="3" cy="3" r="1" fill="{c}"/><circle cx="9" cy="9" r="1" fill="{c}"/><circle cx="9" cy="3" r="1" fill="{c}"/><circle cx="3" cy="9" r="1" fill="{c}"/>',
-        "/": '<path d="M0 12 L12 0 M-3 3 L3 -3 M9 15 L15 9" stroke="{c}" stroke-width="1.2"/>',
-        "x": '<path d="M2 2 L10 10 M10 2 L2 10" stroke="{c}" stroke-width="1.4"/>',
-        '"': '<path d="M1 3 H5 M7 3 H11 M1 9 H5 M7 9 H11" stroke="{c}" stroke-width="1.2"/>',
-        " ": "",
-    }[look.hatch].format(c=look.hatch_color)
+_PATTERNS = {
+    ".": '<circle cx="3" cy="3" r="1" fill="{c}"/><circle cx="9" cy="9" r="1" fill="{c}"/>'
+         '<circle cx="9" cy="3" r="1" fill="{c}"/><circle cx="3" cy="9" r="1" fill="{c}"/>',
+    "/": '<path d="M0 12 L12 0 M-3 3 L3 -3 M9 15 L15 9" stroke="{c}" stroke-width="1.2"/>',
+    "x": '<path d="M2 2 L10 10 M10 2 L2 10" stroke="{c}" stroke-width="1.4"/>',
+    "": "",
+}
+
+
+def _swatch(status: CellStatus) -> str:
+    look = CELL_LOOKS[status]
+    pattern = _PATTERNS[look.hatch].format(c=look.hatch_color)
     return (f'<svg width="16" height="16" viewBox="0 0 12 12" style="vertical-align:middle;border:1px solid #bbb">'
-            f'<rect width="12" height="12" fill="{fill}" fill-opacity="{look.alpha}"/>{pattern}</svg>')
+            f'<rect width="12" height="12" fill="{look.fill or look.swatch}"/>{pattern}</svg>')
 
 
-__all__ = ["CELL_LOOKS", "ColorScale", "METRIC_FORMULAS", "SweepHeatmap", "legend_html", "position_labels", "visible_token"]
+__all__ = ["CELL_COLUMNS", "SweepHeatmap", "block_of", "format_value", "legend_html", "status_text"]

@@ -1,334 +1,332 @@
-"""`TracingView`: the causal-tracing view (a Panel component for the served page and notebooks).
+"""`TracingView`: the causal-tracing view, one Panel component for the served page (`panel serve`
+or the FastAPI mount, `app/dashboard/app.py`) and for notebook cells.
 
     import panel as pn; pn.extension()
     from app.dashboard.tracing.view import TracingView
-    view = TracingView("http://127.0.0.1:8000")      # or an (Async)CausalboardClient
+    view = TracingView("http://127.0.0.1:8000")      # or an (Async)CausalboardClient; default $CAUSALBOARD_URL
     view                                             # the form, live heatmaps, status, exports
-    view.start(view.form().to_request())             # or click "Run sweep"; `await view.wait()`
+    view.param.update(hooks=["pre_attn", "post_block"], layers="0-3")
+    view.param.trigger("run_sweep")                  # = the "Run sweep" button; or view.start(request)
+    state = await view.wait()                        # the finished sweep's `SweepState`
     view.replay([{"type": "summary", **SweepResult.load("sweep.npz").to_summary()}])  # a saved sweep
 
-How it streams (the pattern verified in the project's front-end research notes: Bokeh models
-must not be changed from an asyncio task): `start` launches an asyncio task that reads the SSE events of
-`POST /v1/patch_sweep` (`stream: true`, `keep_source: true`) through `AsyncCausalboardClient`
-and only appends them to a buffer; a 100 ms periodic callback drains the buffer into the pure
-`SweepState` (the sweep's event fold, `app.sweep.fold.SweepFold`), then sends each heatmap ONE
-incremental update. The view talks to the API over HTTP only.
+State as declared parameters
+----------------------------
+* the **form**: `corruption`, `clean_prompt`, `corrupt_prompt`, `subject`, `noise_span`,
+  `noise_scale`, `noise_samples`, `noise_seed`, `answer`, `foil`, `layers`, `positions`,
+  `hooks`, `metric`, `alpha`, `max_concurrency` (`form()` is them as a `SweepForm`);
+* the **actions**: `run_sweep`, `cancel_sweep`, `zoom_in` (events; the buttons trigger them);
+* the **run** (set by the view, read or watch them): `phase` (idle / running / done /
+  cancelled / failed), `sweep_id`, `progress` (0-1), `result` (the `SweepResult` shown),
+  `kept_run` (the clean run kept on the server for zooms), `zoomed` (the shown sweep is a zoom),
+  `selection` (the (layers, positions) rectangle last box-selected on a heatmap), `error`,
+  `status_html`, `export_hook`.
 
-Contracts:
+Every widget is bound to these (`from_param`, `pn.bind`): which controls are enabled, which
+corruption fields are visible and the download names are derived from them, never set from
+several places.
 
-* Starting a sweep cancels the running one; `cancel()` closes the stream (the server then cancels
-  the remaining cells). Events of a replaced sweep are never shown (each run has a generation).
-* The first sweep keeps its clean run on the server (`keep_source`); "Zoom" re-sweeps the
-  rectangle selected on a heatmap (every layer and position inside it) from that run
-  (`source_run` + the same `clean_prompt`). A new, non-zoom sweep drops the kept run
-  (`DELETE /v1/patch_source/{id}`) first; closing the browser session drops it too.
-* Export buttons call `app.figures.export.export_bytes(result, fmt, hook)` on the current result (the
-  manifest: `app.figures.export.export_sweep`); file names are those `export_sweep` uses, so the
-  downloaded files match the manifest's names and checksums.
+How it streams (Bokeh models must not be changed from an asyncio task): `start` launches a task
+that reads the SSE events of `POST /v1/patch_sweep` (`stream: true`, `keep_source: true`) through
+`AsyncCausalboardClient` and only appends them to a buffer; a periodic callback (`FLUSH_MS`)
+folds the buffer into `state` (a `SweepState`, the sweep's one event reader
+`app.sweep.fold.SweepFold`), updates the run parameters, and sends the heatmaps' cells through
+ONE method (`_push_cells`: one `ColumnDataSource.patch` per heatmap, at most every
+`HEATMAP_PUSH_MS` while the sweep runs). The view talks to the API over HTTP only.
+
+Contracts
+---------
+* Starting a sweep cancels the running one; `cancel()` closes the stream and asks the server to
+  cancel (`DELETE /v1/patch_sweep/{id}`), then shows the server's final summary (marked
+  cancelled). Events of a replaced sweep are never shown (each run has a generation).
+* A sweep keeps its clean run on the server (`keep_source`; without room for it, 507, it runs
+  without and says zoom is off); `zoom()` re-sweeps `selection` from that run (`source_run` +
+  the same `clean_prompt`). A new non-zoom sweep drops the kept run first
+  (`DELETE /v1/patch_source/{id}`).
+* Clean-up, wherever the view lives: `aclose()` cancels the running sweep, drops the kept run
+  and closes the client the view made. A served page calls it when its session is destroyed
+  (the tab closed); in a notebook kernel (or any process) whatever is still open at interpreter
+  exit is cancelled and dropped with a synchronous client (`atexit`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import html
 import io
 import logging
-import math
+import threading
 import time
-from typing import Any, Iterable
+import weakref
+from typing import Any, Awaitable, Callable, Iterable
 
 import httpx
 import panel as pn
+import param
 
 from app.client import CausalboardError
-from app.dashboard.tracing.heatmap import METRIC_FORMULAS, SweepHeatmap, legend_html, visible_token
+from app.client.factory import async_client, sync_twin
+from app.dashboard.tracing.downloads import EXPORTS, export_filename, export_payload, export_stem
 from app.dashboard.tracing.form import CORRUPT_PROMPT, METRICS, NOISE_SPAN, SweepForm, default_form, zoom_request
+from app.dashboard.tracing.heatmap import SweepHeatmap, block_of, legend_html
+from app.dashboard.tracing.state import SweepState
+from app.dashboard.tracing.status import PHASES, status_html
+from app.figures.presentation import noise_threshold
+from app.sweep.result import SweepResult
+from app.sweep.schema import SummaryEvent, SweepEventError
 from engine_ext.errors import SpecError
 from engine_ext.sites import HOOKS
-from app.dashboard.tracing.state import SweepState
-from app.sweep.fold import CellStatus
-from app.sweep.schema import SummaryEvent, SweepEventError
 
 logger = logging.getLogger("causalboard.dashboard")
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 #: how often the periodic callback moves the stream's events into the view (status, progress)
 FLUSH_MS = 200
 #: while a sweep runs, heatmap cells are pushed to the browser at most this often: every push
 #: re-renders the figures, and a browser sharing a loaded machine with the engine must keep up
 #: (the final summary and any re-layout are pushed at once)
 HEATMAP_PUSH_MS = 500
-#: download buttons: (label, format); "manifest" is the manifest `export_sweep` writes, the others
-#: are `export_bytes` formats
-EXPORTS = (("PDF", "pdf"), ("SVG", "svg"), ("PNG", "png"), ("CSV", "csv"), ("NPZ", "npz"),
-           ("Manifest JSON", "manifest"), ("ZIP (all files)", "zip"))
-FIGURE_FORMATS = ("pdf", "svg", "png")
+#: how long `cancel()` waits for the server's final summary of the cancelled sweep
+SUMMARY_TIMEOUT_S = 60.0
 
-
-def export_filename(stem: str, fmt: str, hook: str | None) -> str:
-    """The name `app.figures.export.export_sweep` gives the same file (`<stem>_<hook>.pdf`,
-    `<stem>.csv`, `<stem>.manifest.json`, …), so downloads match the manifest's file names."""
-    if fmt in FIGURE_FORMATS:
-        return f"{stem}_{hook}.{fmt}" if hook else f"{stem}.{fmt}"
-    return f"{stem}.manifest.json" if fmt == "manifest" else f"{stem}.{fmt}"
-
-
-def export_payload(result: Any, fmt: str, hook: str | None, stem: str) -> bytes:
-    """The bytes of one download (lazy import: `app.figures.export` is written separately and pulls in
-    matplotlib)."""
-    from app.figures import export
-
-    if fmt != "manifest":
-        return export.export_bytes(result, fmt, hook=hook)
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory(prefix="causalboard-dash-") as tmp:
-        export.export_sweep(result, tmp, stem=stem)
-        return (Path(tmp) / f"{stem}.manifest.json").read_bytes()
-
-
-def make_async_client(client_or_url: Any = DEFAULT_URL, api_key: str | None = None):
-    """An `AsyncCausalboardClient` for a URL, an async client (returned as is) or a sync
-    `CausalboardClient` (same base URL)."""
-    from app.client import AsyncCausalboardClient
-
-    if isinstance(client_or_url, AsyncCausalboardClient):
-        return client_or_url
-    if isinstance(client_or_url, str):
-        return AsyncCausalboardClient(client_or_url, api_key=api_key)
-    base = getattr(client_or_url, "base_url", None)
-    if base is None:
-        raise TypeError(f"expected a URL or a causalboard client, got {type(client_or_url).__name__}")
-    if api_key is None:  # reuse the sync client's bearer key
-        http = getattr(client_or_url, "_http", None)
-        auth = http.headers.get("authorization", "") if http is not None else ""
-        api_key = auth.partition(" ")[2] or None
-    return AsyncCausalboardClient(str(base), api_key=api_key)
+_EVENT, _ENDED, _FAILED = "event", "ended", "failed"
 
 
 class TracingView(pn.viewable.Viewer):
     """The causal-tracing form, live per-hook heatmaps, status, zoom and export."""
 
-    def __init__(self, client_or_url: Any = DEFAULT_URL, *, api_key: str | None = None, form: SweepForm | None = None,
+    # ---- the form ---------------------------------------------------------------------------
+    corruption = param.Selector(default=CORRUPT_PROMPT, objects=[CORRUPT_PROMPT, NOISE_SPAN],
+                                doc="patch a clean prompt into a corrupt one, or Gaussian noise on a span of one prompt")
+    clean_prompt = param.String(default="", doc="the clean prompt (with noise: the prompt that gets noise)")
+    corrupt_prompt = param.String(default="", doc="the corrupt prompt (the sweep's `prompt`)")
+    subject = param.String(default="", doc="the subject's text in the corrupt prompt, marked * (optional)")
+    noise_span = param.String(default="", doc="the text in the prompt whose input embeddings get noise")
+    noise_scale = param.Number(default=3.0, bounds=(0.0, 100.0), doc="noise size, x the embedding matrix's std")
+    noise_samples = param.Integer(default=1, bounds=(1, 32), doc="noise draws averaged per cell")
+    noise_seed = param.Integer(default=0, bounds=(0, None), doc="the first noise draw's seed")
+    answer = param.String(default="", doc="the answer token, verbatim")
+    foil = param.String(default="", doc="the foil token, verbatim (needed for logit_diff)")
+    layers = param.String(default="all", doc="layer selector: all | 0-5 | 0,2,4 | 0:6:2")
+    positions = param.String(default="all", doc="position selector: all | 1-3 | span:TEXT#N")
+    hooks = param.ListSelector(default=["post_block"], objects=list(HOOKS), doc="one heatmap per hook")
+    metric = param.Selector(default="recovered", objects=list(METRICS))
+    alpha = param.Number(default=1.0, bounds=(0.0, 1.0), doc="(1-alpha)·h + alpha·clean")
+    max_concurrency = param.Integer(default=64, bounds=(1, 1024), doc="cells in flight")
+
+    # ---- actions ----------------------------------------------------------------------------
+    run_sweep = param.Event(doc="start a sweep of the form (cancels the running one)")
+    cancel_sweep = param.Event(doc="cancel the running sweep")
+    zoom_in = param.Event(doc="re-sweep `selection` from the kept clean run")
+
+    # ---- the run (set by the view) ----------------------------------------------------------
+    phase = param.Selector(default="idle", objects=list(PHASES), doc="idle, running, done, cancelled or failed")
+    sweep_id = param.String(default=None, allow_None=True, doc="the shown sweep's id")
+    progress = param.Number(default=0.0, bounds=(0.0, 1.0), doc="fraction of the shown sweep's cells done")
+    result = param.ClassSelector(class_=SweepResult, default=None, allow_None=True, doc="the shown sweep's result so far")
+    kept_run = param.String(default=None, allow_None=True, doc="the clean run kept on the server for zooms")
+    zoomed = param.Boolean(default=False, doc="the shown sweep is a zoom of the previous one")
+    selection = param.Parameter(default=None, doc="(layers, positions) box-selected on a heatmap, or None")
+    error = param.String(default="", doc="the last error (bad form input, a failed request)")
+    status_html = param.String(default="", doc="the status block (HTML)")
+    export_hook = param.Selector(default=None, objects=[], allow_None=True, doc="the hook the figure downloads draw")
+
+    def __init__(self, client_or_url: Any = None, *, api_key: str | None = None, form: SweepForm | None = None,
                  hooks: tuple[str, ...] = HOOKS, **params: Any):
-        super().__init__(**params)
-        self.client = make_async_client(client_or_url, api_key)
+        """`client_or_url`: a base URL (default `$CAUSALBOARD_URL`, else http://127.0.0.1:8000),
+        a sync `CausalboardClient` or an `AsyncCausalboardClient` (used as is and not closed by
+        the view); `api_key` for the URL's guarded endpoints. `form`: the initial form (default:
+        a fact pair of the bundled model); `hooks`: the hooks offered; `params`: parameters
+        (e.g. `layers="0-3"`), set after the form."""
+        super().__init__(**{k: v for k, v in params.items() if k == "name"})
+        self.client, self._owns_client = async_client(client_or_url, api_key)
+        self.param.hooks.objects = list(hooks)
+        self.set_form(form or default_form())
+        self.param.update(**{k: v for k, v in params.items() if k != "name"})  # explicit fields win over the form
         self.state = SweepState()
         self.heatmaps: dict[str, SweepHeatmap] = {}
-        self._events: list[tuple[int, dict]] = []  # (generation, event), filled by the stream task
+        self._events: list[tuple[int, str, Any]] = []  # (generation, kind, payload), filled by the stream task
         self._generation = 0
-        self._task: asyncio.Task | None = None
-        self._running = False
-        self._cancelled_by_user = False
-        self._flusher = None
-        self._request: dict | None = None  # the current sweep's request (base of zooms)
-        self._zoom = False
-        self._kept_run: str | None = None  # clean run kept on the server for zooms
+        self._request: dict | None = None  # the shown sweep's request (base of zooms)
+        self._task: asyncio.Task | None = None  # the stream (or summary fetch) task
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the tasks run on
         self._fetching = False  # fetching a cancelled sweep's final summary
+        self._replaying = False
+        self._selected_hook: str | None = None
+        self._flusher = None
         self._heatmaps_pushed_at = 0.0
-        self._done = asyncio.Event()
-        self._build_widgets(form or default_form(), hooks)
+        self._closed = False
+        self._doc = pn.state.curdoc if pn.state.curdoc is not None and pn.state.curdoc.session_context else None
+        self.status_html = status_html(self.state, self.phase)
         self._layout = self._build_layout()
-        if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
+        if self._doc is not None:  # a served page: its session's end cleans up
             pn.state.on_session_destroyed(self._on_session_destroyed)
+        else:  # a notebook kernel or a script: the interpreter's exit does
+            _LIVE_VIEWS.add(self)
 
-    def __panel__(self):
+    def __panel__(self) -> pn.viewable.Viewable:
         return self._layout
 
-    # ---- widgets ------------------------------------------------------------------------------
-    def _build_widgets(self, f: SweepForm, hooks: tuple[str, ...]) -> None:
-        w = pn.widgets
-        full, half, third = dict(width=380), dict(width=185), dict(width=120)
-        self.w_corruption = w.RadioButtonGroup(label="Corruption", options=[CORRUPT_PROMPT, NOISE_SPAN], value=f.corruption, **full)
-        self.w_clean = w.TextInput(label="Clean prompt", value=f.clean_prompt, **full)
-        self.w_corrupt = w.TextInput(label="Corrupt prompt", value=f.corrupt_prompt, **full)
-        self.w_subject = w.TextInput(label="Subject in the corrupt prompt (marked *; optional)", value=f.subject, **full)
-        self.w_noise_span = w.TextInput(label="Noise span (text in the prompt)", value=f.noise_span, **full)
-        self.w_noise_scale = w.FloatInput(label="Noise scale (× emb. std)", value=f.noise_scale, start=0.0, end=100.0, step=0.5, **third)
-        self.w_noise_samples = w.IntInput(label="Noise samples", value=f.noise_samples, start=1, end=32, **third)
-        self.w_noise_seed = w.IntInput(label="Noise seed", value=f.noise_seed, start=0, **third)
-        self.w_answer = w.TextInput(label="Answer (one token, verbatim)", value=f.answer, **half)
-        self.w_foil = w.TextInput(label="Foil (one token)", value=f.foil, **half)
-        self.w_layers = w.TextInput(label="Layers", value=f.layers, placeholder="all | 0-5 | 0,2,4 | 0:6:2", **half)
-        self.w_positions = w.TextInput(label="Positions", value=f.positions, placeholder="all | 1-3 | span:Garrow", **half)
-        self.w_hooks = w.CheckButtonGroup(label="Hooks", options=list(hooks), value=[h for h in f.hooks if h in hooks], **full)
-        self.w_metric = w.Select(label="Metric", options=list(METRICS), value=f.metric, **half)
-        self.w_alpha = w.FloatInput(label="alpha: (1−α)·h + α·clean", value=f.alpha, start=0.0, end=1.0, step=0.1, **half)
-        self.w_concurrency = w.IntInput(label="Cells in flight", value=f.max_concurrency, start=1, end=1024, **half)
-        self.b_run = w.Button(label="Run sweep", color="primary", width=120)
-        self.b_cancel = w.Button(label="Cancel", color="warning", disabled=True, width=120)
-        self.b_zoom = w.Button(label="Zoom into selection", disabled=True, width=250,
-                               description="Drag a box over a heatmap, then re-sweep every layer × position inside it")
-        self.b_run.on_click(lambda _e: self.run_form())
-        self.b_cancel.on_click(lambda _e: self.cancel())
-        self.b_zoom.on_click(lambda _e: self.zoom())
-        self.w_corruption.param.watch(lambda _e: self._show_corruption_fields(), "value")
-        self.error = pn.pane.Alert("", alert_type="danger", visible=False, width=380)
-        self.progress = pn.indicators.Progress(value=0, max=1000, sizing_mode="stretch_width", height=14, bar_color="primary")
-        self.status = pn.pane.HTML(self._status_html(), sizing_mode="stretch_width")
-        self.key = pn.pane.HTML(legend_html(), sizing_mode="stretch_width", min_height=30)
-        self.maps = pn.FlexBox(pn.pane.HTML('<p style="color:#666">Run a sweep to see one heatmap per hook.</p>'),
-                               flex_wrap="wrap", gap="8px", sizing_mode="stretch_width")
-        self.w_export_hook = w.Select(label="Figure of hook", options=list(f.hooks), width=150)
-        self.w_export_hook.param.watch(lambda _e: self._update_controls(), "value")
-        self.downloads = [w.FileDownload(label=label, filename=export_filename("sweep", fmt, None), callback=self._exporter(fmt),
-                                         embed=False, disabled=True, width=118) for label, fmt in EXPORTS]
-        self._show_corruption_fields()
-
-    def _build_layout(self) -> pn.viewable.Viewable:
-        form = pn.Column(
-            self.w_corruption, self.w_clean, self.w_corrupt, self.w_subject, self.w_noise_span,
-            pn.Row(self.w_noise_scale, self.w_noise_samples, self.w_noise_seed),
-            pn.Row(self.w_answer, self.w_foil), pn.Row(self.w_layers, self.w_positions),
-            self.w_hooks, pn.Row(self.w_metric, self.w_alpha), self.w_concurrency,
-            pn.Row(self.b_run, self.b_cancel), self.b_zoom, self.error,
-            width=400, min_width=400,
-        )
-        export = pn.FlexBox(self.w_export_hook, *self.downloads, flex_wrap="wrap", align_items="flex-end", gap="6px",
-                            sizing_mode="stretch_width")
-        results = pn.Column(self.progress, self.status, self.key, self.maps, pn.pane.HTML("<b>Export</b>"), export,
-                            sizing_mode="stretch_width", min_width=600)
-        return pn.Row(form, results, sizing_mode="stretch_width")
-
-    def _show_corruption_fields(self) -> None:
-        noise = self.w_corruption.value == NOISE_SPAN
-        self.w_corrupt.visible = self.w_subject.visible = not noise
-        for wid in (self.w_noise_span, self.w_noise_scale, self.w_noise_samples, self.w_noise_seed):
-            wid.visible = noise
-        self.w_clean.label = "Prompt (gets noise on the span)" if noise else "Clean prompt"
-
+    # ---- the form ----------------------------------------------------------------------------
     def form(self) -> SweepForm:
         """The form's current values."""
         return SweepForm(
-            clean_prompt=self.w_clean.value, corrupt_prompt=self.w_corrupt.value, corruption=self.w_corruption.value,
-            subject=self.w_subject.value,
-            noise_span=self.w_noise_span.value, noise_scale=float(self.w_noise_scale.value or 0.0),
-            noise_samples=int(self.w_noise_samples.value or 1), noise_seed=int(self.w_noise_seed.value or 0),
-            answer=self.w_answer.value, foil=self.w_foil.value, layers=self.w_layers.value, positions=self.w_positions.value,
-            hooks=list(self.w_hooks.value), metric=self.w_metric.value, alpha=float(self.w_alpha.value),
-            max_concurrency=int(self.w_concurrency.value or 64),
+            clean_prompt=self.clean_prompt, corrupt_prompt=self.corrupt_prompt, corruption=self.corruption,
+            subject=self.subject, noise_span=self.noise_span, noise_scale=float(self.noise_scale),
+            noise_samples=int(self.noise_samples), noise_seed=int(self.noise_seed), answer=self.answer, foil=self.foil,
+            layers=self.layers, positions=self.positions, hooks=list(self.hooks), metric=self.metric,
+            alpha=float(self.alpha), max_concurrency=int(self.max_concurrency),
         )
 
     def set_form(self, f: SweepForm) -> None:
         """Fill the form (e.g. with another model's default pair)."""
-        self.w_corruption.value = f.corruption
-        self.w_clean.value, self.w_corrupt.value, self.w_subject.value = f.clean_prompt, f.corrupt_prompt, f.subject
-        self.w_noise_span.value = f.noise_span
-        self.w_answer.value, self.w_foil.value = f.answer, f.foil
+        self.param.update(
+            corruption=f.corruption, clean_prompt=f.clean_prompt, corrupt_prompt=f.corrupt_prompt, subject=f.subject,
+            noise_span=f.noise_span, noise_scale=f.noise_scale, noise_samples=f.noise_samples, noise_seed=f.noise_seed,
+            answer=f.answer, foil=f.foil, layers=f.layers, positions=f.positions, metric=f.metric, alpha=f.alpha,
+            max_concurrency=f.max_concurrency,
+            hooks=[h for h in f.hooks if h in self.param.hooks.objects] or [self.param.hooks.objects[-1]],
+        )
 
-    # ---- actions ------------------------------------------------------------------------------
+    def set_hooks(self, hooks: Iterable[str]) -> None:
+        """Offer `hooks` (e.g. the server's, from `GET /v1/status`); keeps the selected ones it
+        still offers (else selects the last)."""
+        hooks = list(hooks)
+        if not hooks:
+            return
+        kept = [h for h in self.hooks if h in hooks] or [hooks[-1]]
+        self.param.hooks.objects = hooks
+        self.hooks = kept
+
+    # ---- actions -----------------------------------------------------------------------------
+    @param.depends("run_sweep", watch=True)
     def run_form(self) -> None:
-        """Start a sweep from the form (the Run button)."""
+        """Start a sweep of the form (the Run button); a bad field is shown, not sent."""
         try:
             request = self.form().to_request()
         except SpecError as exc:
-            self._show_error(f"{exc.field}: {exc.message}")
+            self.error = f"{exc.field}: {exc.message}"
             return
         self.start(request)
 
     def start(self, request: dict, *, zoom: bool = False) -> None:
-        """Start streaming a sweep of `request` (a `POST /v1/patch_sweep` body); cancels the
-        running one. A non-zoom sweep first drops the clean run kept by the previous one."""
+        """Stream a sweep of `request` (a `POST /v1/patch_sweep` body); cancels the running one.
+        A non-zoom sweep first drops the clean run kept by the previous one."""
         self._stop_stream()
         self._generation += 1
         gen = self._generation
-        self._events.clear()
-        self.state = SweepState()
-        self._request, self._zoom = dict(request), zoom
-        self._cancelled_by_user = False
-        self._running = True
-        self._done.clear()
         drop = None
         if not zoom:
-            drop, self._kept_run = self._kept_run, None
+            drop = self.kept_run
+        self.state = SweepState()
+        self._request = dict(request)
+        self._set_heatmaps({})
+        self.param.update(phase="running", zoomed=zoom, error="", sweep_id=None, progress=0.0, result=None,
+                          kept_run=self.kept_run if zoom else None)
+        self._refresh_status()
         body = {**request, "stream": True, "keep_source": True}
-        self._show_error(None)
-        self._update_controls()
-        self.status.object = self._status_html()
         self._ensure_flusher()
+        self._spawn(lambda: self._consume(body, gen, drop))
 
-        async def consume() -> None:
-            await self._consume(body, gen, drop)
-
-        pn.state.execute(consume)
-
+    @param.depends("cancel_sweep", watch=True)
     def cancel(self) -> None:
-        """Cancel the running sweep: close its stream (the server cancels the remaining cells),
-        then show the server's final summary of it (marked cancelled) once it is written."""
-        if not self._running:
+        """Cancel the running sweep: close its stream and cancel it on the server, then show the
+        server's final summary of it (marked cancelled) once it is written."""
+        if self.phase != "running":
             return
-        self._stop_stream()
-        self._cancelled_by_user = True
-        self._finish_run()
-        self._flush()
-        sweep_id = self.state.sweep_id
+        sweep_id = self._stop_stream()
+        self.phase = "cancelled"
+        self._render()
         if sweep_id is not None:
             self._fetching = True
-            self._ensure_flusher()
             gen = self._generation
+            self._ensure_flusher()
+            self._spawn(lambda: self._fetch_summary(sweep_id, gen))
 
-            async def fetch() -> None:
-                await self._fetch_summary(sweep_id, gen)
-
-            pn.state.execute(fetch)
-
+    @param.depends("zoom_in", watch=True)
     def zoom(self) -> None:
-        """Re-sweep the rectangle selected on a heatmap from the kept clean run."""
-        block = next((b for b in (hm.selected_block() for hm in self.heatmaps.values()) if b is not None), None)
-        if block is None:
-            self._show_error("zoom: select cells first (drag a box over a heatmap with the box-select tool)")
+        """Re-sweep the `selection` rectangle from the kept clean run."""
+        if self.selection is None:
+            self.error = "zoom: select cells first (drag a box over a heatmap with the box-select tool)"
             return
-        if self._request is None or self._kept_run is None:
-            self._show_error("zoom: the previous sweep's clean run is not kept on the server (it was cancelled or failed); run a sweep first")
+        if self._request is None or self.kept_run is None:
+            self.error = ("zoom: the previous sweep's clean run is not kept on the server (it was cancelled or "
+                          "failed); run a sweep first")
             return
-        layers, positions = block
-        self.start(zoom_request(self._request, layers, positions, self._kept_run), zoom=True)
+        layers, positions = self.selection
+        self.start(zoom_request(self._request, layers, positions, self.kept_run), zoom=True)
 
     def replay(self, events: Iterable[dict]) -> SweepState:
-        """Show recorded events (a saved stream, or `[{"type": "summary", **summary}]` for a
-        saved result) instead of a live sweep; cancels the running one. Returns the state."""
+        """Show recorded events (a saved stream, or `[{"type": "summary", **summary}]` for a saved
+        result) instead of a live sweep; cancels the running one. The kept run stays as it is
+        (a recorded sweep's run may be long gone: never zoom from it). Returns the state."""
         self._stop_stream()
-        self._running = False
+        self._generation += 1
         self.state = SweepState()
-        self._request, self._zoom, self._cancelled_by_user = None, False, False
-        self._show_error(None)
-        kept = self._kept_run  # a recorded summary's run may be long gone: never zoom from it
-        self._events = [(self._generation, dict(ev)) for ev in events]
-        self._flush()
-        self._kept_run = kept
-        self._update_controls()
+        self._request = None
+        self._set_heatmaps({})
+        self.param.update(phase="idle", zoomed=False, error="", sweep_id=None, progress=0.0, result=None)
+        self._events = [(self._generation, _EVENT, dict(ev)) for ev in events]
+        self._replaying = True
+        try:
+            self._flush()
+        finally:
+            self._replaying = False
+        if self.state.finished:
+            self.phase = self._end_phase()
+            self._refresh_status()
         return self.state
 
     async def wait(self, timeout: float | None = None) -> SweepState:
-        """Wait until the running sweep has ended and its events are shown (notebooks)."""
-        if self._running:
-            await asyncio.wait_for(self._done.wait(), timeout)
-        while any(g == self._generation for g, _ in self._events):  # let the periodic callback show them
-            await asyncio.sleep(FLUSH_MS / 1000)
+        """Wait until the running sweep has ended (and, after a cancel, until its final summary
+        is shown); returns `state`."""
+
+        async def settled() -> None:
+            while self.phase == "running" or self._fetching or self._has_pending():
+                await asyncio.sleep(FLUSH_MS / 1000)
+
+        await asyncio.wait_for(settled(), timeout)
         return self.state
 
     @property
     def running(self) -> bool:
-        return self._running
+        return self.phase == "running"
 
-    @property
-    def kept_run(self) -> str | None:
-        """The clean run kept on the server for zooms (None when there is none)."""
-        return self._kept_run
+    async def aclose(self) -> None:
+        """Cancel the running sweep, drop the kept clean run and close the client (when the view
+        made it). The view is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE_VIEWS.discard(self)
+        sweep_id = self._stop_stream(notify_server=False)
+        try:
+            self._stop_flusher()
+        except Exception as exc:  # a destroyed session may have dropped its callbacks already
+            logger.debug("stopping the periodic callback: %r", exc)
+        if sweep_id is not None:
+            self.phase = "cancelled"
+        run, self.kept_run = self.kept_run, None
+        try:
+            if sweep_id is not None:
+                with contextlib.suppress(CausalboardError, httpx.HTTPError):
+                    await self.client.cancel_sweep(sweep_id)
+            if run is not None:
+                with contextlib.suppress(CausalboardError, httpx.HTTPError):
+                    await self.client.drop_source(run)
+        finally:
+            if self._owns_client:
+                await self.client.aclose()
 
-    # ---- the stream task (no Bokeh model is touched here) ---------------------------------
+    # ---- the stream task (no Bokeh model is touched here) -------------------------------------
     async def _consume(self, body: dict, gen: int, drop: str | None) -> None:
-
-        def push(ev: dict) -> None:  # events of a replaced sweep are dropped here
+        def push(kind: str, payload: Any = None) -> None:  # events of a replaced sweep are dropped here
             if gen == self._generation:
-                self._events.append((gen, ev))
+                self._events.append((gen, kind, payload))
 
         if gen != self._generation:
             return
-        self._task = asyncio.current_task()
-        self._task_loop = asyncio.get_running_loop()
         try:
             if drop is not None:
                 with contextlib.suppress(CausalboardError, httpx.HTTPError):
@@ -342,25 +340,25 @@ class TracingView(pn.viewable.Viewer):
                     raise
                 # keeping the clean run of every hook (for zooms) does not fit the source store:
                 # run the sweep without keeping it
-                push({"type": "warning", "message": f"zoom is off for this sweep: {exc.message}"})
+                push(_EVENT, {"type": "warning", "message": f"zoom is off for this sweep: {exc.message}"})
                 await self._stream({**body, "keep_source": False}, gen, push)
         except CausalboardError as exc:
-            push({"type": "_failed", "message": exc.message if exc.status else str(exc)})
+            push(_FAILED, exc.message if exc.status else str(exc))
         except httpx.HTTPError as exc:
-            push({"type": "_failed", "message": f"connection to the API failed: {exc!r}"})
+            push(_FAILED, f"connection to the API failed: {exc!r}")
         finally:
-            push({"type": "_ended"})
+            push(_ENDED)
 
-    async def _stream(self, body: dict, gen: int, push: Any) -> None:
+    async def _stream(self, body: dict, gen: int, push: Callable[..., None]) -> None:
         async with contextlib.aclosing(self.client.stream_sweep(**body)) as stream:
             async for ev in stream:
                 if gen != self._generation:
                     return  # closing the stream cancels the sweep on the server
-                push(ev)
+                push(_EVENT, ev)
 
-    async def _fetch_summary(self, sweep_id: str, gen: int, timeout: float = 60.0) -> None:
+    async def _fetch_summary(self, sweep_id: str, gen: int) -> None:
         """After a cancel: follow the sweep's replay stream (`GET /v1/patch_sweep/{id}/events`)
-        until the server has written its summary (marked cancelled), and show that summary."""
+        until the server has written its summary (marked cancelled); the fold takes it from there."""
 
         async def final_summary() -> dict | None:
             async with contextlib.aclosing(self.client.sweep_events(sweep_id)) as events:
@@ -370,108 +368,160 @@ class TracingView(pn.viewable.Viewer):
             return None
 
         try:
-            summary = await asyncio.wait_for(final_summary(), timeout)
+            summary = await asyncio.wait_for(final_summary(), SUMMARY_TIMEOUT_S)
             if summary is not None and gen == self._generation:
-                self._events.append((gen, summary))
+                self._events.append((gen, _EVENT, summary))
         except (CausalboardError, httpx.HTTPError, asyncio.TimeoutError) as exc:
             logger.warning("could not read the final summary of sweep %s: %s", sweep_id, exc)
         finally:
             self._fetching = False
 
-    def _stop_stream(self) -> None:
+    def _stop_stream(self, *, notify_server: bool = True) -> str | None:
+        """Retire the current run (its events are no longer shown) and stop its task; a sweep
+        still running is cancelled on the server too (`notify_server=False`: the caller does
+        that). Returns the id of the sweep that was running (None when none was, or before its
+        `start` event arrived)."""
+        self._fold_pending()  # the start event may be waiting in the buffer: it names the sweep
+        sweep_id = self.state.sweep_id if self.phase == "running" else None
         self._generation += 1
+        self._fetching = False
         task, self._task = self._task, None
         if task is not None and not task.done():
-            # Bokeh may call us from a worker thread: cancel on the task's own loop
-            self._task_loop.call_soon_threadsafe(task.cancel)
-            sweep_id = self.state.sweep_id
-            if sweep_id is not None:
-                # closing the stream makes the server cancel the sweep; say it explicitly too, so
-                # the cells stop even if the disconnect is noticed late
-                async def cancel_on_server() -> None:
-                    with contextlib.suppress(CausalboardError, httpx.HTTPError):
-                        await self.client.cancel_sweep(sweep_id)
+            _cancel_task(task)
+        if notify_server and sweep_id is not None and self._loop is not None and self._loop.is_running():
+            # closing the stream makes the server cancel the sweep; say it explicitly too, so the
+            # cells stop even if the disconnect is noticed late
+            async def cancel_on_server() -> None:
+                with contextlib.suppress(CausalboardError, httpx.HTTPError):
+                    await self.client.cancel_sweep(sweep_id)
 
-                asyncio.run_coroutine_threadsafe(cancel_on_server(), self._task_loop)
+            asyncio.run_coroutine_threadsafe(cancel_on_server(), self._loop)
+        return sweep_id
 
-    # ---- periodic flush (holds the Bokeh document lock when served) -------------------------
+    def _spawn(self, make: Callable[[], Awaitable[Any]]) -> None:
+        """Run `make()` as the view's task on its loop. Called from the loop itself (a notebook
+        kernel, tests), from a Bokeh callback, or from a Bokeh worker thread (then the task is
+        handed to the view's loop, or to the session's next tick)."""
+
+        async def runner() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._task = asyncio.current_task()
+            await make()
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            self._task = loop.create_task(runner())
+        elif self._loop is not None and self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(runner(), self._loop)
+        elif self._doc is not None:
+            from panel.io.state import set_curdoc
+
+            with set_curdoc(self._doc):
+                pn.state.execute(runner)
+        else:
+            raise RuntimeError("TracingView needs a running event loop (a notebook kernel, a served page or "
+                               "an async function)")
+
+    # ---- folding and showing (periodic callback; holds the Bokeh document lock when served) ----
     def _ensure_flusher(self) -> None:
         if self._flusher is None or not self._flusher.running:
-            self._flusher = pn.state.add_periodic_callback(self._flush, period=FLUSH_MS, start=True)
+            if self._doc is not None:
+                from panel.io.state import set_curdoc
+
+                with set_curdoc(self._doc):
+                    self._flusher = pn.state.add_periodic_callback(self._flush, period=FLUSH_MS, start=True)
+            else:
+                self._flusher = pn.state.add_periodic_callback(self._flush, period=FLUSH_MS, start=True)
+
+    def _stop_flusher(self) -> None:
+        if self._flusher is not None:
+            self._flusher.stop()
+
+    def _has_pending(self) -> bool:
+        return any(g == self._generation for g, _k, _p in self._events)
 
     def _flush(self) -> None:
+        self._fold_pending()
+        self._render()
+        if self.phase != "running" and not self._fetching and not self._has_pending():
+            self._stop_flusher()
+
+    def _fold_pending(self) -> None:
+        """Fold the buffered events of the current run into `state` (pure: no Bokeh model is
+        touched) and move `phase` when its stream ended or failed."""
         pending, self._events = self._events, []
-        for gen, ev in pending:
+        for gen, kind, payload in pending:
             if gen != self._generation:
                 continue
-            kind = ev.get("type")
-            if kind == "_ended":
-                self._finish_run()
-            elif kind == "_failed":
-                self._show_error(ev["message"])
-                self._finish_run()
+            if kind == _ENDED:
+                if self.phase == "running":
+                    if not self.state.finished and not self.state.errors and not self.error:
+                        self.error = "the sweep's stream ended without a summary"
+                    self.phase = self._end_phase()
+            elif kind == _FAILED:
+                self.error = payload
+                if self.phase == "running":
+                    self.phase = "failed"
             else:
                 try:
-                    folded = self.state.apply(ev)
+                    folded = self.state.apply(payload)
                 except SweepEventError as exc:
-                    self._show_error(f"malformed sweep event: {exc}")
+                    self.error = f"malformed sweep event: {exc}"
                     continue
                 if isinstance(folded, SummaryEvent):
-                    self._adopt_summary(folded)
-        rebuilt = self.state.axes_changed
-        if rebuilt:
-            self.state.axes_changed = False
-            self._build_heatmaps()
-            self._update_controls()
-        now = time.monotonic()
-        if rebuilt or not self._running or now - self._heatmaps_pushed_at >= HEATMAP_PUSH_MS / 1000:
-            self._heatmaps_pushed_at = now
-            self._update_heatmaps()
-        self.progress.value = int(1000 * self.state.fraction_done)
-        self.status.object = self._status_html()
-        if not self._running and not self._fetching and not self._events and self._flusher is not None:
-            self._flusher.stop()
-            self._update_controls()
+                    self._on_summary(folded)
 
-    def _finish_run(self) -> None:
-        self._running = False
-        self._update_controls()
-        self._done.set()
+    def _end_phase(self) -> str:
+        """The phase a run ends in, from what its events said."""
+        s = self.state
+        if s.errors or (self.error and not s.finished):
+            return "failed"
+        if s.finished:
+            return "cancelled" if s.cancelled else "done"
+        return "cancelled" if self.phase == "cancelled" else "failed"
 
-    def _adopt_summary(self, summary: SummaryEvent) -> None:
+    def _on_summary(self, summary: SummaryEvent) -> None:
+        if self.phase == "running":
+            self.phase = self._end_phase()
+        if self._replaying:
+            return
         kept = summary.source_kept
         if kept is None:  # servers without the field: kept when auto-captured and not cancelled
             kept = summary.auto_captured and not summary.cancelled
         new = summary.captured_source_run if kept else None
-        if new and self._kept_run and new != self._kept_run:
-            self._drop_later(self._kept_run)
+        if new and self.kept_run and new != self.kept_run:
+            self._drop_later(self.kept_run)
         if new:
-            self._kept_run = new
-        elif not self._zoom:
-            self._kept_run = None
+            self.kept_run = new
+        elif not self.zoomed:
+            self.kept_run = None
 
-    def _build_heatmaps(self) -> None:
-        r = self.state.result
-        marked = set(r.meta.get("subject_positions") or [])
-        self.heatmaps = {}
-        panes = []
-        for hook in r.hooks:
-            hm = SweepHeatmap(hook, r.layers, r.positions, r.token_strings, r.metric, baselines=self._baselines(),
-                              title=f"{hook} · {r.metric}" + (" · zoom" if self._zoom else ""), marked=marked)
-            self.heatmaps[hook] = hm
-            panes.append(pn.pane.Bokeh(hm.figure))
-        self.maps.objects = panes
-        self.w_export_hook.options = list(r.hooks)
-        self.w_export_hook.value = r.hooks[0]
+    def _render(self) -> None:
+        """Show the fold: rebuild the heatmaps when the axes changed, push changed cells, and
+        update the run parameters and the status."""
+        s = self.state
+        rebuilt = s.axes_changed
+        if rebuilt:
+            s.axes_changed = False
+            self._set_heatmaps({hook: SweepHeatmap.from_result(s.result, hook, zoom=self.zoomed)
+                                for hook in s.result.hooks})
+            self.param.export_hook.objects = list(s.result.hooks)
+            self.export_hook = s.result.hooks[0]
+        now = time.monotonic()
+        if rebuilt or self.phase != "running" or now - self._heatmaps_pushed_at >= HEATMAP_PUSH_MS / 1000:
+            self._heatmaps_pushed_at = now
+            self._push_cells()
+        if s.result is not self.result:
+            self.result = s.result
+        self.param.update(sweep_id=s.sweep_id, progress=s.fraction_done)
+        self._refresh_status()
 
-    def _baselines(self) -> list[float | None]:
-        """Values the colour scale must span: the clean/corrupt baselines for raw metrics."""
-        r = self.state.result
-        if r is None or r.metric in ("recovered", "logit_diff"):
-            return []
-        return [self.state.clean, self.state.corrupt]
-
-    def _update_heatmaps(self) -> None:
+    def _push_cells(self) -> None:
+        """THE way cells reach the browser: the cells the fold changed since the last push, one
+        `ColumnDataSource` update per heatmap."""
         dirty = self.state.take_dirty()
         if not dirty or not self.heatmaps:
             return
@@ -483,163 +533,174 @@ class TracingView(pn.viewable.Viewer):
             if hook in self.heatmaps:
                 self.heatmaps[hook].update(cells)
 
-    def _update_controls(self) -> None:
-        self.b_cancel.disabled = not self._running
-        self.b_zoom.disabled = self._running or self._kept_run is None
-        has_result = self.state.result is not None  # during a sweep too: cells not run yet are "pending"
-        for d in self.downloads:
-            d.disabled = not has_result
-        if has_result:
-            stem, hook = self._export_stem(), self._export_hook()
-            for d, (_label, fmt) in zip(self.downloads, EXPORTS):
-                d.filename = export_filename(stem, fmt, hook)
-
-    def _export_stem(self) -> str:
-        sid = self.state.sweep_id
-        return f"sweep-{sid}" if sid else "sweep"
-
-    def _export_hook(self) -> str | None:
+    def _refresh_status(self) -> None:
+        self.status_html = status_html(self.state, self.phase, zoomed=self.zoomed, kept_run=self.kept_run)
         r = self.state.result
-        hook = self.w_export_hook.value
-        return hook if r is not None and hook in r.hooks else (r.hooks[0] if r is not None else None)
+        self._key.object = legend_html(noise_threshold(r.meta) if r is not None else None)
 
-    def _show_error(self, message: str | None) -> None:
-        self.error.object = html.escape(message or "")
-        self.error.visible = bool(message)
+    def _set_heatmaps(self, heatmaps: dict[str, SweepHeatmap]) -> None:
+        self.heatmaps = heatmaps
+        self._selected_hook = None
+        self.selection = None
+        for hook, hm in heatmaps.items():
+            hm.source.selected.on_change("indices", self._selection_watcher(hook, hm))
+        self._maps.objects = [pn.pane.Bokeh(hm.figure) for hm in heatmaps.values()] or [self._maps_hint]
 
-    # ---- export ---------------------------------------------------------------------------
-    def _exporter(self, fmt: str):
+    def _selection_watcher(self, hook: str, hm: SweepHeatmap) -> Callable[[str, Any, Any], None]:
+        def on_select(_attr: str, _old: Any, new: Any) -> None:
+            if self.heatmaps.get(hook) is not hm:
+                return  # a replaced figure
+            block = block_of(new or [], hm.layers, hm.positions)
+            if block is not None:
+                self._selected_hook, self.selection = hook, block
+            elif self._selected_hook == hook:
+                self._selected_hook, self.selection = None, None
+
+        return on_select
+
+    # ---- layout ------------------------------------------------------------------------------
+    def _build_layout(self) -> pn.viewable.Viewable:
+        w = pn.widgets
+        full, half, third = dict(width=380), dict(width=185), dict(width=120)
+        noise = pn.bind(lambda c: c == NOISE_SPAN, self.param.corruption)
+        pairs = pn.bind(lambda c: c != NOISE_SPAN, self.param.corruption)
+        clean_label = pn.bind(lambda c: "Prompt (gets noise on the span)" if c == NOISE_SPAN else "Clean prompt",
+                              self.param.corruption)
+        self.b_run = w.Button.from_param(self.param.run_sweep, label="Run sweep", color="primary", width=120)
+        self.b_cancel = w.Button.from_param(self.param.cancel_sweep, label="Cancel", color="warning", width=120,
+                                            disabled=pn.bind(lambda phase: phase != "running", self.param.phase))
+        self.b_zoom = w.Button.from_param(
+            self.param.zoom_in, label="Zoom into selection", width=250,
+            description="Drag a box over a heatmap, then re-sweep every layer × position inside it",
+            disabled=pn.bind(lambda phase, kept: phase == "running" or kept is None, self.param.phase, self.param.kept_run))
+        form = pn.Column(
+            w.RadioButtonGroup.from_param(self.param.corruption, **full),
+            w.TextInput.from_param(self.param.clean_prompt, label=clean_label, **full),
+            w.TextInput.from_param(self.param.corrupt_prompt, label="Corrupt prompt", visible=pairs, **full),
+            w.TextInput.from_param(self.param.subject, label="Subject in the corrupt prompt (marked *; optional)",
+                                   visible=pairs, **full),
+            w.TextInput.from_param(self.param.noise_span, label="Noise span (text in the prompt)", visible=noise, **full),
+            pn.Row(w.FloatInput.from_param(self.param.noise_scale, label="Noise scale (× emb. std)", step=0.5,
+                                           description=None, visible=noise, **third),
+                   w.IntInput.from_param(self.param.noise_samples, label="Noise samples", visible=noise, **third),
+                   w.IntInput.from_param(self.param.noise_seed, label="Noise seed", visible=noise, **third)),
+            pn.Row(w.TextInput.from_param(self.param.answer, label="Answer (one token, verbatim)", **half),
+                   w.TextInput.from_param(self.param.foil, label="Foil (one token)", **half)),
+            pn.Row(w.TextInput.from_param(self.param.layers, label="Layers", placeholder="all | 0-5 | 0,2,4 | 0:6:2", **half),
+                   w.TextInput.from_param(self.param.positions, label="Positions", placeholder="all | 1-3 | span:Garrow", **half)),
+            w.CheckButtonGroup.from_param(self.param.hooks, label="Hooks", **full),
+            pn.Row(w.Select.from_param(self.param.metric, label="Metric", **half),
+                   w.FloatInput.from_param(self.param.alpha, label="alpha: (1−α)·h + α·clean", step=0.1, **half)),
+            w.IntInput.from_param(self.param.max_concurrency, label="Cells in flight", **half),
+            pn.Row(self.b_run, self.b_cancel), self.b_zoom,
+            pn.pane.Alert(pn.bind(html.escape, self.param.error), alert_type="danger",
+                          visible=pn.bind(bool, self.param.error), width=380),
+            width=400, min_width=400,
+        )
+        downloads = [w.FileDownload(label=label, callback=self._exporter(fmt), embed=False, width=118,
+                                    filename=pn.bind(self._download_name, fmt, self.param.result, self.param.export_hook),
+                                    disabled=pn.bind(lambda r: r is None, self.param.result))
+                     for label, fmt in EXPORTS]
+        export = pn.FlexBox(w.Select.from_param(self.param.export_hook, label="Figure of hook", width=150), *downloads,
+                            flex_wrap="wrap", align_items="flex-end", gap="6px", sizing_mode="stretch_width")
+        self._key = pn.pane.HTML(legend_html(), sizing_mode="stretch_width", min_height=30)
+        self._maps_hint = pn.pane.HTML('<p style="color:#666">Run a sweep to see one heatmap per hook.</p>')
+        self._maps = pn.FlexBox(self._maps_hint, flex_wrap="wrap", gap="8px", sizing_mode="stretch_width")
+        results = pn.Column(
+            pn.indicators.Progress(value=pn.bind(lambda p: int(1000 * p), self.param.progress), max=1000,
+                                   sizing_mode="stretch_width", height=14, bar_color="primary"),
+            pn.pane.HTML(self.param.status_html, sizing_mode="stretch_width"),
+            self._key, self._maps, pn.pane.HTML("<b>Export</b>"), export,
+            sizing_mode="stretch_width", min_width=600)
+        self.downloads = downloads
+        return pn.Row(form, results, sizing_mode="stretch_width")
+
+    # ---- export ------------------------------------------------------------------------------
+    @staticmethod
+    def _figure_hook(result: SweepResult | None, hook: str | None) -> str | None:
+        """The hook the figure downloads draw: `export_hook` when it is one of the result's."""
+        if result is None:
+            return None
+        return hook if hook in result.hooks else result.hooks[0]
+
+    def _download_name(self, fmt: str, result: SweepResult | None, hook: str | None) -> str:
+        sweep_id = result.meta.get("sweep_id") if result is not None else None
+        return export_filename(export_stem(sweep_id), fmt, self._figure_hook(result, hook))
+
+    def _exporter(self, fmt: str) -> Callable[[], io.BytesIO]:
         def produce() -> io.BytesIO:
             r = self.state.result
             if r is None:
                 raise RuntimeError("no sweep to export yet")
-            return io.BytesIO(export_payload(r, fmt, self._export_hook(), self._export_stem()))
+            return io.BytesIO(export_payload(r, fmt, self._figure_hook(r, self.export_hook),
+                                             export_stem(r.meta.get("sweep_id"))))
 
         return produce
 
-    # ---- status ---------------------------------------------------------------------------
-    def _status_html(self) -> str:
-        s = self.state
-        r = s.result
-        if r is None:
-            phase = "starting (capturing the clean run and baselines)…" if self._running else "idle"
-            if self._cancelled_by_user:
-                phase = "cancelled before the first cell"
-            return _status_block([("Sweep", _span("phase", phase))])
-        if s.finished:
-            phase = "cancelled" if s.cancelled else "finished"
-        elif self._cancelled_by_user:
-            phase = "cancelled"
-        else:
-            phase = "running"
-        rate = s.cells_per_s
-        progress = (f'<span data-cb="progress" data-done="{s.cells_done}" data-total="{s.cells_total}" '
-                    f'data-final="{int(s.finished)}">{s.cells_done}/{s.cells_total} cells</span>'
-                    f" · {('%.1f cells/s' % rate) if rate else '— cells/s'} · {s.elapsed_s:.1f} s · "
-                    + _span("phase", phase))
-        if s.cells_voided:
-            progress += f" · {s.cells_voided} voided"
-        if s.noise_floor is None:
-            noise = _span("noise-floor", "not measured" if s.finished or self._cancelled_by_user else "pending")
-        else:
-            noise = (_span("noise-floor", f"{s.noise_floor:.4g}") + f" ({html.escape(r.metric)} units) · "
-                     f"{s.count(CellStatus.NOISE)} cells within it")
-        rows = [
-            ("Progress", progress),
-            ("Noise floor", noise),
-            ("Alignment", self._alignment_html()),
-            ("Checksum", _span("checksum", s.checksum_text())),
-            ("Baselines", self._baselines_html()),
-            ("Sweep", self._sweep_html()),
-        ]
-        for w in s.warnings:
-            rows.append(("Note", html.escape(w)))
-        for e in s.errors:
-            rows.append(("Error", f'<span style="color:#b00">{html.escape(e)}</span>'))
-        return _status_block(rows)
-
-    def _alignment_html(self) -> str:
-        s, r = self.state, self.state.result
-        if r.meta.get("noise"):
-            pos = r.meta["noise"].get("positions") or []
-            return _span("alignment", f"same prompt (noise on positions {', '.join(map(str, pos))})")
-        a = s.alignment
-        if not a:
-            return _span("alignment", "identity (stored run)")
-        unaligned = list(a.unaligned_positions)
-        toks = r.meta.get("token_strings") or []
-        if unaligned:
-            shown = ", ".join(f"{p}:{html.escape(visible_token(toks[p]))}" if p < len(toks) else str(p) for p in unaligned)
-            un = f"unaligned (skipped) positions: {shown}"
-        else:
-            un = "no unaligned positions"
-        text = f"clean {a.n_clean} / corrupt {a.n_corrupt} tokens · prefix {a.prefix_len} · suffix {a.suffix_len} · {un}"
-        return _span("alignment", text)
-
-    def _baselines_html(self) -> str:
-        s, r = self.state, self.state.result
-        basis = r.meta.get("recovered_basis") or r.metric
-        def fmt(v: float | None) -> str:
-            return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
-        ans, foil = r.meta.get("answer_token"), r.meta.get("foil_token")
-        out = f"clean {html.escape(basis)} {fmt(s.clean)} · corrupt {fmt(s.corrupt)}"
-        if ans is not None:
-            out += f" · answer “{html.escape(visible_token(ans))}”"
-        if foil is not None:
-            out += f" · foil “{html.escape(visible_token(foil))}”"
-        formula = METRIC_FORMULAS.get(r.metric)
-        if formula:
-            out += f" · {html.escape(formula)}"
-        return out
-
-    def _sweep_html(self) -> str:
-        r = self.state.result
-        direction = "denoising: clean activations patched into the corrupt run"
-        parts = [f"id {_span('sweep-id', r.meta.get('sweep_id') or '?')}", html.escape(direction)]
-        if self._zoom:
-            parts.append("zoom of the previous sweep")
-        if self._kept_run:
-            parts.append(f"clean run kept for zoom: {html.escape(self._kept_run)}")
-        return " · ".join(parts)
-
-    # ---- lifecycle ------------------------------------------------------------------------
+    # ---- lifecycle ---------------------------------------------------------------------------
     def _drop_later(self, run_id: str) -> None:
-
         async def drop() -> None:
             with contextlib.suppress(CausalboardError, httpx.HTTPError):
                 await self.client.drop_source(run_id)
 
-        with contextlib.suppress(RuntimeError):  # no running loop: nothing to schedule on
-            asyncio.get_running_loop().create_task(drop())
+        with contextlib.suppress(RuntimeError):  # no loop to run it on: nothing to drop from
+            self._spawn_detached(drop())
+
+    def _spawn_detached(self, coro: Awaitable[Any]) -> None:
+        """Run `coro` on the view's loop without making it the view's task."""
+        try:
+            asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            if self._loop is None or not self._loop.is_running():
+                coro.close()
+                raise
+            asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _on_session_destroyed(self, _session_context: Any) -> None:
-        self._stop_stream()
-        self._running = False
-        if self._flusher is not None:
-            self._flusher.stop()
-        run, self._kept_run = self._kept_run, None
-
-        async def cleanup() -> None:
-            from app.client import CausalboardError
-
-            try:
-                if run is not None:
-                    with contextlib.suppress(CausalboardError, httpx.HTTPError):
-                        await self.client.drop_source(run)
-            finally:
-                await self.client.aclose()
-
+        """The browser tab closed: cancel the sweep, drop the kept run, close the client."""
         with contextlib.suppress(RuntimeError):
-            asyncio.get_running_loop().create_task(cleanup())
+            self._spawn_detached(self.aclose())
+
+    def close_at_exit(self) -> None:
+        """Synchronous clean-up for interpreter exit (no event loop runs any more): cancel the
+        running sweep and drop the kept run on the server."""
+        if self._closed:
+            return
+        self._closed = True
+        sweep_id = self._stop_stream(notify_server=False)
+        run = self.kept_run
+        if sweep_id is None and run is None:
+            return
+        with contextlib.suppress(Exception), sync_twin(self.client) as client:  # exiting: best effort
+            if sweep_id is not None:
+                client.cancel_sweep(sweep_id)
+            if run is not None:
+                client.drop_source(run)
 
 
-def _span(name: str, text: str) -> str:
-    return f'<span data-cb="{name}">{html.escape(str(text))}</span>'
+def _cancel_task(task: asyncio.Task) -> None:
+    """Cancel `task` from any thread."""
+    try:
+        same_loop = asyncio.get_running_loop() is task.get_loop()
+    except RuntimeError:
+        same_loop = False
+    if same_loop:
+        task.cancel()
+    else:
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs it any more
+            task.get_loop().call_soon_threadsafe(task.cancel)
 
 
-def _status_block(rows: list[tuple[str, str]]) -> str:
-    body = "".join(f'<div><b>{html.escape(k)}:</b> {v}</div>' for k, v in rows)
-    return f'<div class="cb-status" style="font-size:13px;line-height:1.55">{body}</div>'
+#: views that may still hold a sweep or a kept run on a server (closed at interpreter exit)
+_LIVE_VIEWS: "weakref.WeakSet[TracingView]" = weakref.WeakSet()
+_EXIT_LOCK = threading.Lock()
 
 
-__all__ = ["EXPORTS", "TracingView", "export_filename", "export_payload", "make_async_client"]
+@atexit.register
+def _close_live_views() -> None:
+    with _EXIT_LOCK:
+        for view in list(_LIVE_VIEWS):
+            view.close_at_exit()
+
+
+__all__ = ["FLUSH_MS", "HEATMAP_PUSH_MS", "TracingView"]
