@@ -23,10 +23,11 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
-    #: worker-side capacities (see WorkerConfig): intervention slots and capture rows per step,
-    #: and the byte budget of the source-run store
+    #: worker-side capacities (see WorkerConfig): intervention slots, capture rows per step
+    #: (None: as many as `capture_buffer_bytes` holds) and the byte budget of the source-run store
     max_slots: int = 4096
-    max_capture_rows: int = 8192
+    max_capture_rows: int | None = None
+    capture_buffer_bytes: int = 256 * 1024 * 1024
     source_store_bytes: int = 256 * 1024 * 1024
     limits: Limits = field(default_factory=Limits)
     #: run vLLM's engine core in its own process, overlapping scheduling and output processing

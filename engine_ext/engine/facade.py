@@ -140,6 +140,7 @@ class Engine:
                 "seam": SEAM_FINGERPRINT,
                 "max_slots": self.config.max_slots,
                 "max_capture_rows": self.config.max_capture_rows,
+                "capture_buffer_bytes": self.config.capture_buffer_bytes,
                 "source_store_bytes": self.config.source_store_bytes,
             }},
         )

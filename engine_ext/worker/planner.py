@@ -146,6 +146,11 @@ class RequestPlan:
     digest: int = 0
     #: the global-steering version the plan was composed with
     global_version: int = 0
+    #: at generated positions only the generation template applies (no explicit entries, no
+    #: captures there): decode rows of such plans are written in groups (`gen_group`)
+    gen_template_only: bool = False
+    #: plans with equal generation templates share this number
+    gen_group: int = 0
 
     @property
     def empty(self) -> bool:
@@ -211,12 +216,29 @@ class RequestPlan:
             plan.cap_gen = bool(prog.capture_gen)
             described.append(("capture", tuple(plan.cap_sites.tolist()), tuple(plan.cap_pos.tolist()), plan.cap_gen))
         plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
+        plan.gen_template_only = not plan.cap_gen and not (plan.cap_pos.size and plan.cap_pos[-1] >= n_prompt) and not (
+            plan.ex_pos.size and plan.ex_pos[-1] >= n_prompt)
+        plan.gen_group = _template_group(plan.gen_sites, plan.gen_slots)
         return plan
 
     def _acquire(self, slots: SlotTable, key, make) -> int:
         slot = slots.acquire(key, make)
         self.held.append(slot)
         return slot
+
+
+_TEMPLATE_GROUPS: dict[bytes, int] = {}
+
+
+def _template_group(sites: np.ndarray, slots: np.ndarray) -> int:
+    """A small integer per distinct (sites, slots) template (interned)."""
+    key = sites.tobytes() + b"|" + slots.tobytes()
+    group = _TEMPLATE_GROUPS.get(key)
+    if group is None:
+        if len(_TEMPLATE_GROUPS) > 65536:
+            _TEMPLATE_GROUPS.clear()
+        group = _TEMPLATE_GROUPS[key] = len(_TEMPLATE_GROUPS) + 1
+    return group
 
 
 @dataclass
@@ -243,6 +265,11 @@ class StepPlanner:
         self.hc = buffers.cap_dst.numpy() if on_host else np.full((buffers.max_rows, buffers.num_sites), -1, np.int32)
         self.on_host = on_host
         self._dirty_rows = 0          # rows [0, n) of the device tables that may hold entries
+        self._dirty_cap_rows = 0      # the same, for the capture table
+        if not on_host:
+            shape = (buffers.max_rows, buffers.num_sites)
+            self._stage = [(torch.empty(shape, dtype=torch.int32, pin_memory=True),
+                            torch.empty(shape, dtype=torch.int32, pin_memory=True), torch.cuda.Event()) for _ in range(3)]
         self._blocks: list[_CaptureBlock] = []
         self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, list[_CaptureBlock]]] = []
         self.steps = 0
@@ -254,7 +281,8 @@ class StepPlanner:
         whose captures do not fit this step (its rows are then left untouched)."""
         self.steps += 1
         self.checksum.begin_step()
-        self.file_captures()
+        if self._pending:
+            self.file_captures()
         hs, hc = self.hs, self.hc
         if self.on_host and self._dirty_rows:
             hs[: self._dirty_rows] = -1
@@ -262,28 +290,44 @@ class StepPlanner:
         max_row = 0
         n_cap = 0
         blocks: list[_CaptureBlock] = []
+        actions: list[tuple[int, int, int]] = []
         if plans:
+            get = plans.get
             qsl = query_start_loc
+            # decode rows whose plan applies only its generation template, grouped by template
+            groups: dict[int, tuple[RequestPlan, list[int]]] = {}
             for i, rid in enumerate(req_ids):
-                plan = plans.get(rid)
-                if plan is None or plan.empty:
+                plan = get(rid)
+                if plan is None:
                     continue
-                row0, n, p0 = int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(num_computed[i])
+                row0, p0 = int(qsl[i]), int(num_computed[i])
+                n = int(qsl[i + 1]) - row0
                 if n <= 0:
                     continue
                 p1 = p0 + n
+                if p0 >= plan.n_prompt and plan.gen_template_only:
+                    if plan.gen_sites.size:
+                        group = groups.get(plan.gen_group)
+                        if group is None:
+                            groups[plan.gen_group] = (plan, list(range(row0, row0 + n)))
+                        else:
+                            group[1].extend(range(row0, row0 + n))
+                        actions.append((plan.digest, p0, p1))
+                        max_row = max(max_row, row0 + n)
+                    continue
+                if plan.empty:
+                    continue
                 # captures first: a request whose captures overflow is left untouched this step
                 cpos = _EMPTY_I64
                 if plan.cap_sites.size:
                     a, z = np.searchsorted(plan.cap_pos, (p0, p1))
                     cpos = plan.cap_pos[a:z]
                     if plan.cap_gen and p1 > plan.n_prompt:
-                        gen = np.arange(max(p0, plan.n_prompt), p1, dtype=np.int64)
-                        cpos = np.union1d(cpos, gen)
+                        cpos = np.union1d(cpos, np.arange(max(p0, plan.n_prompt), p1, dtype=np.int64))
                     k = cpos.size * plan.cap_sites.size
                     if k and n_cap + k > self.b.max_capture_rows:
-                        on_overflow(rid, "capture rows of the step exceeded; raise max_capture_rows or capture fewer "
-                                         "sites x positions per request")
+                        on_overflow(rid, f"the step's {self.b.max_capture_rows} capture rows are exceeded; raise "
+                                         "max_capture_rows / capture_buffer_bytes or capture fewer sites x positions at once")
                         continue
                 pb = min(p1, plan.n_prompt)
                 if pb > p0 and plan.prompt_sites.size:
@@ -301,14 +345,17 @@ class StepPlanner:
                     blocks.append(_CaptureBlock(rid, cpos, plan.cap_sites, n_cap))
                     n_cap += ids.size
                 max_row = max(max_row, row0 + n)
-                self.checksum.fold_window(plan.digest, p0, p1)
+                actions.append((plan.digest, p0, p1))
+            for plan, rows in groups.values():
+                hs[np.asarray(rows, np.int64)[:, None], plan.gen_sites[None, :]] = plan.gen_slots
         self._blocks = blocks
-        if max_row:
+        if actions:
+            self.checksum.fold_step(actions)
             self.applied_steps += 1
         self.slots.flush()
-        self._upload(max_row)
+        self._upload(max_row, n_cap > 0)
 
-    def _upload(self, max_row: int) -> None:
+    def _upload(self, max_row: int, captures: bool) -> None:
         b = self.b
         m = max(max_row, self._dirty_rows)
         if self.on_host:
@@ -317,13 +364,27 @@ class StepPlanner:
                 b.active[:] = act.tolist()
             else:
                 b.active[:] = [False] * b.num_sites
-        elif m:
-            b.row_slot[:m].copy_(torch.from_numpy(self.hs[:m]).pin_memory(), non_blocking=True)
-            b.cap_dst[:m].copy_(torch.from_numpy(self.hc[:m]).pin_memory(), non_blocking=True)
+            self._dirty_rows = max_row
+            return
+        mc = max(max_row if captures else 0, self._dirty_cap_rows)
+        if m or mc:
+            # pinned staging, one of a ring: a slot is refilled only after its last copy finished
+            k = self.steps % len(self._stage)
+            stage_s, stage_c, done = self._stage[k]
+            done.synchronize()
+            if m:
+                stage_s.numpy()[:m] = self.hs[:m]
+                b.row_slot[:m].copy_(stage_s[:m], non_blocking=True)
+            if mc:
+                stage_c.numpy()[:mc] = self.hc[:mc]
+                b.cap_dst[:mc].copy_(stage_c[:mc], non_blocking=True)
+            done.record()
             if max_row:
                 self.hs[:max_row] = -1
-                self.hc[:max_row] = -1
+                if captures:
+                    self.hc[:max_row] = -1
         self._dirty_rows = max_row
+        self._dirty_cap_rows = max_row if captures else 0
 
     def after_forward(self) -> None:
         """Start copying this step's captured rows to the host (filed later by `file_captures`)."""

@@ -84,14 +84,17 @@ class SlotTable:
         slots = [s for s, _ in pending]
         modes = np.array([int(v.mode) for _, v in pending], np.int32)
         a = np.array([v.a for _, v in pending], np.float32)
-        c = np.zeros((len(pending), b.hidden), np.float32)
-        for i, (_, v) in enumerate(pending):
-            if v.c is not None:
-                c[i] = v.c
         idx = _to_device(torch.tensor(slots, dtype=torch.long), b.device)
         b.slot_mode.index_copy_(0, idx, _to_device(torch.from_numpy(modes), b.device))
         b.slot_a.index_copy_(0, idx, _to_device(torch.from_numpy(a), b.device))
-        b.slot_c.index_copy_(0, idx, _to_device(torch.from_numpy(c), b.device))
+        affine = [(s, v) for s, v in pending if v.mode == SlotMode.AFFINE]  # PAIR slots never read c
+        if affine:
+            c = np.zeros((len(affine), b.hidden), np.float32)
+            for i, (_, v) in enumerate(affine):
+                if v.c is not None:
+                    c[i] = v.c
+            cidx = _to_device(torch.tensor([s for s, _ in affine], dtype=torch.long), b.device)
+            b.slot_c.index_copy_(0, cidx, _to_device(torch.from_numpy(c), b.device))
         by_run: dict[int, tuple[Any, list[int], list[int]]] = {}
         for (slot, v) in pending:
             if v.pair is not None:

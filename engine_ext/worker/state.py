@@ -14,7 +14,6 @@ them (`collect`). `close()` frees the device buffers (called when the engine shu
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +38,21 @@ MAX_UNCOLLECTED = 4096
 @dataclass
 class WorkerConfig:
     max_slots: int = 4096
-    max_capture_rows: int = 8192
+    #: captured (site, position) rows one step can hold; None: as many as `capture_buffer_bytes`
+    #: holds (two rows of `hidden` values in the model dtype each), at most MAX_CAPTURE_ROWS
+    max_capture_rows: int | None = None
+    capture_buffer_bytes: int = 256 * 1024 * 1024
     source_store_bytes: int = 256 * 1024 * 1024
+
+    def capture_rows(self, hidden: int, dtype: torch.dtype) -> int:
+        if self.max_capture_rows is not None:
+            return int(self.max_capture_rows)
+        per_row = 2 * hidden * torch.empty((), dtype=dtype).element_size()
+        return max(1024, min(MAX_CAPTURE_ROWS, self.capture_buffer_bytes // per_row))
+
+
+#: upper bound of the derived capture capacity (rows per step)
+MAX_CAPTURE_ROWS = 65536
 
 
 @dataclass
@@ -74,7 +86,7 @@ class WorkerState:
         self.num_layers, self.hidden, self.device, self.dtype = num_layers, hidden, device, dtype
         self.num_sites = num_layers * SITES_PER_LAYER
         self.config = config
-        self.buffers = SiteBuffers(self.num_sites, max_rows, config.max_slots, config.max_capture_rows,
+        self.buffers = SiteBuffers(self.num_sites, max_rows, config.max_slots, config.capture_rows(hidden, dtype),
                                    hidden, device, dtype)
         BUFFERS[self.state_id] = self.buffers
         self.slots = SlotTable(self.buffers)
@@ -122,7 +134,7 @@ class WorkerState:
         keeps its state)."""
         if req_id in self.requests or not extra_args or EXTRA_ARGS_KEY not in extra_args:
             return
-        data = json.loads(extra_args[EXTRA_ARGS_KEY])
+        data = extra_args[EXTRA_ARGS_KEY]
         prog = WorkerProgram.parse(
             data,
             named_vector=self.named.get,
