@@ -32,12 +32,6 @@ def page_errors(page) -> list[str]:
     return [e for e in page.cb_errors if not BENIGN.fullmatch(e)]
 
 
-def status_items(view) -> dict[str, str]:
-    """The `data-cb` items a dashboard view shows (status block, header), name -> text."""
-    items = view.locator("[data-cb]")
-    return {items.nth(i).get_attribute("data-cb"): items.nth(i).inner_text() for i in range(items.count())}
-
-
 def ran_cleanly(nb, prompts: list[str]) -> str:
     """Every code cell ran once, in order, in a fresh kernel, without an error output; the saved
     notebook's stdout (connect() found the test server, not another one)."""
@@ -63,18 +57,19 @@ def test_01_causal_tracing_runs_and_shows_its_figures(jupyterlab, page, http):
             images.nth(i).scroll_into_view_if_needed()
             assert images.nth(i).evaluate("img => img.complete && img.naturalWidth > 300 && img.naturalHeight > 150")
 
-        # the live TracingView, rendered by Panel/Bokeh in the output: its heatmap's cells, as the
-        # browser holds them, are the ones the sweep started from code computed
+        # the live TracingView, rendered by Panel/Bokeh in the output: its heatmap, as the browser
+        # holds it, has every cell of the sweep the next cell ran from code
         done = int(re.search(r"dashboard sweep finished: True, cells done (\d+)", out).group(1))
         view = nb.cell("TracingView(URL)").locator(".jp-OutputArea")
         view.get_by_role("button", name="Run sweep").scroll_into_view_if_needed()
-        wait_until(lambda: (lambda shown: shown if shown.get("progress") == f"{done}/{done} cells" and shown.get("phase") == "finished"
-                                                 else None)(status_items(view)),
-                   timeout=30, message="the view's status block to show the finished sweep")
         figures = [f for f in bokeh_figures(page) if f["title"].endswith("· recovered")]
         assert figures and all(f["w"] > 100 and f["h"] > 100 for f in figures)
-        cells = [v for cols in bokeh_columns(page, "status_text") for v in cols["value"]]
-        assert len(cells) == done and all(v is not None for v in cells)
+
+        def heatmap_values() -> list:
+            return [v for cols in bokeh_columns(page, "status_text") for v in cols["value"]]
+
+        wait_until(lambda: len(heatmap_values()) == done and None not in heatmap_values(), timeout=30,
+                   message=f"the view's heatmap to hold the {done} cells of its sweep")
         screenshot(page, "jupyterlab-01-tracing", full_page=False)
         assert not page_errors(page), page_errors(page)
     finally:

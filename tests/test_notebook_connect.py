@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -61,7 +62,7 @@ def test_connect_starts_a_server_when_none_answers_and_close_stops_it(monkeypatc
         client.close()
     assert server.process.poll() is not None, "the started server is still running after close()"
     assert _group_gone(server.pid), "a process of the started server's group survived close()"
-    assert not _answers(server.url)
+    assert not _answers(server.url) and not server.log_path.exists()
     assert notebook._STARTED == {}
     again.close()  # stopping twice is harmless
 
@@ -99,11 +100,12 @@ def test_a_kernel_stops_the_server_it_started_when_it_shuts_down(tmp_path):
         kc.start_channels()
         kc.wait_for_ready(timeout=120)
         kc.execute_interactive("from app.client.notebook import connect\nclient = connect()\n"
-                               "print('SERVER', client.server.pid, client.base_url)", timeout=300, output_hook=hook)
+                               "print('SERVER', client.server.pid, client.base_url, client.server.log_path)", timeout=300,
+                               output_hook=hook)
         out = "".join(said)
-        m = re.search(r"^SERVER (\d+) (\S+)$", out, re.M)
+        m = re.search(r"^SERVER (\d+) (\S+) (\S+)$", out, re.M)
         assert m and f"no server answers at {dead}" in out and f"started a server at {m.group(2)}: causalboard-tiny" in out, out
-        pid, url = int(m.group(1)), m.group(2)
+        pid, url, log = int(m.group(1)), m.group(2), Path(m.group(3))
         assert httpx.get(f"{url}/v1/status", timeout=30).json()["status"] == "ok"
         kc.stop_channels()
     finally:
@@ -113,11 +115,15 @@ def test_a_kernel_stops_the_server_it_started_when_it_shuts_down(tmp_path):
         time.sleep(0.2)
     assert _group_gone(pid), "the server outlived the kernel that started it"
     assert not _answers(url)
+    log.unlink(missing_ok=True)  # removed by the kernel's atexit unless Jupyter killed the kernel first
 
 
 def _assert_stopped(server) -> None:
+    """A server whose start failed: stopped, forgotten, its log kept (the error names it)."""
     assert server.process.poll() is not None and _group_gone(server.pid) and not _answers(server.url)
     assert notebook._STARTED == {}
+    assert server.log_path.exists()
+    server.log_path.unlink()
 
 
 def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):

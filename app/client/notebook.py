@@ -14,14 +14,16 @@ Contract of `connect(url=None, ...)`:
   model, or `model=`), with this interpreter and this checkout's code, logging to a temporary
   file. It polls `/health` until the server is up, for at most `start_timeout` seconds (default
   240), and prints `started a server at URL: ...`. If the server exits or the time runs out, it
-  stops the server and raises `ServerStartError` with the server's last log lines. A second call in
+  stops the server and raises `ServerStartError` with the server's last log lines (the log file
+  is kept then; a server that stops after a good start removes its log). A second call in
   the same process, when `url` still does not answer, reuses the server started before
   (`using the server this process started at URL: ...`) instead of starting another.
 * A started server is stopped by `client.close()`, when this process exits (`atexit`, i.e. when
   the kernel shuts down or restarts), or when the start is interrupted; on Linux the server also
   gets SIGTERM if this process is killed (when `connect` ran in the main thread, as notebook cells
-  do). Stopping sends SIGTERM (graceful shutdown), waits at most `STOP_TIMEOUT_S`, then kills the
-  server's whole process group: nothing it started survives.
+  do). Stopping sends SIGTERM (graceful shutdown), waits at most `STOP_TIMEOUT_S` (at exit
+  `EXIT_STOP_TIMEOUT_S`, within Jupyter's 5 s for a kernel to shut down), then kills the server's
+  whole process group: nothing it started survives.
 * Something that answers `/health` with another status, or that answers `/health` but not
   `/v1/status`, is not treated as absent: `ServerUnavailable` says what answered, and nothing is
   started. With `start=False`, nothing answering raises `ServerUnavailable` too.
@@ -32,6 +34,7 @@ No step waits without a bound, so a notebook never hangs on a server that is not
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import signal
 import socket
@@ -54,6 +57,8 @@ CONNECT_TIMEOUT_S = 2.0
 START_TIMEOUT_S = 240.0
 #: seconds a started server gets for its graceful shutdown before its process group is killed
 STOP_TIMEOUT_S = 30.0
+#: ... when this process exits: Jupyter kills a kernel that takes more than 5 s to shut down
+EXIT_STOP_TIMEOUT_S = 3.0
 #: log lines quoted in a `ServerStartError`
 LOG_TAIL_LINES = 30
 #: the folder that holds this checkout's `app` and `engine_ext` packages
@@ -84,6 +89,7 @@ class LocalServer:
         os.close(fd)
         self.log_path = Path(path)
         self.process: subprocess.Popen | None = None
+        self._stop_at_exit = functools.partial(self.stop, timeout=EXIT_STOP_TIMEOUT_S)
 
     def start(self) -> "LocalServer":
         args = [sys.executable, "-m", "app.client.notebook", "--serve-child", str(os.getpid()),
@@ -98,7 +104,7 @@ class LocalServer:
             # its own process group, so that stop() can end whatever the server started
             self.process = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                             cwd=tempfile.gettempdir(), start_new_session=True)
-        atexit.register(self.stop)
+        atexit.register(self._stop_at_exit)
         return self
 
     @property
@@ -118,13 +124,13 @@ class LocalServer:
         while True:
             if not self.running():
                 code = self.process.returncode if self.process else None
-                self.stop()
+                self.stop(keep_log=True)
                 raise ServerStartError(f"the causalboard server exited with status {code} before it answered "
                                        f"{self.url}/health; log {self.log_path}:\n{self.log_tail()}", self)
             if self.healthy(timeout=min(CONNECT_TIMEOUT_S, max(0.1, deadline - time.monotonic()))):
                 return
             if time.monotonic() >= deadline:
-                self.stop()
+                self.stop(keep_log=True)
                 raise ServerStartError(f"the causalboard server did not answer {self.url}/health within {timeout:.0f} s "
                                        f"(stopped it); log {self.log_path}:\n{self.log_tail()}", self)
             time.sleep(poll)
@@ -136,9 +142,10 @@ class LocalServer:
             return f"(log unreadable: {exc})"
         return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
 
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM, wait at most `timeout` s, then SIGKILL the server's process group. Idempotent."""
-        atexit.unregister(self.stop)
+    def stop(self, timeout: float = STOP_TIMEOUT_S, keep_log: bool = False) -> None:
+        """SIGTERM, wait at most `timeout` s, then SIGKILL the server's process group; the log file
+        is removed unless `keep_log` (a failed start keeps it for its error message). Idempotent."""
+        atexit.unregister(self._stop_at_exit)
         if _STARTED.get(self.model) is self:
             del _STARTED[self.model]
         proc = self.process
@@ -158,6 +165,8 @@ class LocalServer:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
             pass
+        if not keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     def __repr__(self) -> str:
         state = "running" if self.running() else "stopped"
@@ -219,7 +228,7 @@ def connect(url: str | None = None, *, start: bool = True, model: str | None = N
     try:
         server.wait_ready(start_timeout)
     except BaseException:  # an interrupted start (Kernel > Interrupt) does not leave a server behind
-        server.stop()
+        server.stop(keep_log=True)
         raise
     client = ConnectedClient(server.url, server, api_key=api_key, timeout=timeout)
     say(f"started a server at {server.url}: {_describe(client, server.url)}; pid {server.pid}, "
