@@ -1,8 +1,8 @@
-# Two commands for a newcomer: `make run` and `make test` (see README.md).
+# Two commands for a newcomer: `make run` and `make test` (see README.md); `make lab` for the notebooks.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test setup model bundle clean-venv
+.PHONY: run test lab setup model bundle clean-venv
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -14,6 +14,10 @@ run: setup
 ## Run the whole test suite on the real vLLM engine (CPU).
 test: setup
 	@bash scripts/run_tests.sh
+
+## JupyterLab on notebooks/ with the project's kernel (LAB_HOST, LAB_PORT, LAB_OPEN override; scripts/lab.sh).
+lab: setup
+	@exec bash scripts/lab.sh
 
 ## Retrain the bundled model from its seeded corpus (not needed to use the project).
 model: setup

@@ -7,8 +7,9 @@ refresh their committed outputs) or into another folder.
     .venv/bin/python scripts/execute_notebooks.py notebooks/02_steering_sliders.ipynb --out /tmp/nb
 
 Each notebook runs in a fresh `python3` kernel (the one of this interpreter's environment) with
-the notebook's folder as working directory and `CAUSALBOARD_URL` set; a cell error stops that
-notebook, leaves the file untouched and makes the exit status 1.
+the notebook's folder as working directory, `CAUSALBOARD_URL` set and this checkout first on
+`PYTHONPATH`; a cell error stops that notebook, leaves the file untouched and makes the exit
+status 1.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ def execute(path: Path, out: Path, url: str, timeout: int = 600, extra_env: dict
     """Execute `path` and write the executed notebook to `out`; returns the seconds it took.
     Raises `CellExecutionError` on the first failing cell (nothing is written then)."""
     nb = nbformat.read(path, as_version=4)
-    saved = {k: os.environ.get(k) for k in ["CAUSALBOARD_URL", *(extra_env or {})]}
-    os.environ.update({"CAUSALBOARD_URL": url, **(extra_env or {})})  # the kernel inherits this environment
+    saved = {k: os.environ.get(k) for k in ["CAUSALBOARD_URL", "PYTHONPATH", *(extra_env or {})]}
+    # the kernel inherits this environment; PYTHONPATH: it imports this checkout's code, also when
+    # the virtualenv (and its editable install) is shared with another checkout
+    pythonpath = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ.update({"CAUSALBOARD_URL": url, "PYTHONPATH": pythonpath, **(extra_env or {})})
     try:
         start = time.monotonic()
         NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,

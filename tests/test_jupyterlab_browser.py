@@ -1,0 +1,102 @@
+"""The notebooks in JupyterLab, in a real browser: `scripts/lab.sh` (what `make lab` runs) on a free
+loopback port with a token, over temporary COPIES of notebooks/ (outputs cleared), their kernels
+pointed at the test server (`server_url`) through `CAUSALBOARD_URL`. Each test opens a notebook
+through the UI, runs Run > Run All Cells, waits for the kernel to go idle, saves it through the
+UI and asserts on what the browser rendered and on the saved file. Screenshots go to
+`<out>/screenshots/jupyterlab-*.png` (copies of them are docs/img/jupyterlab-*.png).
+
+Harness: tests/jupyterlab.py. What the rendered notebook shows is read from the page (Playwright
+locators reach into Bokeh's shadow DOM; `bokeh_columns` reads the browser-side heatmap data).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest_plugins = ["tests.browser", "tests.jupyterlab"]
+pytest.register_assert_rewrite("tests.browser", "tests.jupyterlab")
+
+from tests.browser import bokeh_columns, bokeh_figures, screenshot, wait_until  # noqa: E402
+from tests.jupyterlab import stdout_of  # noqa: E402
+
+pytestmark = pytest.mark.browser
+
+#: Panel's `pn.extension()` in a notebook adds panel.min.js twice; the browser aborts the duplicate
+BENIGN = re.compile(r"request failed: .*/panel\.min\.js \(net::ERR_ABORTED\)")
+VECTOR = "capital_minus_language"  # registered by notebook 02
+
+
+def page_errors(page) -> list[str]:
+    return [e for e in page.cb_errors if not BENIGN.fullmatch(e)]
+
+
+def ran_cleanly(nb, prompts: list[str]) -> str:
+    """Every code cell ran once, in order, in a fresh kernel, without an error output; the saved
+    notebook's stdout (connect() found the test server, not another one)."""
+    saved = nb.save()
+    n_code = sum(c.cell_type == "code" for c in saved.cells)
+    assert not nb.error_outputs(saved), nb.error_outputs(saved)
+    assert prompts == [f"[{i}]:" for i in range(1, n_code + 1)]
+    out = stdout_of(saved)
+    assert f"connected to {nb.lab.server_url}: causalboard-tiny (" in out
+    return out
+
+
+def test_01_causal_tracing_runs_and_shows_its_figures(jupyterlab, page, http):
+    nb = jupyterlab.open(page, "01_causal_tracing.ipynb")
+    try:
+        out = ran_cleanly(nb, nb.run_all())
+        assert len(re.findall(r"^TOP  ", out, re.M)) == 6 and "checksum consistent: True" in out
+
+        # the three matplotlib heatmaps (two hooks of the pair sweep, the noise sweep), decoded by the browser
+        images = nb.panel.locator('.jp-OutputArea-output[data-mime-type="image/png"] img')
+        assert images.count() == 3
+        for i in range(3):
+            images.nth(i).scroll_into_view_if_needed()
+            assert images.nth(i).evaluate("img => img.complete && img.naturalWidth > 300 && img.naturalHeight > 150")
+
+        # the live TracingView, rendered by Panel/Bokeh in the output: its heatmap, as the browser
+        # holds it, has every cell of the sweep the next cell ran from code
+        done = int(re.search(r"dashboard sweep finished: True, cells done (\d+)", out).group(1))
+        view = nb.cell("TracingView(URL)").locator(".jp-OutputArea")
+        view.get_by_role("button", name="Run sweep").scroll_into_view_if_needed()
+        figures = [f for f in bokeh_figures(page) if f["title"].endswith("· recovered")]
+        assert figures and all(f["w"] > 100 and f["h"] > 100 for f in figures)
+
+        def heatmap_values() -> list:
+            return [v for cols in bokeh_columns(page, "status_text") for v in cols["value"]]
+
+        wait_until(lambda: len(heatmap_values()) == done and None not in heatmap_values(), timeout=30,
+                   message=f"the view's heatmap to hold the {done} cells of its sweep")
+        screenshot(page, "jupyterlab-01-tracing", full_page=False)
+        assert not page_errors(page), page_errors(page)
+    finally:
+        nb.shutdown()
+
+
+def test_02_steering_sliders_renders_its_steering_view(jupyterlab, page, http):
+    nb = jupyterlab.open(page, "02_steering_sliders.ipynb")
+    try:
+        out = ran_cleanly(nb, nb.run_all())
+        assert re.search(r"STEERING CHANGED [123] of 3", out)
+        baseline = re.search(r"^baseline: '(.*)'$", out, re.M).group(1)
+        steered = re.search(r"^steered:  '(.*)'  \(", out, re.M).group(1)
+        assert baseline != steered
+
+        # the SteeringView, rendered by Panel/Bokeh in the output, shows what the kernel printed:
+        # the vector selected with its scale slider at +1.50, the baseline and the steered text
+        view = nb.cell("SteeringView(URL)").locator(".jp-OutputArea")
+        view.locator('[data-cb="steered-text"]').first.scroll_into_view_if_needed()
+        slider = view.locator(".cb-scale-slider")
+        assert slider.count() == 1 and slider.locator(".noUi-handle").first.is_visible()
+        assert " ".join(slider.locator(".bk-slider-title").inner_text().split()) == f"scale · {VECTOR}: 1.50"
+        assert view.locator('[data-cb="baseline-prompt"]').first.inner_text() == view.locator('[data-cb="steered-prompt"]').first.inner_text()
+        assert view.locator('[data-cb="baseline-text"]').first.inner_text().strip() == baseline.strip()
+        assert view.locator('[data-cb="steered-text"]').first.inner_text().strip() == steered.strip()
+        screenshot(page, "jupyterlab-02-steering", full_page=False)
+        assert not page_errors(page), page_errors(page)
+    finally:
+        nb.shutdown()
+        http.delete(f"/v1/steering/vectors/{VECTOR}")
