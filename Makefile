@@ -25,7 +25,7 @@ model: setup
 
 ## Build the offline GPU-host vLLM bundle into .vbundle/ (see docs/development.md).
 bundle:
-	bash ../shared/gpu/build_bundle.sh .vbundle
+	bash scripts/gpu/build_bundle.sh .vbundle
 
 clean-venv:
 	rm -rf $(VENV)

@@ -62,7 +62,7 @@ def test_01_causal_tracing_runs_and_shows_its_figures(jupyterlab, page, http):
         done = int(re.search(r"dashboard sweep finished: True, cells done (\d+)", out).group(1))
         view = nb.cell("TracingView(URL)").locator(".jp-OutputArea")
         view.get_by_role("button", name="Run sweep").scroll_into_view_if_needed()
-        figures = [f for f in bokeh_figures(page) if f["title"].endswith("· recovered")]
+        figures = [f for f in bokeh_figures(page) if f["title"].endswith("clean → corrupt")]  # presentation.figure_title
         assert figures and all(f["w"] > 100 and f["h"] > 100 for f in figures)
 
         def heatmap_values() -> list:
