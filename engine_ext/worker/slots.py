@@ -101,11 +101,12 @@ class SlotTable:
                 run, to, rows = by_run.setdefault(id(v.pair.run), (v.pair.run, [], []))
                 to.append(slot)
                 rows.append(v.pair.row)
-        for run, to, rows in by_run.values():  # one gather per stored run
-            ridx = torch.tensor(rows, dtype=torch.long)
+        for run, to, rows in by_run.values():  # one gather per stored run, on the device
+            x, r = run.on(b.device)
+            ridx = _to_device(torch.tensor(rows, dtype=torch.long), b.device)
             pidx = _to_device(torch.tensor(to, dtype=torch.long), b.device)
-            b.slot_px.index_copy_(0, pidx, _to_device(run.x.index_select(0, ridx).to(b.dtype), b.device))
-            b.slot_pr.index_copy_(0, pidx, _to_device(run.r.index_select(0, ridx).to(b.dtype), b.device))
+            b.slot_px.index_copy_(0, pidx, x.index_select(0, ridx).to(b.dtype))
+            b.slot_pr.index_copy_(0, pidx, r.index_select(0, ridx).to(b.dtype))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -35,6 +35,18 @@ class SourceRun:
         self.nbytes = self.x.numel() * self.x.element_size() + self.r.numel() * self.r.element_size()
         self.created = time.time()
         self.leases = 0
+        self._on: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x, r)` on `device`, copied there once (a cache while the run is stored) so that
+        patch values are gathered on the device instead of uploaded per request."""
+        if device.type == "cpu":
+            return self.x, self.r
+        key = str(device)
+        pair = self._on.get(key)
+        if pair is None:
+            pair = self._on[key] = (self.x.to(device), self.r.to(device))
+        return pair
 
     def value(self, site: int, pos: int) -> "StoredPair | None":
         row = self.row_of.get((site, pos))
