@@ -268,8 +268,9 @@ class StepPlanner:
         self._dirty_cap_rows = 0      # the same, for the capture table
         if not on_host:
             shape = (buffers.max_rows, buffers.num_sites)
-            self._stage = [(torch.empty(shape, dtype=torch.int32, pin_memory=True),
-                            torch.empty(shape, dtype=torch.int32, pin_memory=True), torch.cuda.Event()) for _ in range(3)]
+            self._stage = [(torch.empty(shape, dtype=torch.int32, device="cpu", pin_memory=True),
+                            torch.empty(shape, dtype=torch.int32, device="cpu", pin_memory=True), torch.cuda.Event())
+                           for _ in range(3)]
         self._blocks: list[_CaptureBlock] = []
         self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, list[_CaptureBlock]]] = []
         self.steps = 0
@@ -394,8 +395,8 @@ class StepPlanner:
         k = blocks[-1].base + blocks[-1].positions.size * blocks[-1].sites.size
         b = self.b
         if b.device.type == "cuda":
-            xs = torch.empty((k, b.hidden), dtype=b.dtype, pin_memory=True)
-            rs = torch.empty((k, b.hidden), dtype=b.dtype, pin_memory=True)
+            xs = torch.empty((k, b.hidden), dtype=b.dtype, device="cpu", pin_memory=True)
+            rs = torch.empty((k, b.hidden), dtype=b.dtype, device="cpu", pin_memory=True)
             xs.copy_(b.cap_x[:k], non_blocking=True)
             rs.copy_(b.cap_r[:k], non_blocking=True)
             done = torch.cuda.Event()

@@ -84,7 +84,7 @@ class SlotTable:
         slots = [s for s, _ in pending]
         modes = np.array([int(v.mode) for _, v in pending], np.int32)
         a = np.array([v.a for _, v in pending], np.float32)
-        idx = _to_device(torch.tensor(slots, dtype=torch.long), b.device)
+        idx = _to_device(torch.tensor(slots, dtype=torch.long, device="cpu"), b.device)
         b.slot_mode.index_copy_(0, idx, _to_device(torch.from_numpy(modes), b.device))
         b.slot_a.index_copy_(0, idx, _to_device(torch.from_numpy(a), b.device))
         affine = [(s, v) for s, v in pending if v.mode == SlotMode.AFFINE]  # PAIR slots never read c
@@ -93,7 +93,7 @@ class SlotTable:
             for i, (_, v) in enumerate(affine):
                 if v.c is not None:
                     c[i] = v.c
-            cidx = _to_device(torch.tensor([s for s, _ in affine], dtype=torch.long), b.device)
+            cidx = _to_device(torch.tensor([s for s, _ in affine], dtype=torch.long, device="cpu"), b.device)
             b.slot_c.index_copy_(0, cidx, _to_device(torch.from_numpy(c), b.device))
         by_run: dict[int, tuple[Any, list[int], list[int]]] = {}
         for (slot, v) in pending:
@@ -103,8 +103,8 @@ class SlotTable:
                 rows.append(v.pair.row)
         for run, to, rows in by_run.values():  # one gather per stored run, on the device
             x, r = run.on(b.device)
-            ridx = _to_device(torch.tensor(rows, dtype=torch.long), b.device)
-            pidx = _to_device(torch.tensor(to, dtype=torch.long), b.device)
+            ridx = _to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), b.device)
+            pidx = _to_device(torch.tensor(to, dtype=torch.long, device="cpu"), b.device)
             b.slot_px.index_copy_(0, pidx, x.index_select(0, ridx).to(b.dtype))
             b.slot_pr.index_copy_(0, pidx, r.index_select(0, ridx).to(b.dtype))
 

@@ -130,7 +130,7 @@ class SourceStore:
         rows = [i for i, (s, _) in enumerate(run.keys) if s == site]
         if not rows:
             return None
-        idx = torch.tensor(rows)
+        idx = torch.tensor(rows, device="cpu")
         return (run.x[idx].float() + run.r[idx].float()).mean(0)
 
     def lease(self, run_id: str) -> bool:

@@ -47,7 +47,7 @@ class WorkerConfig:
     def capture_rows(self, hidden: int, dtype: torch.dtype) -> int:
         if self.max_capture_rows is not None:
             return int(self.max_capture_rows)
-        per_row = 2 * hidden * torch.empty((), dtype=dtype).element_size()
+        per_row = 2 * hidden * torch.empty((), dtype=dtype, device="cpu").element_size()
         return max(1024, min(MAX_CAPTURE_ROWS, self.capture_buffer_bytes // per_row))
 
 
