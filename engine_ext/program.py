@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from engine_ext.errors import SpecError
-from engine_ext.specs import InlineSource, Interventions, MeanSource, Positions, RunSource, ZeroSource, decode_vector, encode_vector, spec_hash
+from engine_ext.specs import InlineSource, Interventions, MeanSource, Positions, RunSource, ZeroSource, canonical_json, decode_vector, encode_vector, spec_hash
 from engine_ext.sites import Site, Span, site_from_index
 
 PROGRAM_VERSION = 1
@@ -226,12 +226,13 @@ def first_modified_position(program: dict) -> int | None:
 
 
 def program_to_extra_args(program: dict, kv_salt: str | None = None) -> dict:
-    """`SamplingParams.extra_args` for a compiled program (plain data: vLLM serialises it to the
-    workers with msgpack; its canonical JSON form is what `hash` digests). With `kv_salt`, every KV block that
+    """`SamplingParams.extra_args` for a compiled program, as its canonical JSON text (a string:
+    vLLM deep-copies `extra_args` for every request, which costs ~100x more for nested data than
+    parsing the text once on the worker). With `kv_salt`, every KV block that
     holds a position the program modifies is hashed with that salt (`KV_SALT_KEY`: the seam adds
     it to vLLM's block hashes), so it is never shared with a request that computes it
     differently, while the blocks before `first_modified_position` stay shareable."""
-    extra: dict[str, Any] = {EXTRA_ARGS_KEY: program}
+    extra: dict[str, Any] = {EXTRA_ARGS_KEY: canonical_json(program)}
     first = first_modified_position(program)
     if kv_salt is not None and first is not None:
         extra[KV_SALT_KEY] = [first, kv_salt]

@@ -249,8 +249,7 @@ class Engine:
         stream — so an unpatched baseline goes through the same computation as patched cells.
         `stream`: vLLM hands out every step's new tokens (DELTA); otherwise only the finished
         request (FINAL_ONLY, no per-step output objects)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         params.validate()
         if isinstance(prompt, str):
@@ -343,12 +342,13 @@ class Engine:
             raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
         loop = self._require_loop()
         prepared = [self._prepare(p, params, s) for p, s in zip(batch, specs)]  # validate all before submitting any
-        jobs = []
+        jobs, requests = [], []
         for prep, spec in zip(prepared, specs):
             rid = prep.key or self._new_id()
             sink = QueueSink(self._converter(params, spec, prep))
-            loop.submit(rid, prep.prompt(), prep.sampling, sink, collect_key=prep.key)
+            requests.append((rid, prep.prompt(), prep.sampling, sink, prep.key))
             jobs.append((Generation(rid, prep.text, prep.ids), sink))
+        loop.submit_many(requests)
         for gen, sink in jobs:
             while True:
                 item = sink.q.get()

@@ -82,6 +82,24 @@ class EngineLoop:
 
         self._commands.put(add)
 
+    def submit_many(self, requests: list[tuple[str, Any, Any, Sink, str | None]]) -> None:
+        """Add several requests `(request_id, prompt, params, sink, collect_key)` with one command
+        (one wake-up of the loop thread): what `submit` does for each."""
+        self._check_alive()
+
+        def add_all() -> None:
+            for request_id, prompt, params, sink, collect_key in requests:
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except Exception as exc:  # refused by vLLM: only this request fails
+                    sink.on_error(exc)
+                    continue
+                self._sinks[request_id] = sink
+                if collect_key is not None:
+                    self._collect[request_id] = collect_key
+
+        self._commands.put(add_all)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Its sink gets no further output."""
         if not self.alive:

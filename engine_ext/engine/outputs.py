@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_ext.generation import GenerationDelta, InterventionResult
-from engine_ext.sites import site_from_index
+from engine_ext.sites import SitePosition, site_from_index
 
 
 class QueueSink:
@@ -82,10 +82,12 @@ def _intervention_result(res: dict, program_hash: str | None) -> InterventionRes
     import numpy as np
 
     caps = {}
-    for k, data in (res.get("captures") or {}).items():
-        site_idx, pos = (int(v) for v in k.split(":"))
-        site = site_from_index(site_idx)
-        caps[(site.layer, site.hook, pos)] = np.frombuffer(data, dtype="<f4").copy()
+    block = res.get("captures")
+    if block and block["keys"]:
+        values = np.frombuffer(block["data"], dtype="<f4").reshape(len(block["keys"]), -1).copy()
+        for (site_idx, pos), row in zip(block["keys"], values):
+            site = site_from_index(int(site_idx))
+            caps[SitePosition(site.layer, site.hook, int(pos))] = row
     errors = list(res.get("errors") or [])
     if res.get("store_error"):
         errors.append(res["store_error"])

@@ -14,6 +14,7 @@ them (`collect`). `close()` frees the device buffers (called when the engine shu
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,12 +67,35 @@ class RequestState:
     collected: bool = False
 
     def capture_pairs(self) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """(site, position) -> (x, r), the latest block winning."""
         out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for positions, sites, xs, rs in self.captures:
             for i, pos in enumerate(positions.tolist()):
                 for j, site in enumerate(sites.tolist()):
                     out[(site, pos)] = (xs[i, j], rs[i, j])
         return out
+
+    def capture_values(self) -> dict:
+        """The captured stream values for the client, in one block: `keys` [[site, position], ...]
+        (sorted) and `data`, their fp32 values `x + r` (as vLLM's fused add computes them),
+        little-endian, row after row."""
+        latest: dict[tuple[int, int], tuple[int, int, int]] = {}
+        for b, (positions, sites, _, _) in enumerate(self.captures):
+            for i, pos in enumerate(positions.tolist()):
+                for j, site in enumerate(sites.tolist()):
+                    latest[(site, pos)] = (b, i, j)
+        keys = sorted(latest)
+        if not keys:
+            return {"keys": [], "data": b""}
+        if len(self.captures) == 1:  # the common case: one block, one vectorised sum
+            positions, sites, xs, rs = self.captures[0]
+            flat = (xs.float() + rs.float()).reshape(-1, xs.shape[-1])
+            order = [latest[k][1] * sites.size + latest[k][2] for k in keys]
+            vals = flat[torch.tensor(order, device="cpu")]
+        else:
+            vals = torch.stack([self.captures[b][2][i, j].float() + self.captures[b][3][i, j].float()
+                                for b, i, j in (latest[k] for k in keys)])
+        return {"keys": [list(k) for k in keys], "data": vals.numpy().astype("<f4").tobytes()}
 
 
 class WorkerState:
@@ -100,6 +124,7 @@ class WorkerState:
         self.results: dict[str, dict] = {}            # finished-and-collected results waiting, by key
         self.global_adds: list[AddOp] = []
         self.global_version = 0
+        self._recompose = False
         self.named: dict[str, np.ndarray] = {}
         self.embedding_std: float | None = None
         self.tp_rank = 0
@@ -134,7 +159,7 @@ class WorkerState:
         keeps its state)."""
         if req_id in self.requests or not extra_args or EXTRA_ARGS_KEY not in extra_args:
             return
-        data = extra_args[EXTRA_ARGS_KEY]
+        data = json.loads(extra_args[EXTRA_ARGS_KEY])
         prog = WorkerProgram.parse(
             data,
             named_vector=self.named.get,
@@ -198,12 +223,14 @@ class WorkerState:
     # ---- per step -------------------------------------------------------------------------
     def plan_step(self, req_ids: Any, query_start_loc: Any, num_computed: Any) -> None:
         """Fill the op's buffers for this step's rows (all other rows: untouched)."""
-        for rid, plan in list(self.plans.items()):
-            if plan.global_version != self.global_version:  # the global steering changed
-                if rid in self.requests:
-                    self._compose(rid)
-                else:
-                    self._plan_global_only(rid)
+        if self._recompose:  # the global steering changed: recompose the plans made before
+            self._recompose = False
+            for rid, plan in list(self.plans.items()):
+                if plan.global_version != self.global_version:
+                    if rid in self.requests:
+                        self._compose(rid)
+                    else:
+                        self._plan_global_only(rid)
         self.planner.plan_step(req_ids, query_start_loc, num_computed, self.plans, self._overflow)
 
     def _overflow(self, req_id: str, message: str) -> None:
@@ -228,8 +255,8 @@ class WorkerState:
         out: dict[str, Any] = {"key": prog.key, "status": "voided" if prog.voided else "ok",
                                "errors": list(prog.errors), "n_prompt": prog.n_prompt}
         if prog.capture_sites and not prog.voided and (prog.keep_as or prog.return_captures):
-            pairs = st.capture_pairs()
             if prog.keep_as:
+                pairs = st.capture_pairs()
                 try:
                     evicted = self.store.put(prog.keep_as, pairs)
                     out["stored_as"] = prog.keep_as
@@ -237,7 +264,7 @@ class WorkerState:
                 except SourceStoreFull as exc:
                     out["store_error"] = str(exc)
             if prog.return_captures:
-                out["captures"] = {f"{site}:{pos}": _pair_bytes(x, r) for (site, pos), (x, r) in sorted(pairs.items())}
+                out["captures"] = st.capture_values()
         return out
 
     def collect(self, keys: list[str]) -> dict[str, dict]:
@@ -271,6 +298,7 @@ class WorkerState:
                               every=bool(e.get("every", False))))
         self.global_adds = adds
         self.global_version += 1
+        self._recompose = True
         if adds:  # requests without a program of their own get a global-only plan
             for rid in self.prompt_lens:
                 if rid not in self.requests and rid not in self.plans:
@@ -287,7 +315,3 @@ class WorkerState:
                 "steps_with_interventions": self.planner.applied_steps, "slots_in_use": len(self.slots),
                 "buffer_bytes": self.buffers.nbytes()}
 
-
-def _pair_bytes(x: torch.Tensor, r: torch.Tensor) -> bytes:
-    """fp32 stream value (x + r, as vLLM's fused add computes it) as little-endian bytes."""
-    return (x.float() + r.float()).numpy().astype("<f4").tobytes()
