@@ -282,19 +282,20 @@ class SweepService:
                     tasks.append(asyncio.create_task(baseline_job()))
                 tasks.append(asyncio.create_task(cell_job(cell)))
             tasks += [asyncio.create_task(cell_job(plan.cells[i], "repeat")) for i in repeat_at]
+
+            def report_failure(task: asyncio.Task) -> None:  # a job that raised ends the sweep
+                if not task.cancelled() and task.exception() is not None:
+                    results.put_nowait(("failed", None, None, task.exception()))
+
+            for t in tasks:
+                t.add_done_callback(report_failure)
             pending = len(tasks)
             last_progress = 0.0
             while pending:
                 waiter = asyncio.ensure_future(results.get())
-                failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
-                if failed:
-                    waiter.cancel()
-                    raise failed[0].exception()
-                done, _ = await asyncio.wait({waiter}, timeout=1.0)
-                if not done:
-                    waiter.cancel()
-                    continue
-                kind, cell, value, error = waiter.result()
+                kind, cell, value, error = await waiter
+                if kind == "failed":
+                    raise error
                 pending -= 1
                 if kind in ("baseline", "repeat"):
                     if value is not None:
