@@ -199,7 +199,8 @@ def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *,
         sites = [_check_site(site, dims, f"capture.sites[{j}]") for j, site in enumerate(c.sites)]
         pos, gen = resolve_positions(c.positions, prompt, "capture.positions")
         touched += len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))
-        capture_out = {"sites": sites, "pos": pos, "gen": gen, "keep_as": c.keep_as, "return": c.return_values}
+        capture_out = {"sites": sites, "pos": pos, "gen": gen, "keep_as": c.keep_as, "return": c.return_values,
+                       "values": len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))}
     if touched > limits.max_site_positions:
         raise SpecError("interventions", f"touches {touched} site-positions; the limit is {limits.max_site_positions} (too many sites)")
     body = {"steer": steer_out, "patch": patch_out, "noise": noise_out, "capture": capture_out}
@@ -307,6 +308,8 @@ class WorkerProgram:
     capture_gen: bool = False
     keep_as: str | None = None
     return_captures: bool = True
+    #: (site, position) values the whole capture holds on all stages (what the store charges)
+    capture_values: int = 0
     #: why the request cannot be applied faithfully (missing source, ...); non-empty = voided
     errors: list[str] = field(default_factory=list)
     sources: set[str] = field(default_factory=set)
@@ -326,8 +329,12 @@ class WorkerProgram:
     @classmethod
     def parse(cls, data: dict, *, named_vector: Callable[[str], np.ndarray | None],
               source_value: Callable[[str, int, int], Any],
-              source_mean: Callable[[str, int], np.ndarray | None]) -> "WorkerProgram":
-        """Build the worker-side program; lookups that fail are recorded in `errors`."""
+              source_mean: Callable[[str, int], np.ndarray | None],
+              owns_site: Callable[[int], bool] = lambda site: True) -> "WorkerProgram":
+        """Build the worker-side program; lookups that fail are recorded in `errors`. Entries at
+        sites this worker does not compute (`owns_site`: another pipeline stage's layers) are
+        left out; the source runs they reference are still listed in `sources`, so every stage
+        leases and touches the same runs."""
         if data.get("v") != PROGRAM_VERSION:
             raise ValueError(f"unsupported causalboard program version {data.get('v')!r}")
         prog = cls(key=data["key"], n_prompt=int(data["n_prompt"]), max_pos=int(data["max_pos"]), hash=data["hash"])
@@ -341,10 +348,12 @@ class WorkerProgram:
                     prog.errors.append(f"steering vector {s['name']!r} is no longer registered")
                     continue
             for site in s["sites"]:
+                if not owns_site(site):
+                    continue
                 prog.adds.append(AddOp(op_id, "steer", site, np.asarray(s["pos"], np.int64), bool(s["gen"]),
                                        s["phase"], vec, float(s["scale"]), name=s["name"]))
                 op_id += 1
-        if data.get("noise"):
+        if data.get("noise") and owns_site(0):
             nz = data["noise"]
             per_pos = {int(p): decode_vector(v) for p, v in zip(nz["pos"], nz["vecs"])}
             prog.adds.append(AddOp(op_id, "noise", 0, np.asarray(sorted(per_pos), np.int64), False, "both",
@@ -352,10 +361,13 @@ class WorkerProgram:
             op_id += 1
         for p in data["patch"]:
             site, alpha, src = int(p["site"]), float(p["alpha"]), p["src"]
+            if "run" in src or "mean_of" in src:
+                prog.sources.add(src.get("run") or src["mean_of"])
+            if not owns_site(site):
+                continue
             missing = []
             for j, dst in enumerate(p["dst"]):
                 if "run" in src:
-                    prog.sources.add(src["run"])
                     t = source_value(src["run"], site, int(src["pos"][j]))
                     if t is None:
                         missing.append(int(src["pos"][j]))
@@ -363,7 +375,6 @@ class WorkerProgram:
                 elif "vecs" in src:
                     t = decode_vector(src["vecs"][j if len(src["vecs"]) > 1 else 0])
                 elif "mean_of" in src:
-                    prog.sources.add(src["mean_of"])
                     t = source_mean(src["mean_of"], site)
                     if t is None:
                         prog.errors.append(f"source run {src['mean_of']!r} has no values at {site_from_index(site)} (missing or evicted)")
@@ -376,7 +387,8 @@ class WorkerProgram:
                                    f"{missing} (never captured there, dropped, or evicted)")
         cap = data.get("capture")
         if cap:
-            prog.capture_sites = list(cap["sites"])
+            prog.capture_sites = [site for site in cap["sites"] if owns_site(site)]
+            prog.capture_values = int(cap.get("values", 0))
             prog.capture_pos = np.asarray(cap["pos"], np.int64)
             prog.capture_gen = bool(cap["gen"])
             prog.keep_as = cap["keep_as"]

@@ -30,6 +30,9 @@ def _engine_config(args: argparse.Namespace):
         enforce_eager=args.eager,
         max_model_len=args.max_model_len,
         batch_invariant=args.batch_invariant,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
@@ -45,6 +48,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="vLLM batch-invariant kernels (GPU default: on; exact sweeps, slower decoding; docs/validation.md)")
     bi.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                     help="faster decoding on the GPU; sweep cells then vary with their batch")
+    par = p.add_argument_group("parallelism (vLLM's flags; docs/distributed.md)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks per pipeline stage")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
+    par.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni", "external_launcher"],
+                     help="how the ranks run (default: vLLM's choice; 'ray' for several nodes; CPU: 'mp' only)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -40,6 +40,13 @@ class EngineConfig:
     #: do not depend on what it is batched with (sweep cells then equal their solo runs exactly;
     #: see docs/validation.md). None: on for CUDA, off (unavailable) on CPU.
     batch_invariant: bool | None = None
+    #: vLLM's parallelism (the same names as `vllm serve`'s flags): ranks per pipeline stage,
+    #: pipeline stages, and the executor that runs the ranks ("mp", "ray", ...; None: vLLM's
+    #: choice). On CPU a world of several ranks runs one process per rank, each bound to its own
+    #: cores (`VLLM_CPU_OMP_THREADS_BIND`, set from the process's CPU affinity unless given).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -64,6 +71,8 @@ class EngineInfo:
     batch_invariant: bool = False
     #: requests vLLM batches at once (the engine's scheduler limit)
     max_num_seqs: int = 0
+    #: TP x PP and the decoder layers each pipeline stage computes (`topology.Topology.to_json`)
+    topology: dict = field(default_factory=lambda: {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "stages": []})
 
     def to_dict(self) -> dict:
         return asdict(self)

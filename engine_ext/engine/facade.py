@@ -29,6 +29,8 @@ from engine_ext.bundled import BUNDLED_MODEL_NAME, BUNDLED_MODEL_PATH, bundled_m
 from engine_ext.engine.loop import EngineLoop
 from engine_ext.errors import EngineDeadError, SpecError
 from engine_ext.engine.config import EngineConfig, EngineInfo
+from engine_ext.engine.topology import (Topology, cpu_thread_binding, merge_model_info, merge_results, merge_store_info,
+                                        merge_store_usage)
 from engine_ext.engine.outputs import AsyncSink, Prepared, QueueSink, delta_from_output
 from engine_ext.generation import Generation, GenerationDelta, GenerationParams
 from engine_ext.program import ModelDims, PromptInfo, check_score_token_ids, compile_program, program_to_extra_args
@@ -40,6 +42,8 @@ Prompt = str | Sequence[int]
 
 #: how long a control-plane call to the workers may take before the caller gets an error
 RPC_TIMEOUT_S = 300
+#: a checksum mismatch across ranks is logged at most this often
+MISMATCH_LOG_INTERVAL_S = 60.0
 
 
 class Engine:
@@ -66,6 +70,8 @@ class Engine:
         self._named: dict[str, int] = {}  # mirror of the workers' named vectors: name -> dimension
         self._named_values: dict[str, Any] = {}  # client-side copy of each named vector (float32)
         self._global: list[Steer] = []
+        self._topology = Topology()
+        self._mismatch_logged = float("-inf")
         self.tokenizer: Any = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -88,16 +94,21 @@ class Engine:
         self._loop = EngineLoop(self._build_vllm_engine)
         try:
             self._loop.start()
-            worker = self._loop.call(lambda e: e.collective_rpc("cb_model_info")).result(timeout=RPC_TIMEOUT_S)[0]
+            infos = self._loop.call(lambda e: e.collective_rpc("cb_model_info")).result(timeout=RPC_TIMEOUT_S)
+            self._topology = Topology.of(infos)
+            self._check_topology(infos, int(hf_config.num_hidden_layers))
         except BaseException:
             if self._loop is not None:
+                if self._loop.alive:
+                    try:
+                        self._loop.call(lambda e: e.collective_rpc("cb_close")).result(timeout=RPC_TIMEOUT_S)
+                    except Exception:
+                        logger.debug("cb_close failed", exc_info=True)
                 self._loop.shutdown()
             self._loop = None
             raise
-        if worker["patched_layers"] != hf_config.num_hidden_layers:
-            self.close()
-            raise RuntimeError(f"causalboard patched {worker['patched_layers']} of {hf_config.num_hidden_layers} decoder layers; "
-                               "refusing to serve a model whose interventions would be silently ignored")
+        self._loop.merge_results = functools.partial(merge_results, topology=self._topology)
+        worker = merge_model_info(infos, self._topology)
         startup = time.perf_counter() - t0
         self._info = self._make_info(hf_config, startup, worker)
         self._dims = ModelDims(self._info.num_layers, self._info.hidden_size, self._info.vocab_size, worker["embedding_std"])
@@ -120,6 +131,30 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _check_topology(self, infos: list[dict], num_layers: int) -> None:
+        """Refuse to serve when the seam does not cover the model exactly under this topology:
+        every decoder layer patched once (on the stage that computes it), the stages' layer
+        ranges contiguous, and nothing configured that splits the residual stream across ranks
+        (sequence, context or data parallelism; see docs/distributed.md)."""
+        topo = self._topology
+        merged = merge_model_info(infos, topo)
+        if merged["patched_layers"] != num_layers:
+            raise RuntimeError(f"causalboard patched {merged['patched_layers']} of {num_layers} decoder layers; "
+                               "refusing to serve a model whose interventions would be silently ignored")
+        expected = 0
+        for stage in topo.stages:
+            if stage.first_layer != expected:
+                raise RuntimeError(f"pipeline stage {stage.pp_rank} computes layers from {stage.first_layer}, expected {expected}")
+            expected = stage.end_layer
+        if expected != num_layers:
+            raise RuntimeError(f"the pipeline stages compute layers up to {expected} of {num_layers}")
+        if topo.world_size != len(infos):
+            raise RuntimeError(f"{len(infos)} workers answered for a {topo.tensor_parallel_size} x {topo.pipeline_parallel_size} topology")
+        split = self._loop.call(_stream_splitting_features).result(timeout=RPC_TIMEOUT_S)
+        if split:
+            raise SpecError("engine_kwargs", f"{', '.join(split)}: these split the residual stream across ranks, "
+                                             "where causalboard's sites cannot see whole rows; not supported")
 
     def _build_vllm_engine(self) -> Any:
         from vllm.engine.arg_utils import EngineArgs
@@ -148,6 +183,8 @@ class Engine:
             kwargs["max_model_len"] = self.config.max_model_len
         if self.config.max_num_seqs:
             kwargs["max_num_seqs"] = self.config.max_num_seqs
+        parallel, env = self._parallel_kwargs()
+        kwargs.update(parallel)
         if self.device == "cuda":
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         if self.attention_backend:
@@ -157,8 +194,61 @@ class Engine:
                 raise SpecError("batch_invariant", "vLLM's batch-invariant kernels exist only on CUDA GPUs")
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM's workers at start-up
         kwargs.update(self.config.engine_kwargs)
-        return LLMEngine.from_engine_args(EngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS,
-                                          enable_multiprocessing=bool(self.config.multiprocess))
+        multiprocess = bool(self.config.multiprocess) or self.world_size > 1
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # seen by the processes vLLM starts now; restored for the rest of this process
+        try:
+            return LLMEngine.from_engine_args(EngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS,
+                                              enable_multiprocessing=multiprocess)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    @property
+    def world_size(self) -> int:
+        return self.config.tensor_parallel_size * self.config.pipeline_parallel_size
+
+    def _parallel_kwargs(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """vLLM's parallel settings and the environment its processes need. Several ranks always
+        run the engine core in its own process (vLLM's executors need it). On CPU each rank gets
+        its own cores (`VLLM_CPU_OMP_THREADS_BIND` from this process's CPU affinity, unless set). On GPUs with TP > 1,
+        the compile passes that rewrite the residual stream across ranks (sequence parallelism,
+        async TP, all-reduce + norm fusion) are turned off: causalboard's sites must see every
+        row of the stream on every rank."""
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if not isinstance(value, int) or value < 1:
+                raise SpecError(name, f"must be a positive integer, got {value!r}")
+        kwargs: dict[str, Any] = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+        if self.config.distributed_executor_backend:
+            kwargs["distributed_executor_backend"] = self.config.distributed_executor_backend
+        env: dict[str, str] = {}
+        if tp * pp == 1:
+            return kwargs, env
+        if self.device == "cpu":
+            if self.config.distributed_executor_backend not in (None, "mp"):
+                raise SpecError("distributed_executor_backend", "the CPU backend runs several ranks with the 'mp' executor "
+                                                                "only (vLLM refuses Ray on CPU)")
+            kwargs["distributed_executor_backend"] = "mp"
+            if not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+                cores = sorted(os.sched_getaffinity(0))
+                try:
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp * pp, cores)
+                except ValueError as exc:
+                    raise SpecError("tensor_parallel_size", str(exc)) from None
+        elif tp > 1:
+            user = dict((self.config.engine_kwargs.get("compilation_config") or {}).get("pass_config") or {})
+            asked = [k for k in ("enable_sp", "fuse_gemm_comms", "fuse_allreduce_rms") if user.get(k)]
+            if asked:
+                raise SpecError("engine_kwargs", f"compilation_config.pass_config {', '.join(asked)} rewrite the residual "
+                                                 "stream across tensor-parallel ranks; causalboard's sites need it whole")
+            if "compilation_config" not in self.config.engine_kwargs:
+                kwargs["compilation_config"] = {"pass_config": {"enable_sp": False, "fuse_gemm_comms": False,
+                                                                "fuse_allreduce_rms": False}}
+        return kwargs, env
 
     def _make_info(self, hf_config: Any, startup: float, worker: dict) -> EngineInfo:
         import torch
@@ -195,8 +285,9 @@ class Engine:
             },
             startup_seconds=round(startup, 2),
             runner=worker.get("runner", ""),
-            embedding_std=float(worker.get("embedding_std", 1.0)),
+            embedding_std=float(worker["embedding_std"] if worker.get("embedding_std") is not None else 1.0),
             batch_invariant=self.batch_invariant,
+            topology=self._topology.to_json(),
         )
 
     @property
@@ -508,10 +599,9 @@ class Engine:
         return all(self._rpc("cb_store", "has", run_id))
 
     def source_info(self, run_id: str) -> dict | None:
-        """What a stored run holds on the first rank: `{"sites": [site index], "positions": [...],
-        "bytes", "leases"}`, or None when it is not stored (on any rank)."""
-        infos = self._rpc("cb_store", "info", run_id)
-        return infos[0] if infos and all(i is not None for i in infos) else None
+        """What a stored run holds, over every pipeline stage: `{"sites": [site index],
+        "positions": [...], "bytes", "leases"}`, or None when it is not stored (on any rank)."""
+        return merge_store_info(self._rpc("cb_store", "info", run_id), self._topology)
 
     def lease_source(self, run_id: str) -> bool:
         """Protect a stored run from eviction until `release_source` (e.g. for a sweep's life)."""
@@ -521,11 +611,45 @@ class Engine:
         self._rpc("cb_store", "release", run_id)
 
     def source_store_usage(self) -> dict:
-        return self._rpc("cb_store", "usage")[0]
+        """The source store over every stage: budget and bytes summed over stages (each stage
+        holds its own layers' values), runs by id."""
+        return merge_store_usage(self._rpc("cb_store", "usage"), self._topology)
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
 
     def intervention_status(self) -> dict:
-        """Per-worker checksum/action counts and the cross-rank comparison."""
+        """Every worker's checksum and action count, and the comparison within each pipeline
+        stage (its tensor-parallel ranks must agree). A mismatch is logged as an error (at most
+        once a minute) and reported, never raised."""
         from engine_ext.worker.checksum import compare_ranks
 
         workers = self._rpc("cb_status")
-        return {"workers": workers, "determinism": compare_ranks(workers)}
+        determinism = compare_ranks(workers)
+        if not determinism["consistent"]:
+            now = time.monotonic()
+            if now - self._mismatch_logged >= MISMATCH_LOG_INTERVAL_S:
+                self._mismatch_logged = now
+                logger.error("applied-action checksums disagree across tensor-parallel ranks: %s "
+                             "(the ranks applied different interventions; results may be wrong)", determinism["mismatches"])
+        return {"workers": workers, "determinism": determinism}
+
+    def inject_fault(self, kind: str, tp_rank: int, pp_rank: int = 0) -> bool:
+        """Testing aid: make one worker misbehave (`skip_action`: skip the next planned request
+        window, as a faulty rank would). Returns whether a worker took the fault."""
+        return any(self._rpc("cb_debug_fault", kind, tp_rank, pp_rank))
+
+
+def _stream_splitting_features(engine: Any) -> list[str]:
+    """vLLM settings under which a rank does not hold whole rows of the residual stream."""
+    cfg = engine.vllm_config
+    par, passes = cfg.parallel_config, cfg.compilation_config.pass_config
+    found = []
+    for name in ("data_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(par, name, 1) or 1) > 1:
+            found.append(f"{name}={getattr(par, name)}")
+    for name in ("enable_sp", "fuse_gemm_comms"):
+        if getattr(passes, name, False) and par.tensor_parallel_size > 1:
+            found.append(f"compilation_config.pass_config.{name}")
+    return found

@@ -39,6 +39,9 @@ class EngineLoop:
         self._stopping = False
         self._error: BaseException | None = None
         self.engine: Any = None
+        #: makes one result per request key of the workers' `cb_collect` replies (rank order);
+        #: the facade sets it from the topology (several ranks), rank 0's reply otherwise
+        self.merge_results: Callable[[list[dict[str, dict]]], dict[str, dict]] = lambda per_rank: per_rank[0]
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -193,9 +196,9 @@ class EngineLoop:
                 logger.exception("sink failed for %s", out.request_id)
 
     def _collect_results(self, keys: list[str]) -> dict[str, dict]:
-        """Fetch workers' results; rank 0 answers (every rank applies the same program)."""
+        """Fetch every worker's results and merge them (`merge_results`)."""
         per_rank = self.engine.collective_rpc("cb_collect", args=(keys,))
-        return per_rank[0] if per_rank else {}
+        return self.merge_results(per_rank) if per_rank else {}
 
     def _close_engine(self) -> None:
         for sink in self._sinks.values():

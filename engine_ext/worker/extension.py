@@ -26,24 +26,40 @@ class CausalboardWorkerExtension:
         return st
 
     def cb_model_info(self) -> dict:
+        """This worker's part of the model: its ranks, the decoder layers its stage computes and
+        how many of them carry the seam's sites, the embedding's std (None on a pipeline stage
+        without the embedding)."""
         import torch
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         st = self._cb()
         model = self.model_runner.model
-        emb = getattr(getattr(model, "model", None), "embed_tokens", None)
-        weight = getattr(emb, "weight", None)
-        if weight is None:
-            raise RuntimeError("cannot find the input embedding matrix (model.model.embed_tokens)")
-        std = float(weight.float().std().item())
+        inner = getattr(model, "model", None)
+        weight = getattr(getattr(inner, "embed_tokens", None), "weight", None)
+        std = float(weight.float().std().item()) if isinstance(weight, torch.Tensor) and weight.numel() else None
         st.embedding_std = std
         patched = sum(1 for m in model.modules() if getattr(m, "_cb_state", 0) == st.state_id)
-        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
-
-        st.tp_rank, st.pp_rank = int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+        pp = get_pp_group()
+        st.tp_rank, st.pp_rank = int(get_tensor_model_parallel_rank()), int(pp.rank_in_group)
         runner = type(self.model_runner).__module__ + "." + type(self.model_runner).__qualname__
         return {"num_layers": st.num_layers, "hidden_size": st.hidden, "embedding_std": std,
                 "patched_layers": patched, "runner": runner, "dtype": str(st.dtype).replace("torch.", ""),
-                "device": str(st.device), "buffer_bytes": int(st.buffers.nbytes()), "torch": str(torch.__version__)}
+                "device": str(st.device), "buffer_bytes": int(st.buffers.nbytes()), "torch": str(torch.__version__),
+                "tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "tp_size": int(get_tensor_model_parallel_world_size()),
+                "pp_size": int(pp.world_size), "first_layer": int(getattr(inner, "start_layer", 0)),
+                "end_layer": int(getattr(inner, "end_layer", st.num_layers))}
+
+    def cb_debug_fault(self, kind: str, tp_rank: int, pp_rank: int = 0) -> bool:
+        """Test-only fault injection on one worker (the one at `tp_rank`/`pp_rank`):
+        `skip_action` makes it skip applying (and folding) the next planned request window, as a
+        faulty rank would. Returns whether this worker took the fault."""
+        st = self._cb()
+        if (st.tp_rank, st.pp_rank) != (int(tp_rank), int(pp_rank)):
+            return False
+        if kind != "skip_action":
+            raise ValueError(f"unknown fault {kind!r}")
+        st.planner.skip_next_action = True
+        return True
 
     def cb_close(self) -> bool:
         """Free this engine's worker state and device buffers (called before shutdown)."""

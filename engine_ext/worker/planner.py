@@ -275,6 +275,8 @@ class StepPlanner:
         self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, list[_CaptureBlock]]] = []
         self.steps = 0
         self.applied_steps = 0
+        #: test-only fault (`cb_debug_fault`): skip the next planned request window entirely
+        self.skip_next_action = False
 
     def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow) -> None:
         """Fill the tables for this step's rows. `plans` maps request id -> RequestPlan (requests
@@ -304,6 +306,9 @@ class StepPlanner:
                 row0, p0 = int(qsl[i]), int(num_computed[i])
                 n = int(qsl[i + 1]) - row0
                 if n <= 0:
+                    continue
+                if self.skip_next_action and not plan.empty:
+                    self.skip_next_action = False
                     continue
                 p1 = p0 + n
                 if p0 >= plan.n_prompt and plan.gen_template_only:

@@ -249,6 +249,8 @@ def _patch_layer_class(expected_sha: str, cls: Any) -> None:
         prefix = sig.bind(self, *args, **kwargs).arguments.get("prefix", "")
         self._cb_layer = extract_layer_index(prefix)
         self._cb_state = _state_for_current_config()
+        if self._cb_state:
+            _STATES[self._cb_state].own_layers.add(self._cb_layer)
 
     __init__._cb_wrapped = True
     cls.__init__ = __init__

@@ -35,6 +35,8 @@ class SourceRun:
         self.nbytes = self.x.numel() * self.x.element_size() + self.r.numel() * self.r.element_size()
         self.created = time.time()
         self.leases = 0
+        #: bytes it counts against the store's budget (its own bytes unless the store says)
+        self.charge = self.nbytes
         self._on: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,15 +87,19 @@ class SourceStore:
 
     @property
     def used_bytes(self) -> int:
-        return sum(r.nbytes for r in self._runs.values())
+        return sum(r.charge for r in self._runs.values())
 
     def __contains__(self, run_id: str) -> bool:
         return run_id in self._runs
 
-    def put(self, run_id: str, values: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
-        """Store (or replace) a run; returns the run ids evicted to make room.
+    def put(self, run_id: str, values: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+            charge: int | None = None) -> list[str]:
+        """Store (or replace) a run; returns the run ids evicted to make room. The run counts
+        against the budget with `charge` bytes when given (a pipeline stage charges the whole
+        run, not its own share, so that every stage evicts the same runs), else its own bytes.
         Raises SourceStoreFull if it cannot fit even after evicting every unleased run."""
-        nbytes = sum(x.numel() * x.element_size() + r.numel() * r.element_size() for x, r in values.values())
+        own = sum(x.numel() * x.element_size() + r.numel() * r.element_size() for x, r in values.values())
+        nbytes = own if charge is None else int(charge)
         old = self._runs.pop(run_id, None)
         leases = old.leases if old else 0
         evicted: list[str] = []
@@ -109,6 +115,7 @@ class SourceStore:
                                   f"{self.used_bytes} held by leased runs")
         run = SourceRun(run_id, values)
         run.leases = leases
+        run.charge = nbytes
         self._runs[run_id] = run
         return evicted
 
@@ -119,12 +126,14 @@ class SourceStore:
         return run
 
     def value(self, run_id: str, site: int, pos: int) -> StoredPair | None:
-        run = self.get(run_id)
+        """A stored value, without touching the run's recency (`get` does that)."""
+        run = self._runs.get(run_id)
         return run.value(site, pos) if run else None
 
     def mean(self, run_id: str, site: int) -> torch.Tensor | None:
-        """fp32 mean of the run's stream values at `site` over every captured position."""
-        run = self.get(run_id)
+        """fp32 mean of the run's stream values at `site` over every captured position (recency
+        untouched)."""
+        run = self._runs.get(run_id)
         if run is None:
             return None
         rows = [i for i, (s, _) in enumerate(run.keys) if s == site]

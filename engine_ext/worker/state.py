@@ -129,6 +129,13 @@ class WorkerState:
         self.embedding_std: float | None = None
         self.tp_rank = 0
         self.pp_rank = 0
+        #: decoder layers built on this worker (all of them, or one pipeline stage's)
+        self.own_layers: set[int] = set()
+        self._value_bytes = 2 * hidden * torch.empty((), dtype=dtype, device="cpu").element_size()
+
+    def owns_site(self, site: int) -> bool:
+        """Whether this worker computes `site` (its layer is on this worker's pipeline stage)."""
+        return not self.own_layers or site // SITES_PER_LAYER in self.own_layers
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -165,9 +172,11 @@ class WorkerState:
             named_vector=self.named.get,
             source_value=self.store.value,
             source_mean=lambda run, site: (m.numpy() if (m := self.store.mean(run, site)) is not None else None),
+            owns_site=self.owns_site,
         )
         st = RequestState(req_id, prog)
-        for run in prog.sources:
+        for run in sorted(prog.sources):  # the same runs, in the same order, on every stage
+            self.store.get(run)  # recency
             if self.store.lease(run):
                 st.leased.append(run)
         self.requests[req_id] = st
@@ -258,7 +267,8 @@ class WorkerState:
             if prog.keep_as:
                 pairs = st.capture_pairs()
                 try:
-                    evicted = self.store.put(prog.keep_as, pairs)
+                    charge = prog.capture_values * self._value_bytes if prog.capture_values else None
+                    evicted = self.store.put(prog.keep_as, pairs, charge=charge)
                     out["stored_as"] = prog.keep_as
                     out["evicted"] = evicted
                 except SourceStoreFull as exc:

@@ -146,6 +146,18 @@ class ErrorResponse(BaseModel):
     errors: list[dict] | None = Field(None, description="All validation problems, one per field.")
 
 
+class PipelineStage(BaseModel):
+    pp_rank: int = Field(description="The stage's rank in the pipeline.")
+    layers: list[int] = Field(description="First and last decoder layer the stage computes (inclusive).")
+    tp_ranks: list[int] = Field(description="Its tensor-parallel ranks (each holds the whole residual stream of those layers).")
+
+
+class Topology(BaseModel):
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    stages: list[PipelineStage] = Field(default_factory=list)
+
+
 class StatusResponse(BaseModel):
     status: Literal["ok", "dead"]
     model: str
@@ -160,6 +172,7 @@ class StatusResponse(BaseModel):
     dtype: str
     enforce_eager: bool
     batch_invariant: bool = Field(False, description="vLLM's batch-invariant kernels are on (GPU).")
+    topology: Topology = Field(default_factory=Topology, description="TP x PP and the layers each pipeline stage computes.")
     hooks: list[str] = Field(description="Residual-stream hooks the engine can intervene on, per layer.")
     versions: dict[str, str]
     startup_seconds: float
