@@ -192,7 +192,7 @@ def test_ablation_sources_and_undefined_recovered(http, engine, hf_ref, tasks):
 
 BAD = [
     ({"prompt": ""}, 400, "prompt"),
-    ({"hook": "mlp_out"}, 400, "hook"),
+    ({"hook": "attn_out"}, 400, "hook"),
     ({"hook": "resid"}, 400, "hook"),
     ({"hooks": ["post_block", "nope"]}, 400, "hooks[1]"),
     ({"layers": [0, 99]}, 400, "layers[1]"),

@@ -23,7 +23,6 @@ from app.sweep.alignment import UNALIGNED_REASON, Alignment, align_positions
 from app.sweep.schema import LayerRange, PatchSweepRequest
 
 #: hooks of the reference fork that causalboard's decoder-layer seam does not expose
-FORK_ONLY_HOOKS = ("mlp_in", "mlp_out")
 
 
 class PlanError(Exception):
@@ -152,13 +151,10 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
     hooks = req.hook_list()
     field_name = "hooks" if req.hooks else "hook"
     for k, h in enumerate(hooks):
-        if h in FORK_ONLY_HOOKS:
-            raise SpecError(f"{field_name}[{k}]" if req.hooks else "hook",
-                            f"hook {h!r} is not available: causalboard exposes {', '.join(HOOKS)}")
         if h not in HOOKS:
             raise SpecError(f"{field_name}[{k}]" if req.hooks else "hook",
                             f"unknown hook {h!r}; expected one of {', '.join(HOOKS)}")
-    hooks = [h for h in HOOKS if h in hooks]  # canonical order: pre_attn, post_attn, post_block
+    hooks = [h for h in HOOKS if h in hooks]  # canonical order: the forward's (engine_ext.sites.HOOKS)
 
     layers = _layers(req.layers, info.num_layers)
 

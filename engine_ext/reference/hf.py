@@ -12,6 +12,9 @@ A site is `(layer, hook)` of decoder layer `i` (`model.model.layers[i]`):
 * `pre_attn`   — the stream entering layer i (the layer's input; HF `hidden_states[i]`);
 * `post_attn`  — after the attention add of layer i (the input of `post_attention_layernorm`,
   which HF also keeps as the residual of the MLP add; it is edited in place so both see it);
+* `mlp_in`     — the MLP's input (`layer.mlp`'s argument: the output of
+  `post_attention_layernorm`);
+* `mlp_out`    — the MLP's output (`layer.mlp`'s return value, before the residual add);
 * `post_block` — the stream leaving layer i (the layer's output; HF `hidden_states[i+1]`, but
   for the last layer the value *before* the final norm).
 
@@ -465,6 +468,20 @@ class HFReference:
                 visit((i, "post_attn"), args[0])
             return hook
 
+        def mlp_in_hook(i: int):
+            def hook(_mod, args):
+                h = args[0].clone()
+                visit((i, "mlp_in"), h)
+                return (h, *args[1:])
+            return hook
+
+        def mlp_out_hook(i: int):
+            def hook(_mod, _args, output):
+                h = output.clone()
+                visit((i, "mlp_out"), h)
+                return h
+            return hook
+
         def post_block_hook(i: int):
             def hook(_mod, _args, output):
                 out = output[0] if isinstance(output, tuple) else output
@@ -482,6 +499,10 @@ class HFReference:
                     handles.append(mod.register_forward_pre_hook(pre_attn_hook(layer), with_kwargs=True))
                 elif hook == "post_attn":
                     handles.append(mod.post_attention_layernorm.register_forward_pre_hook(post_attn_hook(layer)))
+                elif hook == "mlp_in":
+                    handles.append(mod.mlp.register_forward_pre_hook(mlp_in_hook(layer)))
+                elif hook == "mlp_out":
+                    handles.append(mod.mlp.register_forward_hook(mlp_out_hook(layer)))
                 else:
                     handles.append(mod.register_forward_hook(post_block_hook(layer)))
             with torch.no_grad():

@@ -15,6 +15,10 @@ slot (-1: leave the row bit-identical) and the slot's `SlotMode` says what to do
   in bf16; exactly in fp32);
 * `PAIR`   — `x = px`, `r = pr` (a stored source run's own pair: replacement is bit-exact).
 
+Single-tensor sites (`embed_site_op`: layer 0's `pre_attn`, where the stream is the embeddings
+alone, and the MLP-branch sites `mlp_in` / `mlp_out`) have no `r`: the value is `x` itself,
+`AFFINE` writes `x = dt(new)`, `PAIR` writes `x = px`, and captures store `r = 0`.
+
 Captures copy the (post-intervention) pair of rows whose `cap_dst[row, site]` is >= 0 into that
 row of `cap_x` / `cap_r`.
 
@@ -222,7 +226,8 @@ def site_op(x: torch.Tensor, r: torch.Tensor, state_id: int, site: int) -> None:
 
 
 def embed_site_op(x: torch.Tensor, state_id: int, site: int) -> None:
-    """Same, for layer 0's `pre_attn` where the stream is the embeddings alone (no residual)."""
+    """Same, on a single tensor: layer 0's `pre_attn` (the embeddings, no residual yet) and the
+    MLP-branch sites `mlp_in` / `mlp_out`."""
     b = BUFFERS.get(state_id)
     if b is not None:
         _apply(b, x, None, site)
