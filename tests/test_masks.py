@@ -180,3 +180,29 @@ def test_masked_global_steering_and_many_masks_release_their_rows(engine, tasks)
         spec = Interventions(patch=tuple(Patch.make(s, [1], "zeros", alpha=0.5, mask={"indices": [j, len(sites) + k]})
                                          for j, s in enumerate(sites)))
         assert engine.generate(prompt, ONE, spec).intervention.status == "ok"
+
+
+def test_sweep_with_a_mask_matches_the_oracle_and_bad_masks_name_the_field(http, engine, hf_ref, tasks):
+    pair = [p for p in tasks["pairs"] if p["equal_length"]][5]
+    ans, H = pair["answer_id"], engine.info.hidden_size
+    dims = _dims(engine, 6, H // 3)
+    m = np.zeros(H, bool)
+    m[dims] = True
+    body = {"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"], "answer_token_id": ans,
+            "metric": "logprob", "hooks": ["mlp_out", "post_block"], "layers": [2, 5], "mask": {"indices": dims}}
+    r = http.post("/v1/patch_sweep", json=body)
+    assert r.status_code == 200, r.text
+    res = r.json()
+    grids = {g["hook"]: np.array(g["grid"], dtype=float) for g in res["hook_grids"]}
+    clean_ids, ids = engine.tokenize(pair["clean_prompt"]), engine.tokenize(pair["corrupt_prompt"])
+    for hook in ("mlp_out", "post_block"):
+        for i, layer in enumerate(res["layers"]):
+            pos = len(ids) - 1
+            target = hf_ref.run(clean_ids, capture=[(layer, hook)]).captures[(layer, hook)].numpy()[pos:pos + 1]
+            ref = hf_ref.score(ids, [ans], edits=[RefEdit.patch((layer, hook), [pos], target, mask=m)])
+            assert abs(grids[hook][i, res["positions"].index(pos)] - ref[ans]) <= LOGPROB_ATOL, (hook, layer)
+    unmasked = http.post("/v1/patch_sweep", json={**body, "mask": None}).json()
+    assert unmasked["hook_grids"][1]["grid"] != res["hook_grids"][1]["grid"]
+    for bad, field in (({"indices": [H]}, "mask.indices[0]"), ({"inline": 0}, "mask.inline"), ([], "mask")):
+        r = http.post("/v1/patch_sweep", json={**body, "mask": bad})
+        assert r.status_code == 400 and r.json()["field"] == field, r.text

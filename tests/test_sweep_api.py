@@ -206,7 +206,7 @@ BAD = [
     ({"foil_token_id": None, "metric": "logit_diff"}, 400, "foil_token"),
     ({"metric": "kl"}, 400, "metric"),
     ({"alpha": 2.0}, 400, "alpha"),
-    ({"mask": {"indices": [0]}}, 400, "mask"),
+    ({"mask": {"indices": [10**6]}}, 400, "mask.indices[0]"),
     ({"source_inline": 0}, 400, "source_inline"),
     ({"clean_prompt": None}, 400, "clean_prompt"),
     ({"clean_prompt": None, "source_run": "never-stored"}, 404, "source_run"),

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine_ext import Engine, GenerationParams
 from engine_ext.errors import SpecError
-from engine_ext.specs import InlineSource, MeanSource, Noise, Patch, RunSource, ZeroSource
+from engine_ext.specs import InlineSource, Mask, MeanSource, Noise, Patch, RunSource, ZeroSource, mask_from_json
 from engine_ext.sites import HOOKS, Site
 
 from app.sweep.alignment import UNALIGNED_REASON, Alignment, align_positions
@@ -87,6 +87,8 @@ class SweepPlan:
     source: SourcePlan
     noise_positions: list[int] | None
     subject_positions: list[int] = field(default_factory=list)
+    #: the dimension mask of every cell's patch (None: every dimension)
+    mask: Mask | None = None
 
     @property
     def metric(self) -> str:
@@ -123,7 +125,7 @@ class SweepPlan:
             source = InlineSource((src.vector,))
         else:
             source = ZeroSource()
-        return Patch(site, (cell.position,), source, self.request.alpha)
+        return Patch(site, (cell.position,), source, self.request.alpha, self.mask)
 
     def basis_of(self, scores: dict[int, float]) -> float:
         """The basis metric of one scored request."""
@@ -142,7 +144,10 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
     info = engine.info
     if req.model is not None and req.model not in (info.model, info.model_path):
         raise PlanError(404, "model", f"'{req.model}' is not served here (serving '{info.model}')")
-    for name in ("mask", "patch_vectors", "source_inline"):
+    mask = mask_from_json(req.mask, "mask")
+    if mask is not None:
+        mask.values(info.hidden_size, "mask")  # bounds, with the field named
+    for name in ("patch_vectors", "source_inline"):
         if getattr(req, name) is not None:
             raise SpecError(name, "is not supported by causalboard (use source_module, a registered vector, or clean_prompt)")
 
@@ -261,6 +266,7 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
         source=source,
         noise_positions=noise_positions,
         subject_positions=sorted(set(subject_positions)),
+        mask=mask,
     )
 
 

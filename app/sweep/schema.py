@@ -64,7 +64,9 @@ class PatchSweepRequest(StrictModel):
     source_module: str | None = Field(None, description='Ablation source instead of a clean run: "zeros", "mean" (mean of the clean run over positions) or a registered vector name.')
     source_inline: int | None = Field(None, description="Not supported (fork: row of patch_vectors).")
     patch_vectors: dict | None = Field(None, description="Not supported (fork: packed vectors for source_inline).")
-    mask: dict | None = Field(None, description="Not supported (fork: partial-dimension patch mask).")
+    mask: dict | list | None = Field(None, description='Partial-dimension patches: only these dimensions of each cell take the source value, '
+                                                      '(1 - alpha m) h + alpha m t. {"indices": [dims]} (the fork\'s form), a list of '
+                                                      'dimension indices, a list of booleans (one per dimension) or {"weights": [values in [0, 1]]}.')
     hook: str = Field("post_block", description="Hook of every cell: " + ", ".join(HOOKS) + ".")
     hooks: list[str] | None = Field(None, min_length=1, description="Several hooks: one grid per hook (wins over `hook`).")
     layers: list[int] | LayerRange | None = Field(None, description="Layer list or {start, stop, step} (range semantics); default all layers.")
