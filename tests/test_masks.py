@@ -206,3 +206,22 @@ def test_sweep_with_a_mask_matches_the_oracle_and_bad_masks_name_the_field(http,
     for bad, field in (({"indices": [H]}, "mask.indices[0]"), ({"inline": 0}, "mask.inline"), ([], "mask")):
         r = http.post("/v1/patch_sweep", json={**body, "mask": bad})
         assert r.status_code == 400 and r.json()["field"] == field, r.text
+
+
+def test_masks_over_http_equal_the_python_engine(http, engine, tasks):
+    item = fact(tasks, 18)
+    prompt, ids_ = item["prompt"], [item["answer_id"], item["foil_id"]]
+    v = _vec(engine, 33, 12.0)
+    ivs = {"patch": [{"site": "L3.mlp_out", "positions": "all_prompt", "source": "zeros", "mask": {"indices": [0, 5, 9]}}],
+           "steer": [{"sites": ["L2.mlp_in"], "vector": v.tolist(), "mask": [True, False] * (engine.info.hidden_size // 2)}],
+           "score_token_ids": ids_}
+    r = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 1, "interventions": ivs})
+    assert r.status_code == 200, r.text
+    spec = Interventions(patch=(Patch.make("L3.mlp_out", "all_prompt", "zeros", mask={"indices": [0, 5, 9]}),),
+                         steer=(Steer.make(["L2.mlp_in"], v, mask=[True, False] * (engine.info.hidden_size // 2)),),
+                         score_token_ids=tuple(ids_))
+    want = engine.generate(prompt, GenerationParams(max_tokens=1, logprobs=0), spec)
+    assert r.json()["scores"] == [{str(k): x for k, x in want.scores[0].items()}]
+    bad = {**ivs, "patch": [{**ivs["patch"][0], "mask": {"indices": [engine.info.hidden_size]}}]}
+    r = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 1, "interventions": bad})
+    assert r.status_code == 400 and r.json()["field"] == "interventions.patch[0].mask.indices[0]", r.text
