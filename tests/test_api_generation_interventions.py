@@ -240,7 +240,7 @@ def _bad(engine) -> list:
         (cmp, {"steering": [{"when": {}, "apply": {}}]}, "steering"),
         (cmp, {"conversation_id": "c1"}, "conversation_id"),
         (cmp, {"steering_name": "no-such-module"}, "steering_name"),
-        (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_module": "zeros", "mask": {"indices": [1]}}]}, "patch[0].mask"),
+        (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_module": "zeros", "mask": {"indices": [h]}}]}, "patch[0].mask.indices[0]"),
         (cmp, {"patch": [{"layer": 1, "hook": "post_mlp", "dest_position": 1, "source_module": "zeros"}]}, "patch[0].hook"),
         (cmp, {"patch": [{"layer": 9, "dest_position": 1, "source_module": "zeros"}]}, "patch[0].layer"),
         (cmp, {"patch": [{"layer": 1, "dest_position": 1}]}, "patch[0]"),
@@ -260,7 +260,7 @@ def _bad(engine) -> list:
     ]
 
 
-NOT_SUPPORTED = {"steering_vectors.post_mlp", "steering_clamps", "steering", "conversation_id", "patch[0].mask", "patch[0].hook",
+NOT_SUPPORTED = {"steering_vectors.post_mlp", "steering_clamps", "steering", "conversation_id", "patch[0].hook",
                  "capture.filesystem", "capture.patch_source.hooks.post_block.ranges"}
 
 

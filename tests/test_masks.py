@@ -225,3 +225,27 @@ def test_masks_over_http_equal_the_python_engine(http, engine, tasks):
     bad = {**ivs, "patch": [{**ivs["patch"][0], "mask": {"indices": [engine.info.hidden_size]}}]}
     r = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 1, "interventions": bad})
     assert r.status_code == 400 and r.json()["field"] == "interventions.patch[0].mask.indices[0]", r.text
+
+
+def test_fork_completions_patch_masks_indices_and_inline(http, engine, tasks):
+    from app.api.compat.fork_vectors import pack_vectors
+
+    item = fact(tasks, 19)
+    prompt, ids_ = item["prompt"], [item["answer_id"], item["foil_id"]]
+    H, last = engine.info.hidden_size, len(engine.tokenize(item["prompt"])) - 1
+    w = np.random.default_rng(7).uniform(0, 1, H).astype(np.float32)
+    t = _vec(engine, 34, 10.0)
+    table = pack_vectors(np.stack([t, w]))
+    body = {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids_, "patch_vectors": table,
+            "patch": [{"layer": 3, "hook": "mlp_in", "dest_position": last, "source_inline": 0, "mask": {"inline": 1}},
+                      {"layer": 1, "hook": "post_block", "dest_position": last, "source_module": "zeros",
+                       "mask": {"indices": [2, 7]}}]}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    want = engine.score(prompt, ids_, Interventions(patch=(
+        Patch.make("L3.mlp_in", [last], {"vectors": [t]}, mask={"weights": w.tolist()}),
+        Patch.make("L1.post_block", [last], "zeros", mask={"indices": [2, 7]}))))
+    assert r.json()["choices"][0]["scores"] == [{str(k): v for k, v in want.items()}]
+    for bad, field in (({"inline": 5}, "patch[0].mask.inline"), ({"inline": 0}, "patch[0].mask.weights")):
+        r = http.post("/v1/completions", json={**body, "patch": [{**body["patch"][0], "mask": bad}]})
+        assert r.status_code == 400 and r.json()["field"] == field, r.text

@@ -204,7 +204,8 @@ class ForkPatchEntry(StrictModel):
     source_module: str | None = None
     source_inline: int | None = Field(None, ge=0)
     alpha: float = 1.0
-    mask: Any = unsupported()
+    mask: Any = Field(None, description="Dimension mask: {'indices': [dims]} or {'inline': row of patch_vectors} (graded "
+                                        "weights in [0, 1]); only these dimensions take the source value.")
 
 
 # ---- steering ------------------------------------------------------------------------------------
