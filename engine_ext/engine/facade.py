@@ -565,7 +565,8 @@ class Engine:
                 if site.layer >= self.info.num_layers:
                     raise SpecError(f"{f}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
                 e = {"site": site.index(), "scale": s.scale, "phase": s.phase,
-                     "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name}
+                     "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name,
+                     "mask": s.mask.values(self.info.hidden_size, f"{f}.mask").astype("<f4").tobytes() if s.mask is not None else None}
                 if s.positions == "all":
                     e.update(pos=[], gen=True, every=True)
                 elif s.positions == "all_generated":
