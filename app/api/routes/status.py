@@ -37,7 +37,8 @@ async def health(engine: Engine = Depends(engine_handle)) -> JSONResponse:
     """Liveness: 200 while the engine serves, 503 before it has started and once it has stopped."""
     if engine.alive:
         return JSONResponse({"status": "ok"})
-    return error_response(503, "the vLLM engine is not running")
+    why = f"it stopped: {engine.failure}" if engine.failure is not None else "not started yet, or shut down"
+    return error_response(503, f"engine: the vLLM engine is not running ({why})", "engine")
 
 
 @router.get("/v1/status", response_model=StatusResponse, responses=ERRORS)
