@@ -82,10 +82,12 @@ CASES = {
     "steer-unknown-name": G({**steer(), "interventions": {"steer": [{"sites": "L1.post_block", "name": "no-such-vector"}]}},
                             "interventions.steer[0].name"),
     "steer-huge-list": G({"prompt": PROMPT, "interventions": {"steer": [{"sites": "L1.post_block", "vector": OK_VEC}] * 5000}},
-                         "interventions.steer"),
-    "patch-unknown-run": G({"prompt": PROMPT, "interventions": {"patch": [{"site": "L1.post_block", "positions": [1],
-                                                                            "source": {"run": "never-stored"}}]}},
-                           "interventions.patch[0].source"),
+                         "interventions"),  # the request-wide site-position limit
+    "patch-position-out-of-range": G({"prompt": PROMPT, "interventions": {"patch": [{"site": "L1.post_block", "positions": [77],
+                                                                                      "source": "zeros"}]}},
+                                     "interventions.patch[0].positions"),
+    "patch-alpha-str": G({"prompt": PROMPT, "interventions": {"patch": [{"site": "L1.post_block", "source": "zeros", "alpha": "half"}]}},
+                         "interventions.patch[0].alpha"),
     "patch-bad-source": G({"prompt": PROMPT, "interventions": {"patch": [{"site": "L1.post_block", "source": "ones"}]}},
                           "interventions.patch[0].source"),
     "capture-bad-keep-as": G({"prompt": PROMPT, "interventions": {"capture": {"sites": "L1.post_block", "keep_as": "../x"}}},
@@ -94,7 +96,8 @@ CASES = {
                               "interventions.noise.scale"),
     "score-id-out-of-vocab": G({"prompt": PROMPT, "interventions": {"score_token_ids": [10**9]}}, "interventions.score_token_ids"),
     # ---- whole bodies
-    "body-empty": J("POST", "/v1/generate", b"", 400, "prompt", raw=True),
+    "body-empty": J("POST", "/v1/generate", b"", 400, "body", raw=True),
+    "body-empty-object": J("POST", "/v1/generate", b"{}", 400, "prompt", raw=True),
     "body-not-json": J("POST", "/v1/generate", b"prompt=hello", 400, "body", raw=True),
     "body-json-array": J("POST", "/v1/generate", b"[1, 2]", 400, "body", raw=True),
     "body-invalid-utf8": J("POST", "/v1/generate", b'{"prompt": "caf\xe9 \xff"}', 400, "body", raw=True),
@@ -149,7 +152,8 @@ CASES = {
                                        "positions"),
     "capture-format-unknown": J("POST", "/v1/capture", {"prompt": PROMPT, "sites": "L1.post_block", "format": "pickle"}, 400, "format"),
     "capture-keep-as-slash": J("POST", "/v1/capture", {"prompt": PROMPT, "sites": "L1.post_block", "keep_as": "a/b"}, 400, "keep_as"),
-    "capture-huge-site-list": J("POST", "/v1/capture", {"prompt": PROMPT, "sites": ["L1.post_block"] * 100_000}, 400, "sites"),
+    "capture-huge-position-list": J("POST", "/v1/capture", {"prompt": PROMPT, "sites": "L1.post_block",
+                                                            "positions": list(range(100_000))}, 400, "positions"),
 }
 
 
@@ -161,11 +165,19 @@ def _send(http, method: str, path: str, body, raw: bool):
 
 
 @pytest.fixture(scope="module")
-def known_good(http, engine):
+def known_good(server_url, engine):
+    """The known-good request's output before the matrix; after it, the same output again."""
+    import httpx
+
     assert engine.info.hidden_size == H and engine.info.num_layers == LAYERS
-    before = http.post("/v1/generate", json=GOOD).json()
-    vectors_before = set(engine.list_vectors())
-    yield before
+    with httpx.Client(base_url=server_url, timeout=120) as http:
+        before = http.post("/v1/generate", json=GOOD).json()
+        vectors_before = set(engine.list_vectors())
+        yield before
+        _check_unchanged(http, engine, before, vectors_before)
+
+
+def _check_unchanged(http, engine, before: dict, vectors_before: set) -> None:
     after = http.post("/v1/generate", json=GOOD)
     assert after.status_code == 200
     body = after.json()
@@ -173,6 +185,7 @@ def known_good(http, engine):
     assert engine.alive and http.get("/health").status_code == 200
     assert set(engine.list_vectors()) == vectors_before  # nothing was registered by a refused request
     assert engine.global_steer == []
+    assert engine.in_flight == 0
 
 
 def test_matrix_has_60_cases():

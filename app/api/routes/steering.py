@@ -180,6 +180,7 @@ async def upload_vector(name: str, request: Request, eng: Engine = Depends(get_e
     BF16 or F64), told apart by magic bytes. At most 1 MiB."""
     from starlette.concurrency import run_in_threadpool
 
+    _check_user_name(name)  # before reading the body: a bad name is refused whatever the file
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_VECTOR_FILE_BYTES:
         return error_response(413, f"body: a vector file may have at most {MAX_VECTOR_FILE_BYTES} bytes", "body")
@@ -192,7 +193,6 @@ async def upload_vector(name: str, request: Request, eng: Engine = Depends(get_e
         vec = decode_vector_file(bytes(data))
     except VectorFileError as exc:
         return error_response(exc.status, f"body: {exc.message}", "body")
-    _check_user_name(name)
     check_vector(vec, "body", eng.info.hidden_size)
 
     def register() -> VectorInfo:
