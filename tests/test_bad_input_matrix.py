@@ -201,3 +201,28 @@ def test_bad_input_gets_a_4xx_naming_the_field(http, known_good, case):
     got = r.json()
     assert got["field"] is not None and got["field"].startswith(field), (case, got)
     assert got["error"].startswith(got["field"]), (case, got)
+
+
+# ---- the two API fixes of issue #18 -----------------------------------------------------------------
+def test_status_shows_the_model_name_and_no_host_path(http, engine):
+    status = http.get("/v1/status")
+    assert status.status_code == 200
+    body = status.json()
+    assert body["model"] == engine.info.model and "model_path" not in body
+    assert str(engine.model_path) not in status.text and str(engine.model_path.parent) not in status.text
+    tasks = http.get("/v1/model/tasks")  # what the dashboard and notebooks read instead of a path
+    assert tasks.status_code == 200 and tasks.json()["pairs"] and str(engine.model_path) not in tasks.text
+
+
+def test_vector_names_use_the_keep_as_character_set(http, engine):
+    r = http.post("/v1/steering/vectors", json={"name": "../../etc/passwd", "vector": OK_VEC})
+    assert r.status_code == 400 and r.json()["field"] == "name"
+    assert "letters, digits, '_', '-', '.', ':'" in r.json()["error"]  # says what is allowed
+    assert "../../etc/passwd" not in engine.list_vectors()
+    name = "ok_name-1.2:x"  # every allowed kind of character reads back through the path
+    try:
+        assert http.post("/v1/steering/vectors", json={"name": name, "vector": OK_VEC}).status_code == 200
+        got = http.get(f"/v1/steering/vectors/{name}")
+        assert got.status_code == 200 and got.json()["name"] == name
+    finally:
+        http.delete(f"/v1/steering/vectors/{name}")

@@ -34,6 +34,7 @@ def _engine_config(args: argparse.Namespace):
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         multiprocess=args.multiprocess,
+        **({"source_store_bytes": int(args.source_store_mb * 1024 * 1024)} if args.source_store_mb is not None else {}),
     )
 
 
@@ -49,6 +50,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="vLLM batch-invariant kernels (GPU default: on; exact sweeps, slower decoding; docs/validation.md)")
     bi.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                     help="faster decoding on the GPU; sweep cells then vary with their batch")
+    p.add_argument("--source-store-mb", type=float, default=None,
+                   help="byte budget of the stored source runs (keep_as), in MiB (default 256); the least recently used "
+                        "unleased runs are evicted beyond it")
     mp = p.add_mutually_exclusive_group()
     mp.add_argument("--multiprocess", dest="multiprocess", action="store_true", default=None,
                     help="run vLLM's engine core in its own process (default: off on CPU, vLLM's default on GPU)")
