@@ -215,6 +215,10 @@ class _Ops:
         return _Call("GET", "/v1/status")
 
     @staticmethod
+    def model_tasks() -> _Call:
+        return _Call("GET", "/v1/model/tasks", on_404=None)
+
+    @staticmethod
     def tokenize(prompt: str, add_special_tokens: bool) -> _Call:
         return _Call("POST", "/v1/tokenize", {"prompt": prompt, "add_special_tokens": add_special_tokens})
 
@@ -417,6 +421,10 @@ class CausalboardClient:
     def status(self) -> dict:
         return self._do(_Ops.status())
 
+    def model_tasks(self) -> dict | None:
+        """The served model's `tasks.json` (example prompts with known answers), None when it has none."""
+        return self._do(_Ops.model_tasks())
+
     def health(self) -> bool:
         """True when the server answers `/health` with 200 (False when down or unreachable)."""
         try:
@@ -572,6 +580,10 @@ class AsyncCausalboardClient:
 
     async def status(self) -> dict:
         return await self._do(_Ops.status())
+
+    async def model_tasks(self) -> dict | None:
+        """The served model's `tasks.json`, None when it has none."""
+        return await self._do(_Ops.model_tasks())
 
     async def health(self) -> bool:
         try:

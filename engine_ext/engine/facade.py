@@ -72,6 +72,7 @@ class Engine:
         self._global: list[Steer] = []
         self._topology = Topology()
         self._mismatch_logged = float("-inf")
+        self._failure: BaseException | None = None
         self.tokenizer: Any = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -124,6 +125,7 @@ class Engine:
                 except Exception:  # best effort: the engine may already be failing
                     logger.debug("cb_close failed", exc_info=True)
             self._loop.shutdown()
+            self._failure = self._loop.error
             self._loop = None
 
     def __enter__(self) -> "Engine":
@@ -303,6 +305,13 @@ class Engine:
     @property
     def in_flight(self) -> int:
         return self._loop.in_flight if self._loop is not None else 0
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine died (a step raised, the engine-core process exited), or None while it
+        serves, before it starts and after a clean `close`. A dead engine stays dead: every entry
+        point raises `EngineDeadError`; restart the process (`causalboard serve` exits 1)."""
+        return self._loop.error if self._loop is not None else self._failure
 
     # ---- tokens ----------------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -265,7 +265,7 @@ class StatusOk(BaseModel):
 
 
 class VectorRegisterRequest(StrictModel):
-    name: str = Field(..., min_length=1, max_length=128, description="Names starting with 'module/' are reserved.")
+    name: str = Field(..., min_length=1, max_length=128, description="1-128 characters of letters, digits, '_', '-', '.', ':' (the set of `keep_as`); names starting with 'module/' are reserved.")
     vector: list[float] = Field(..., min_length=1, description="Length = the model's hidden size; finite values.")
 
 
