@@ -45,6 +45,7 @@ class SlotTable:
         self.capacity = buffers.max_slots
         self._by_key: dict[Hashable, int] = {}
         self._key_of: list[Hashable | None] = [None] * self.capacity
+        self._value_of: list[SlotValue | None] = [None] * self.capacity
         self._refs = np.zeros(self.capacity, np.int64)
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out low ids first
         self._pending: list[tuple[int, SlotValue]] = []
@@ -63,7 +64,8 @@ class SlotTable:
             slot = self._free.pop()
             self._by_key[key] = slot
             self._key_of[slot] = key
-            self._pending.append((slot, make()))
+            value = self._value_of[slot] = make()
+            self._pending.append((slot, value))
         self._refs[slot] += 1
         return slot
 
@@ -73,7 +75,16 @@ class SlotTable:
             if self._refs[slot] == 0:
                 del self._by_key[self._key_of[slot]]
                 self._key_of[slot] = None
+                self._value_of[slot] = None
                 self._free.append(slot)
+
+    def key_of(self, slot: int) -> Hashable | None:
+        """The content key a slot in use holds (None for a free slot)."""
+        return self._key_of[slot]
+
+    def value_of(self, slot: int) -> SlotValue | None:
+        """The value a slot in use holds (to compose another value on top of it)."""
+        return self._value_of[slot]
 
     def flush(self) -> None:
         """Copy this step's new slot values to the device (before the forward reads them)."""
