@@ -126,11 +126,12 @@ class DynamicControl:
         return dynamic.wire(self._dyn_global)
 
     # ---- status -----------------------------------------------------------------------------
-    def dynamic_status(self) -> dict:
+    def dynamic_status(self, intervention_status: dict | None = None) -> dict:
         """Every worker's dynamic state (probes, requests, engaged requests, its action count and
         checksum) and `determinism`: `{consistent: true, action_count}` or `{consistent: false,
-        checksums: {rank: hex}}` (compared within each pipeline stage)."""
-        st = self.intervention_status()
+        checksums: {rank: hex}}` (compared within each pipeline stage). `intervention_status`:
+        an `intervention_status()` answer to reuse (no second call to the workers)."""
+        st = intervention_status if intervention_status is not None else self.intervention_status()
         workers = []
         for w in st["workers"]:
             d = dict(w.get("dynamic") or {})

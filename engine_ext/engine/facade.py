@@ -414,10 +414,11 @@ class Engine(DynamicControl):
         )
         return prep
 
-    def validate(self, prompt: Prompt, params: GenerationParams, interventions: Interventions | None = None) -> list[int]:
+    def validate(self, prompt: Prompt, params: GenerationParams, interventions: Interventions | None = None, *,
+                 dynamic: Any = None) -> list[int]:
         """Check a request without submitting it; returns the prompt's token ids.
         Raises `SpecError` naming the offending field."""
-        return self._prepare(prompt, params, interventions).ids
+        return self._prepare(prompt, params, interventions, dynamic=dynamic).ids
 
     def _new_id(self) -> str:
         return f"cb-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
