@@ -289,6 +289,9 @@ class DynamicWorker:
                 pr = self.probes.get(pol.spec.probe)
                 j = row_of.get((id(dr), pr.spec.site.index())) if pr is not None else None
                 if j is None:
+                    msg = f"dynamic policy {k}: probe {pol.spec.probe!r} was deleted while the request ran"
+                    if pr is None and msg not in dr.errors:
+                        dr.errors.append(msg)
                     nxt.append(state.current_scale())
                     continue
                 score = flat[layout[(pr.spec.name, j)] + pol.spec.component]

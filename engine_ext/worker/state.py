@@ -286,7 +286,8 @@ class WorkerState:
         dyn = self.dynamic.result(st.req_id)
         if dyn is not None:
             out["dynamic"] = dyn
-            if dyn["errors"]:
+            if dyn["errors"]:  # a decision not taken or an action not applied: the output is not the policy's
+                out["status"] = "voided"
                 out["errors"] += [e for e in dyn["errors"] if e not in out["errors"]]
         return out
 

@@ -44,6 +44,7 @@ GUARDED = {**BAD, **{k: {**v, **_ERR} for k, v in UNAUTHORIZED.items()}}
 
 @router.get("/v1/steering/probes", response_model=ProbeList, responses=BAD, summary="Registered probes")
 def list_probes(eng: Engine = Depends(get_engine)) -> ProbeList:
+    """Every registered probe: name, site, kind, number of scores, labels and content digest."""
     return ProbeList(probes=[ProbeInfo(**p) for p in eng.list_probes()])
 
 
@@ -72,6 +73,8 @@ def fit_probe(req: ProbeFitRequest, eng: Engine = Depends(get_engine)) -> ProbeF
                responses={**GUARDED, 404: {**_ERR, "description": "No such probe"}},
                dependencies=[Depends(require_api_key)], summary="Delete a probe")
 def delete_probe(name: str, eng: Engine = Depends(get_engine)):
+    """Forget a probe on every worker (400 while a global policy uses it; 404 when unknown). A
+    running request whose policy reads it is voided (its policy can no longer decide)."""
     if eng.get_probe(name) is None:
         return error_response(404, f"name: no registered probe named {name!r}", "name")
     return ProbeDeleted(name=name, deleted=eng.delete_probe(name))
@@ -79,6 +82,7 @@ def delete_probe(name: str, eng: Engine = Depends(get_engine)):
 
 @router.get("/v1/steering/dynamic/policies", response_model=PoliciesResponse, responses=BAD, summary="Global policies")
 def get_policies(eng: Engine = Depends(get_engine)) -> PoliciesResponse:
+    """The global policies every request gets (unless it sets `use_global: false`)."""
     return PoliciesResponse(policies=[p.to_api() for p in eng.dynamic_policies])
 
 
