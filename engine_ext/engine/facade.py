@@ -627,8 +627,8 @@ class Engine(DynamicControl):
         self._rpc("cb_store", "release", run_id)
 
     def source_store_usage(self) -> dict:
-        """The source store over every stage: budget and bytes summed over stages (each stage
-        holds its own layers' values), runs by id."""
+        """The source store over every stage, as one store (`topology.merge_store_usage`): the
+        budget applies to whole runs on every stage, a run's bytes are its values on all stages."""
         return merge_store_usage(self._rpc("cb_store", "usage"), self._topology)
 
     @property

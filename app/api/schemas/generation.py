@@ -183,8 +183,8 @@ class StatusResponse(BaseModel):
     in_flight_requests: int
     source_store: SourceStoreUsage | None = Field(None, description="Source-run store usage (as GET /v1/patch_source).")
     checksum: dict | None = Field(
-        None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches', "
-                          "'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
+        None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches' and "
+                          "'checksums', 'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
     global_steering: list[str] = Field(default_factory=list, description="Sites the global steering touches.")
     named_vectors: int = Field(0, description="Registered named vectors (module vectors included).")
     api_key_required: bool = Field(False, description="Whether mutating endpoints need 'Authorization: Bearer <key>'.")
