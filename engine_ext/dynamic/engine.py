@@ -142,7 +142,7 @@ class DynamicControl:
         if det["consistent"]:
             determinism = {"consistent": True, "action_count": det["action_count"]}
         else:
-            checksums = {rank: hx for stage in det["mismatches"].values() for rank, hx in stage.items()}
+            checksums = det.get("checksums") or {rank: hx for stage in det["mismatches"].values() for rank, hx in stage.items()}
             determinism = {"consistent": False, "checksums": checksums}
         return {"probes": self.list_probes(), "policies": [p.to_api() for p in self._dyn_global],
                 "workers": workers, "determinism": determinism}

@@ -156,6 +156,13 @@ class DynamicWorker:
                 "conversation_id": dr.conversation_id, "latched": [s.latched for s in dr.states], "errors": list(dr.errors)}
 
     # ---- per step ---------------------------------------------------------------------------
+    def idle(self) -> None:
+        """No dynamic request left: release the slots the last dynamic step held."""
+        if self._held:
+            held, self._held = self._held, []
+            self.st.slots.release(held)
+        self._monitors = []
+
     def plan_rows(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
         """Write this step's dynamic actions and monitor rows (see the module docstring).
         Returns (max row written + 1, capture rows used, checksum actions)."""

@@ -246,6 +246,8 @@ class WorkerState:
                         self._compose(rid)
                     else:
                         self._plan_global_only(rid)
+        if not self.dynamic.requests:
+            self.dynamic.idle()
         self.planner.plan_step(req_ids, query_start_loc, num_computed, self.plans, self._overflow,
                                self.dynamic.plan_rows if self.dynamic.requests else None)
 
