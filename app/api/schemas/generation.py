@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from engine_ext.generation import MAX_TOP_LOGPROBS, GenerationParams
 
+from app.api.schemas.dynamic import DynamicSpec
 from app.api.schemas.interventions import (
     ForkPatchEntry,
     InterventionResultBody,
@@ -51,6 +52,9 @@ class GenerateRequest(SamplingFields):
     interventions: InterventionsSpec | None = Field(
         None, description="Per-request steer / patch / capture / noise / score_token_ids (see docs/concepts.md). "
                           "A capture with keep_as needs the API key when the server has one.")
+    dynamic: DynamicSpec | None = Field(
+        None, description="Dynamic steering: policies (probe-gated or closed-loop) and a conversation_id; the per-token "
+                          "trace returns in intervention.dynamic (see docs/dynamic-steering.md).")
 
     def params(self) -> GenerationParams:
         return GenerationParams(
@@ -185,3 +189,5 @@ class StatusResponse(BaseModel):
     named_vectors: int = Field(0, description="Registered named vectors (module vectors included).")
     api_key_required: bool = Field(False, description="Whether mutating endpoints need 'Authorization: Bearer <key>'.")
     sweeps: dict | None = Field(None, description="Patch-sweep service status, when the server runs one.")
+    dynamic: dict | None = Field(None, description="Dynamic steering, as GET /v1/steering/dynamic (probes, global policies, "
+                                                   "per-worker state, determinism).")

@@ -176,6 +176,8 @@ class InterventionResultBody(BaseModel):
     evicted: list[str] = Field(default_factory=list)
     program_hash: str | None = None
     captures: list[CaptureValue] = Field(default_factory=list)
+    dynamic: dict | None = Field(None, description="Dynamic steering: policies, per-token trace (per policy: position, score, "
+                                                   "threshold, engaged, scale), actions, latched, conversation_id.")
 
 
 # ---- the fork's vector tiers and per-request extras -------------------------------------------------
