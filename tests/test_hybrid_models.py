@@ -204,7 +204,9 @@ def test_one_token_prompt_reads_stale_state_without_the_guard_and_not_with_it(hy
     _others(hyb)
     guarded = hyb.generate(bos, GREEDY)
     after = hyb.state_hygiene()
-    assert after["slots_zeroed"] - before["slots_zeroed"] == 4  # one slot per new request: the marker
+    # the marker: one slot per Mamba KV-cache group (here one per gated delta-net layer) per new request
+    assert after["state_groups"] == 3
+    assert after["slots_zeroed"] - before["slots_zeroed"] == 4 * after["state_groups"]
     assert_greedy_close(guarded, fresh)
     hyb._rpc("cb_state_hygiene", {"mode": "off"})  # stock vLLM: no guard
     try:

@@ -52,6 +52,7 @@ class Hygiene:
     mode: str = "zero"
     sentinel_std: float = 1.0
     sentinel_seed: int = 0
+    #: (Mamba group, block) pairs zeroed / sentinel-filled: one per state group per fresh request
     slots_zeroed: int = 0
     slots_filled: int = 0
     seconds: float = 0.0
@@ -63,7 +64,8 @@ class Hygiene:
     def counters(self) -> dict:
         return {"mode": self.mode, "mask_off": _MASK_OFF.is_set(), "slots_zeroed": self.slots_zeroed,
                 "slots_filled": self.slots_filled, "events": self.events, "seconds": self.seconds,
-                "sentinel_std": self.sentinel_std, "state_layers": sum(len(v) for v in (self.tensors or {}).values()) // 2}
+                "sentinel_std": self.sentinel_std, "state_layers": sum(len(v) for v in (self.tensors or {}).values()) // 2,
+                "state_groups": len(self.tensors or {})}
 
 
 def hygiene_of(runner: Any) -> Hygiene:
@@ -102,21 +104,21 @@ def _state_tensors(runner: Any, h: Hygiene) -> dict[int, list[Any]]:
     return out
 
 
-def fresh_state_blocks(scheduler_output: Any, groups: Any) -> list[int]:
-    """The Mamba-group block ids of every request this step starts from position 0: new requests
-    and requests resumed after preemption (whose blocks vLLM replaces)."""
-    ids: list[int] = []
+def fresh_state_blocks(scheduler_output: Any, groups: Any) -> dict[int, list[int]]:
+    """Per Mamba group, the block ids of every request this step starts from position 0: new
+    requests and requests resumed after preemption (whose blocks vLLM replaces)."""
+    ids: dict[int, set[int]] = {gid: set() for gid in groups}
     for req in scheduler_output.scheduled_new_reqs:
         for gid in groups:
-            ids.extend(req.block_ids[gid])
+            ids[gid].update(req.block_ids[gid])
     cached = scheduler_output.scheduled_cached_reqs
     resumed = getattr(cached, "resumed_req_ids", None) or ()
     if resumed:
         for rid, new in zip(cached.req_ids, cached.new_block_ids):
             if rid in resumed and new is not None:
                 for gid in groups:
-                    ids.extend(new[gid])
-    return ids
+                    ids[gid].update(new[gid])
+    return {gid: sorted(b) for gid, b in ids.items() if b}
 
 
 def on_update_states(runner: Any, scheduler_output: Any) -> None:
@@ -128,27 +130,32 @@ def on_update_states(runner: Any, scheduler_output: Any) -> None:
     groups = _state_tensors(runner, h)
     if not groups:
         return
-    blocks = sorted(set(fresh_state_blocks(scheduler_output, groups)))
-    if not blocks:
+    fresh = fresh_state_blocks(scheduler_output, groups)
+    if not fresh:
         return
     import torch
 
     t0 = time.perf_counter()
-    tensors = [t for ts in groups.values() for t in ts]
-    index = torch.tensor(blocks, dtype=torch.long, device=tensors[0].device)
-    if h.mode == "zero":
-        for t in tensors:
-            t.index_fill_(0, index, 0)
-        h.slots_zeroed += len(blocks)
-    else:
-        for t in tensors:
-            gen = torch.Generator(device="cpu").manual_seed(h.sentinel_seed * 1_000_003 + h._fills)
-            h._fills += 1
-            noise = torch.randn((len(blocks), *t.shape[1:]), generator=gen, dtype=torch.float32) * h.sentinel_std
-            t.index_copy_(0, index, noise.to(device=t.device, dtype=t.dtype))
-        h.slots_filled += len(blocks)
-    if tensors[0].device.type == "cuda":
-        torch.cuda.synchronize(tensors[0].device)
+    device = None
+    for gid, blocks in fresh.items():
+        tensors = groups[gid]
+        if not tensors:
+            continue
+        device = tensors[0].device
+        index = torch.tensor(blocks, dtype=torch.long, device=device)
+        if h.mode == "zero":
+            for t in tensors:
+                t.index_fill_(0, index, 0)
+            h.slots_zeroed += len(blocks)
+        else:
+            for t in tensors:
+                gen = torch.Generator(device="cpu").manual_seed(h.sentinel_seed * 1_000_003 + h._fills)
+                h._fills += 1
+                noise = torch.randn((len(blocks), *t.shape[1:]), generator=gen, dtype=torch.float32) * h.sentinel_std
+                t.index_copy_(0, index, noise.to(device=t.device, dtype=t.dtype))
+            h.slots_filled += len(blocks)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
     h.seconds += time.perf_counter() - t0
     h.events += 1
 
