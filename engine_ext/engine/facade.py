@@ -79,6 +79,8 @@ class Engine(DynamicControl):
         self._failure: BaseException | None = None
         self.tokenizer: Any = None
         self._init_dynamic()
+        #: a hybrid (recurrent-state) architecture: served with the state-hygiene guard
+        self.is_hybrid = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -95,6 +97,11 @@ class Engine(DynamicControl):
         if arch not in seam.SUPPORTED_ARCHITECTURES:
             raise SpecError("model", f"architecture {arch} is not supported (supported: {', '.join(seam.SUPPORTED_ARCHITECTURES)}); "
                                      "causalboard refuses to serve a model it cannot intervene on")
+        self.is_hybrid = arch in seam.HYBRID_ARCHITECTURES
+        if self.is_hybrid:
+            from engine_ext.engine.hybrid import check_hybrid_config
+
+            check_hybrid_config(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         t0 = time.perf_counter()
         self._loop = EngineLoop(self._build_vllm_engine)
@@ -200,6 +207,10 @@ class Engine(DynamicControl):
             if self.device != "cuda":
                 raise SpecError("batch_invariant", "vLLM's batch-invariant kernels exist only on CUDA GPUs")
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM's workers at start-up
+        if getattr(self, "is_hybrid", False):
+            from engine_ext.engine.hybrid import hybrid_engine_kwargs
+
+            kwargs.update(hybrid_engine_kwargs(self.device))
         kwargs.update(self.config.engine_kwargs)
         multiprocess = bool(self.config.multiprocess) or self.world_size > 1
         saved = {k: os.environ.get(k) for k in env}
@@ -537,6 +548,21 @@ class Engine(DynamicControl):
         if gen.intervention is not None and gen.intervention.voided:
             raise RuntimeError(f"request voided: {'; '.join(gen.intervention.errors)}")
         return gen.scores[0]
+
+    # ---- hybrids: recurrent-state hygiene ----------------------------------------------------
+    def state_check(self, probes: Sequence[Sequence[int]] | None = None, *, max_tokens: int = 4,
+                    sentinel_std: float = 1.0, seed: int = 0) -> dict:
+        """The sentinel 4-arm check on this (hybrid) engine; needs an idle engine
+        (`engine_ext.engine.hybrid.run_state_check`, docs/hybrid-models.md)."""
+        from engine_ext.engine.hybrid import run_state_check
+
+        return run_state_check(self, probes, max_tokens=max_tokens, sentinel_std=sentinel_std, seed=seed)
+
+    def state_hygiene(self) -> dict:
+        """The zero-on-realloc guard's counters (mode, slots zeroed, seconds spent)."""
+        from engine_ext.engine.hybrid import state_hygiene_status
+
+        return state_hygiene_status(self)
 
     # ---- control plane ---------------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list:
