@@ -69,7 +69,7 @@ def test_a_partial_result_shows_its_pending_cells():
 
 def test_progress_html_reads_its_state():
     bar = progress_html(12, 40, "running", 1.5, 8.0, "sw-1")
-    assert 'data-done="12" data-total="40" data-state="running"' in bar and '<progress value="12" max="40">' in bar
+    assert 'data-done="12" data-total="40" data-state="running"' in bar and '<progress value="12" max="40"' in bar
     assert "12/40 cells (30%) · 8.0 cells/s · 1.5 s · running · sw-1" in bar
     assert "0/0 cells (0%) · — cells/s · 0.0 s · starting" in progress_html(0, 0, "starting", 0.0, None)
 

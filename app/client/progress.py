@@ -35,7 +35,7 @@ def in_notebook_kernel() -> bool:
 def progress_html(done: int, total: int, state: str, elapsed_s: float, cells_per_s: float | None,
                   sweep_id: str | None = None) -> str:
     """The bar as HTML (pure)."""
-    pct = 100.0 * done / total if total else (100.0 if state != "running" else 0.0)
+    pct = 100.0 * done / total if total else (100.0 if state == "done" else 0.0)
     rate = f"{cells_per_s:.1f} cells/s" if cells_per_s else "— cells/s"
     words = {"starting": "starting (clean run and baselines)…", "running": "running", "done": "finished",
              "cancelled": "cancelled", "failed": "failed"}[state]
