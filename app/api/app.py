@@ -22,10 +22,10 @@ from app.api.auth import resolve_api_key
 from app.api.body_limit import install_body_limit
 from app.api.deps import ApiSettings, engine_of, install_state, sweep_service_of
 from app.api.errors import install_error_handlers
-from app.api.routes import capture, generation, openai_compat, status, steering, sweep, tokens
+from app.api.routes import capture, fork_registry, generation, openai_compat, status, steering, sweep, tokens
 from app.sweep.service import SweepService
 
-ROUTERS = (status.router, tokens.router, openai_compat.router, generation.router, sweep.router, steering.router, capture.router)
+ROUTERS = (status.router, tokens.router, openai_compat.router, generation.router, sweep.router, fork_registry.router, steering.router, capture.router)
 
 
 def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None) -> FastAPI:
