@@ -366,6 +366,7 @@ class Engine:
                 f"model's context of {limit} tokens",
             )
         prep = Prepared(text, ids, None)
+        prep.cache_salt = params.cache_salt
         extra_args = None
         score_ids: list[int] | None = None
         skip_cache_read = False
@@ -384,7 +385,7 @@ class Engine:
                 extra_args = program_to_extra_args(program, kv_salt=f"cb-{program['hash']}-{prep.key}")
                 if spec.capture is not None and program["capture"]["pos"][:-1]:
                     skip_cache_read = True  # cached prompt positions would not be recomputed/captured
-        if fresh and prep.cache_salt is None:
+        if fresh:
             prep.cache_salt = f"cb-fresh-{self._new_id()}"
         prep.sampling = SamplingParams(
             max_tokens=params.max_tokens,

@@ -5,13 +5,13 @@
 | `steering_vectors` / `prefill_steering_vectors` / `decode_steering_vectors` | single-site `Steer` entries at every position of phase both / prefill / decode |
 | `steering_name` | the module's vectors (`app/api/compat/steering_modules.py`), scale 1 |
 | `patch[i]` (`layer`, `hook`, `dest_position`, one source, `alpha`) | a one-position `Patch`: `source_run` (+ `source_position`, default the destination) -> stored run; `source_module` -> `"zeros"`, a module's both-phase vector at the site, or a named vector; `source_inline` -> row of `patch_vectors` |
-| `logprob_token_ids` | `score_token_ids` (exact scoring); `logprobs` must be omitted or equal their count (the fork's rule) |
-| `capture: {"patch_source": {"run", "hooks", "positions"}}` | a `Capture` kept as `run` (values not returned) |
+| `logprob_token_ids` | `score_token_ids` (exact scoring); `logprobs` must be set (the fork's rule over HTTP) |
+| `capture: {"patch_source": {"run"?, "hooks", "positions"}}` | a `Capture` kept as `run` (default: the completion id; values not returned) |
 
 They compose with the native `interventions` field (steer and patch entries are concatenated;
 capture and scoring may come from one side only). Fork fields with no faithful counterpart
-(`mask`, clamps, declarative `steering` gates, `conversation_id`, `mlp_*` hooks, other capture
-consumers) are refused with a 400 naming the field. Engine errors about the combined spec are
+(`mask`, clamps, declarative `steering` gates, `mlp_*` hooks, capture consumers this server does
+not run) are refused with a 400 naming the field. Engine errors about the combined spec are
 re-labelled with the request field the entry came from (`patch[1].dest_position`).
 """
 
@@ -30,7 +30,9 @@ from app.api.field_names import by_index, by_prefix
 from app.api.compat.fork_vectors import check_hook, check_layer, parse_patch_vectors, parse_vector_spec
 from app.api.schemas.generation import CompletionRequest
 
-UNSUPPORTED_FIELDS = ("steering_clamps", "prefill_steering_clamps", "decode_steering_clamps", "steering", "conversation_id")
+UNSUPPORTED_FIELDS = ("steering_clamps", "prefill_steering_clamps", "decode_steering_clamps", "steering")
+#: the fork's cap on logprob_token_ids (its sampler's row width)
+MAX_LOGPROB_TOKEN_IDS = 128
 TIERS = {"steering_vectors": "both", "prefill_steering_vectors": "prefill", "decode_steering_vectors": "decode"}
 
 
@@ -72,8 +74,9 @@ def _fork_patch_suffix(rest: str) -> str:
     return rest
 
 
-def build(req: CompletionRequest, eng: Engine) -> CompletionInterventions:
-    """Validate the fork fields and the native `interventions` of `req` into one spec."""
+def build(req: CompletionRequest, eng: Engine, default_run: str = "") -> CompletionInterventions:
+    """Validate the fork fields and the native `interventions` of `req` into one spec
+    (`default_run`: the run id of a `patch_source` capture without `run`, the fork's request id)."""
     for name in UNSUPPORTED_FIELDS:
         if getattr(req, name) is not None:
             raise SpecError(name, "is not supported by causalboard (the request is refused rather than run without it)")
@@ -101,17 +104,17 @@ def build(req: CompletionRequest, eng: Engine) -> CompletionInterventions:
     if req.capture is not None:
         if capture is not None:
             raise SpecError("capture", "give the capture either here or in interventions.capture, not both")
-        capture = _fork_capture(req.capture, info.num_layers)
+        capture = _fork_capture(req.capture, info.num_layers, default_run)
         out.fork_capture_run = capture.keep_as
     score = native.score_token_ids
-    if req.logprob_token_ids is not None:
+    if req.logprob_token_ids:  # the fork: an empty list is no list
         if score:
             raise SpecError("logprob_token_ids", "give the scored ids either here or in interventions.score_token_ids, not both")
         ids = req.logprob_token_ids
-        if not ids:
-            raise SpecError("logprob_token_ids", "must name at least one token id")
-        if req.logprobs is not None and req.logprobs != len(ids):
-            raise SpecError("logprobs", f"with logprob_token_ids, logprobs must be omitted or equal their count ({len(ids)})")
+        if req.logprobs is None:
+            raise SpecError("logprob_token_ids", "when using logprob_token_ids, logprobs must be set (the fork's rule)")
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise SpecError("logprob_token_ids", f"{len(ids)} ids; at most {MAX_LOGPROB_TOKEN_IDS}")
         score = tuple(ids)
         out.score_origin = "logprob_token_ids"
     out.spec = Interventions(tuple(steers), tuple(patches), capture, native.noise, tuple(score))
@@ -153,11 +156,14 @@ def _fork_patch(entry, f: str, eng: Engine, table) -> Patch:
     return Patch(site, (entry.dest_position,), source, float(entry.alpha))
 
 
-def _fork_capture(value: dict, num_layers: int) -> Capture:
-    """`{"patch_source": {"run", "hooks": {hook: "all" | [layers] | {"layers": [...]}}, "positions"}}`."""
+def _fork_capture(value: dict, num_layers: int, default_run: str) -> Capture:
+    """`{"patch_source": {"run"?, "hooks": {hook: "all" | [layers] | {"layers", "ranges"}}, "positions"}}`
+    (`run` defaults to `default_run`; `ranges` are inclusive [start, end] pairs, as the fork's
+    filesystem consumer reads them)."""
     extra = sorted(set(value) - {"patch_source"})
     if extra:
-        raise SpecError(f"capture.{extra[0]}", "capture consumer not supported by causalboard (only patch_source)")
+        # the fork answers a consumer name the server did not register with a 400 as well
+        raise SpecError(f"capture.{extra[0]}", f"no capture consumer {extra[0]!r} on this server (available: patch_source)")
     spec = value.get("patch_source")
     f = "capture.patch_source"
     if not isinstance(spec, dict):
@@ -165,7 +171,7 @@ def _fork_capture(value: dict, num_layers: int) -> Capture:
     unknown = sorted(set(spec) - {"run", "hooks", "positions"})
     if unknown:
         raise SpecError(f"{f}.{unknown[0]}", "unknown or unsupported field")
-    run = spec.get("run")
+    run = spec.get("run", default_run) or default_run
     if not isinstance(run, str) or not run:
         raise SpecError(f"{f}.run", "must be the id to store the run under")
     hooks = spec.get("hooks")
@@ -176,9 +182,7 @@ def _fork_capture(value: dict, num_layers: int) -> Capture:
         hf = f"{f}.hooks.{hook}"
         check_hook(hook, hf)
         if isinstance(layers, dict):
-            if set(layers) - {"layers"}:
-                raise SpecError(f"{hf}.{sorted(set(layers) - {'layers'})[0]}", "not supported by causalboard (list the layers)")
-            layers = layers.get("layers")
+            layers = _layer_selector(layers, hf, num_layers)
         if layers == "all":
             layers = list(range(num_layers))
         if not isinstance(layers, list) or not layers:
@@ -188,3 +192,30 @@ def _fork_capture(value: dict, num_layers: int) -> Capture:
         return Capture.make(sites, spec.get("positions", "all_prompt"), keep_as=run, return_values=False, field_name=f)
     except SpecError as exc:
         raise by_prefix(exc, {f"{f}.keep_as": f"{f}.run", f"{f}.sites": f"{f}.hooks"}) from None
+
+
+def _layer_selector(sel: dict, f: str, num_layers: int) -> list[int]:
+    """`{"layers": [...], "ranges": [[start, end], ...]}` (inclusive ranges) -> sorted layers."""
+    unknown = sorted(set(sel) - {"layers", "ranges"})
+    if unknown:
+        raise SpecError(f"{f}.{unknown[0]}", "unknown key (expected layers and/or ranges)")
+    if sel.get("layers") is None and sel.get("ranges") is None:
+        raise SpecError(f, "set layers and/or ranges")
+    out = list(sel.get("layers") or [])
+    if not isinstance(out, list):
+        raise SpecError(f"{f}.layers", "must be a list of layers")
+    ranges = sel.get("ranges") or []
+    if not isinstance(ranges, list):
+        raise SpecError(f"{f}.ranges", "must be a list of [start, end] pairs")
+    for k, pair in enumerate(ranges):
+        rf = f"{f}.ranges[{k}]"
+        if (not isinstance(pair, list) or len(pair) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+            raise SpecError(rf, f"must be a [start, end] pair of integers, got {pair!r}")
+        start, end = pair
+        if start > end:
+            raise SpecError(rf, f"start > end ({start} > {end})")
+        if start < 0 or end >= num_layers:
+            raise SpecError(rf, f"[{start}, {end}] is out of range: the model has layers 0..{num_layers - 1}")
+        out.extend(range(start, end + 1))
+    return sorted(set(out))

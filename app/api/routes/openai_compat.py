@@ -7,6 +7,9 @@ app/api/routes/__init__.py).
   chat template.
 * `GET /v1/models` — the served model, in vLLM's list shape (the fork's clients read the model
   name from it).
+* `POST /v1/chat/completions` — OpenAI chat completion with the same extra fields as
+  `/v1/completions` (`generation.py`); a model without a chat template and no `chat_template` in
+  the request is a 400 naming `chat_template`.
 
 Token ids are exactly those the engine computes on (the engine tokenizes with the same
 tokenizer). causalboard's own `POST /v1/tokenize` (display strings for axis labels) is in
@@ -24,8 +27,11 @@ from pydantic import BaseModel, Field
 from engine_ext import Engine
 from engine_ext.errors import SpecError
 
+from app.api.auth import ApiKeyGuard, api_key_guard
 from app.api.deps import get_engine
-from app.api.schemas.generation import ErrorResponse
+from app.api.routes.generation import CompletionShape, run_completion
+from app.api.schemas.generation import CompletionRequest, ErrorResponse
+from engine_ext.generation import MAX_TOP_LOGPROBS
 from app.wire import MAX_PROMPT_CHARS, StrictModel
 
 router = APIRouter(tags=["openai"])
@@ -142,3 +148,68 @@ async def models(engine: Engine = Depends(get_engine)) -> dict:
     card = {"id": info.model, "object": "model", "created": _STARTED, "owned_by": "causalboard",
             "root": info.model_path, "parent": None, "max_model_len": info.max_model_len, "permission": []}
     return {"object": "list", "data": [card]}
+
+
+# ---- chat completions -----------------------------------------------------------------------------
+class ChatCompletionRequest(CompletionRequest):
+    """OpenAI chat completion: `messages` rendered with the model's chat template (or the
+    request's `chat_template`), then generated exactly as `/v1/completions` with the same fork
+    fields and native `interventions` (positions index the rendered prompt's tokens; span
+    selectors are not available, the prompt is sent as token ids)."""
+
+    prompt: None = Field(None, description="Not used: give `messages`.")
+    messages: list[dict[str, Any]] = Field(..., min_length=1, description="Chat messages ({role, content}).")
+    logprobs: bool | None = Field(None, description="Return the chosen tokens' logprobs (OpenAI chat semantics).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per token (with logprobs).")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens (wins).")
+    chat_template: str | None = Field(None, description="Jinja chat template (required when the model has none).")
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def as_completion(self, prompt_ids: list[int]) -> CompletionRequest:
+        data = {name: getattr(self, name) for name in CompletionRequest.model_fields if name in self.model_fields_set}
+        if self.logprob_token_ids and not self.logprobs:
+            raise SpecError("logprob_token_ids", "when using logprob_token_ids, logprobs must be set to true (the fork's rule)")
+        data.update(prompt=prompt_ids, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        if self.max_completion_tokens is not None:
+            data["max_tokens"] = self.max_completion_tokens
+        return CompletionRequest.model_validate(data)
+
+
+class ChatShape(CompletionShape):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def logprobs(self, engine: Engine, ids: list[int], lps: list[float], tops: list[dict[int, float]] | None) -> dict:
+        strings = engine.token_strings(ids)
+        content = []
+        for k, (tok, lp) in enumerate(zip(strings, lps)):
+            alts = []
+            if tops and k < len(tops):
+                alts = [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                        for t, v in ((engine.token_strings([i])[0], v) for i, v in tops[k].items())]
+            content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": alts})
+        return {"content": content}
+
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def delta_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, first: bool) -> dict:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+@router.post("/v1/chat/completions", responses={**ERRORS, 401: {"model": ErrorResponse}})
+async def chat_completions(req: ChatCompletionRequest, engine: Engine = Depends(get_engine),
+                           guard: ApiKeyGuard = Depends(api_key_guard)):
+    """OpenAI chat completion (n = 1) with the same extra fields as `/v1/completions` (the fork's
+    and the native `interventions`). A model without a chat template needs `chat_template` in the
+    request (400 naming it otherwise)."""
+    check_model(engine, req.model)
+    text = render_chat(engine, req.messages, chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
+    ids = engine.tokenize(text, add_special_tokens=False)  # the template writes its special tokens (as vLLM)
+    return await run_completion(req.as_completion(ids), engine, guard, ChatShape())
