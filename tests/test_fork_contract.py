@@ -154,8 +154,10 @@ def test_one_call_auto_capture_streaming_keep_source_zoom_and_drop(study, fork, 
     run = coarse.captured_source_run
     # zoom around the peak from the kept run (per-cell path, the fork's zoom), against the coarse grid
     clean = study.capture_clean(p["clean_prompt"], run="fork-zoom-clean", answer_token=p["answer_str"])
+    # (the fork's zoom does not clip its window to the prompt or the model: centre it inside both)
     zoom = asyncio.run(study.zoom(coarse, corrupt_prompt=p["corrupt_prompt"], run=run, answer_token=p["answer_str"],
-                                  clean=clean, layer_radius=1, position_radius=1))
+                                  clean=clean, around=(3, 2), layer_radius=1, position_radius=1))
+    assert zoom.layers == [2, 3, 4] and zoom.positions == [1, 2, 3]
     assert zoom.metric_name == "recovered" and zoom.layers and zoom.positions
     g, z = grid(coarse), grid(zoom)
     for i, layer in enumerate(zoom.layers):
