@@ -8,7 +8,6 @@ request forms (token-id prompts, `cache_salt`, `conversation_id`, capture `range
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from app.api.compat.fork_vectors import pack_vectors
 from engine_ext.reference.hf import RefEdit
