@@ -136,7 +136,7 @@ def test_probe_and_steer_vector_registry(http, engine):
         refused(http.post("/v1/steering/vectors/register", json={"name": "two", "kind": "probe", "packed": steer}), 400, "packed")
         refused(http.post("/v1/steering/vectors/register", json={"name": "x", "kind": "steer",
                                                                   "packed": {"post_block": pack_vectors(rows[:, :-1], [1, 2])}}),
-                400, "packed.post_block")
+                400, "packed.post_block.shape")
         listed = ok(http.get("/v1/steering/vectors"))
         assert listed["vectors"] == {"probe": ["lie"], "steer": ["honest"]} and listed["count"] == 2
         assert "fork-surface-named" in {v["name"] for v in listed["named"]} and listed["named_count"] == len(listed["named"])
