@@ -216,3 +216,51 @@ def test_recovered_on_a_stored_run_without_a_clean_value_is_the_raw_grid(http, e
         assert np.nanmax(np.abs(np.array(raw["grid"], float) - np.array(logprob["grid"], float))) <= floor + 1e-5
     finally:
         engine.drop_source("fork-raw-recovered")
+
+
+# ---- the filesystem capture consumer ---------------------------------------------------------------
+def test_filesystem_capture_consumer_writes_the_forks_layouts(engine, tasks, tmp_path, http):
+    """A second app on the shared engine, started with a capture directory (the session server has
+    none: there the consumer is a 400 naming it)."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from app.api.app import create_app
+
+    prompt = tasks["facts"][8]["prompt"]
+    n = len(engine.tokenize(prompt))
+    spec = {"request_id": "req/1", "tag": "study", "hooks": {"post_block": [1, 3], "pre_attn": {"ranges": [[0, 0]]}},
+            "positions": "all_prompt"}
+    refused(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "capture": {"filesystem": spec}}),
+            400, "capture.filesystem")
+    want = engine.capture(prompt, ["L1.post_block", "L3.post_block", "L0.pre_attn"], "all_prompt").captures
+    with TestClient(create_app(engine, capture_dir=str(tmp_path))) as client:
+        for layout in ("per_file", "packed"):
+            body = ok(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1,
+                                                           "capture": {"filesystem": {**spec, "layout": layout, "tag": layout}}}))
+            res = body["capture_results"]["filesystem"]
+            assert res["status"] == "ok" and res["error"] is None
+            folder = tmp_path / layout / "req_1"  # the fork's slug: '/' -> '_'
+            assert sorted(res["payload"]["paths"]) == sorted(str(p) for p in folder.iterdir())
+            if layout == "per_file":
+                for layer, hook in ((1, "post_block"), (3, "post_block"), (0, "pre_attn")):
+                    side = json.loads((folder / f"{layer}_{hook}.json").read_text())
+                    assert side["shape"] == [n, engine.info.hidden_size] and side["dtype"] == "float32"
+                    rows = np.frombuffer((folder / f"{layer}_{hook}.bin").read_bytes(), "<f4").reshape(side["shape"])
+                    np.testing.assert_array_equal(rows, np.stack([want[(layer, hook, p)] for p in range(n)]))
+            else:
+                index = json.loads((folder / "packed.json").read_text())
+                assert index["layout"] == "packed" and len(index["entries"]) == 3
+        # with patch_source in the same request: one capture, both consumers answered
+        both = ok(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "capture": {
+            "filesystem": {**spec, "tag": "both"}, "patch_source": {"run": "fs-both", "hooks": {"post_block": [2]}}}}))
+        assert {k: v["status"] for k, v in both["capture_results"].items()} == {"filesystem": "ok", "patch_source": "ok"}
+        assert client.delete("/v1/patch_source/fs-both").status_code == 200
+        refused(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "capture": {
+            "filesystem": {**spec, "request_id": "../x"}}}), 400, "capture.filesystem.request_id")
+        refused(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "capture": {
+            "filesystem": {**spec, "layout": "sharded"}}}), 400, "capture.filesystem.layout")
+        refused(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "capture": {
+            "filesystem": {**spec, "positions": "last_prompt"}, "patch_source": {"hooks": {"post_block": [2]}}}}),
+                400, "capture.filesystem.positions")

@@ -257,3 +257,51 @@ def test_positions_for_resolves_spans_like_the_server(study, engine, tasks):
     p = one_token_pair(engine, tasks)
     got = asyncio.run(study.positions_for(p["corrupt_prompt"], p["subject_corrupt"]))
     assert got == engine.resolve_positions(p["corrupt_prompt"], [{"span": p["subject_corrupt"]}])
+
+
+def load_fork_reader():
+    """The fork's filesystem-capture reader (`vllm/v1/capture/consumers/filesystem/reader.py`),
+    loaded by path like the client (its `types` sibling only while it imports)."""
+    root = os.environ.get(ENV)
+    folder = Path(root or "") / "vllm/v1/capture/consumers/filesystem"
+    if not root or not (folder / "reader.py").is_file():
+        pytest.skip(f"{ENV} does not hold vllm/v1/capture/consumers/filesystem/reader.py")
+    name = "vllm.v1.capture.consumers.filesystem.types"
+    saved = sys.modules.get(name)
+    try:
+        spec = importlib.util.spec_from_file_location(name, folder / "types.py")
+        types = importlib.util.module_from_spec(spec)
+        sys.modules[name] = types
+        spec.loader.exec_module(types)
+        spec = importlib.util.spec_from_file_location("causalboard_fork_capture_reader", folder / "reader.py")
+        reader = importlib.util.module_from_spec(spec)
+        sys.modules["causalboard_fork_capture_reader"] = reader
+        spec.loader.exec_module(reader)
+        return reader
+    finally:
+        if saved is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = saved
+
+
+def test_filesystem_captures_read_by_the_forks_reader(engine, tasks, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from app.api.app import create_app
+
+    reader = load_fork_reader()
+    prompt = tasks["facts"][9]["prompt"]
+    n = len(engine.tokenize(prompt))
+    want = engine.capture(prompt, ["L2.post_attn", "L5.post_block"], "all_prompt").captures
+    spec = {"request_id": "r1", "hooks": {"post_attn": [2], "post_block": [5]}, "positions": "all_prompt"}
+    with TestClient(create_app(engine, capture_dir=str(tmp_path))) as client:
+        for layout in ("per_file", "packed"):
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1,
+                                                      "capture": {"filesystem": {**spec, "tag": layout, "layout": layout}}})
+            assert r.status_code == 200, r.text
+            got = reader.read_request(tmp_path / layout / "r1")
+            assert set(got) == {(2, "post_attn"), (5, "post_block")}, layout
+            for (layer, hook), entry in got.items():
+                assert entry.array.shape == (n, engine.info.hidden_size) and entry.dtype == "float32"
+                np.testing.assert_array_equal(entry.array, np.stack([want[(layer, hook, p)] for p in range(n)]))

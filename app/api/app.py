@@ -12,6 +12,7 @@ service as dependencies (`app/api/deps.py`).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
@@ -28,9 +29,12 @@ from app.sweep.service import SweepService
 ROUTERS = (status.router, tokens.router, openai_compat.router, generation.router, sweep.router, fork_registry.router, steering.router, capture.router)
 
 
-def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None,
+               capture_dir: str | None = None) -> FastAPI:
     """The API app on `engine` (already started; the caller closes it), or on a new engine
-    built from `config` (default: the bundled model) that the lifespan starts and closes."""
+    built from `config` (default: the bundled model) that the lifespan starts and closes.
+    `capture_dir` (else the `CAUSALBOARD_CAPTURE_DIR` environment variable) enables the fork's
+    `filesystem` capture consumer, writing under that directory."""
     owns_engine = engine is None
     app = FastAPI(
         title="causalboard",
@@ -39,7 +43,7 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None,
         lifespan=_lifespan(owns_engine),
     )
     engine = engine if engine is not None else Engine(config)
-    settings = ApiSettings(api_key=resolve_api_key(api_key))
+    settings = ApiSettings(api_key=resolve_api_key(api_key), capture_dir=capture_dir or os.environ.get("CAUSALBOARD_CAPTURE_DIR") or None)
     install_state(app, engine, settings, SweepService(engine))
     install_error_handlers(app)
     install_body_limit(app, settings.max_body_bytes)

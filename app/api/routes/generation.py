@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
@@ -22,8 +23,9 @@ from engine_ext import Engine, Generation
 from engine_ext.errors import SpecError
 
 from app.api.auth import UNAUTHORIZED, ApiKeyGuard, api_key_guard
+from app.api.compat import capture_files
 from app.api.compat import completions as completion_extras
-from app.api.deps import get_engine
+from app.api.deps import ApiSettings, get_engine, get_settings
 from app.api.errors import error_response
 from app.api.field_names import by_prefix
 from app.api.schemas.generation import CompletionRequest, ErrorResponse, GenerateRequest, GenerateResponse
@@ -85,14 +87,14 @@ async def generate(req: GenerateRequest, engine: Engine = Depends(get_engine),
 
 @router.post("/v1/completions", responses=ERRORS)
 async def completions(req: CompletionRequest, engine: Engine = Depends(get_engine),
-                      guard: ApiKeyGuard = Depends(api_key_guard)):
+                      guard: ApiKeyGuard = Depends(api_key_guard), settings: ApiSettings = Depends(get_settings)):
     """OpenAI-compatible text completion, streaming or not, with the reference fork's per-request
     fields (`steering_vectors` and its phase variants, `steering_name`, `patch` + `patch_vectors`,
     `logprob_token_ids`, `capture: {"patch_source": ...}`, `cache_salt`, `conversation_id`) and
     the native `interventions`. `prompt` may be text, token ids, or a list of either (one choice
     per prompt). With interventions the body also carries `intervention`; with scored ids each
     choice carries `scores`. Fork fields causalboard cannot honour are refused (400)."""
-    return await run_completion(req, engine, guard, CompletionShape())
+    return await run_completion(req, engine, guard, CompletionShape(), settings.capture_dir)
 
 
 class CompletionShape:
@@ -113,8 +115,10 @@ class CompletionShape:
         return self.choice(index, text, logprobs, finish_reason)
 
 
-async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGuard, shape: CompletionShape):
-    """One completion request (any number of prompts) in `shape`'s wire form."""
+async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGuard, shape: CompletionShape,
+                         capture_dir: str | None = None):
+    """One completion request (any number of prompts) in `shape`'s wire form (`capture_dir`: the
+    fork's filesystem capture consumer writes there)."""
     info = engine.info
     if req.model is not None and req.model not in (info.model, info.model_path):
         return error_response(404, f"model: '{req.model}' is not served here (serving '{info.model}')", "model")
@@ -124,9 +128,10 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
     created = int(time.time())
     cid = f"{shape.id_prefix}-{time.time_ns():x}"
     params = req.params()
-    extras = completion_extras.build(req, engine, default_run=cid)
-    if extras.keeps_source():
-        guard.check()
+    extras = completion_extras.build(req, engine, default_run=cid, capture_dir=capture_dir)
+    if extras.keeps_source() or extras.file_capture is not None:
+        guard.check()  # a stored run, or files on the server
+    if extras.fork_capture:
         if len(prompts) > 1:
             raise SpecError("capture.patch_source.run", "one stored run per request: give a single prompt with a capture")
     spec = None if extras.spec.is_empty() else extras.spec
@@ -162,10 +167,28 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
             if ok:
                 cap = extras.spec.capture
                 payload.update(sites=[str(s) for s in cap.sites], num_prompt_tokens=len(gen.prompt_token_ids))
-            out["capture_results"] = {"patch_source": {"status": "ok" if ok else "error",
-                                                       "error": None if ok else "; ".join(iv.errors if iv else ["no result"]),
-                                                       "payload": payload}}
+            out.setdefault("capture_results", {})["patch_source"] = {
+                "status": "ok" if ok else "error", "error": None if ok else "; ".join(iv.errors if iv else ["no result"]),
+                "payload": payload}
+        if extras.file_capture is not None:
+            out.setdefault("capture_results", {})["filesystem"] = file_results.get(id(gen)) or {
+                "status": "error", "error": "the capture did not complete", "payload": {}}
         return out
+
+    file_results: dict[int, dict] = {}
+
+    async def write_files(gen: Generation) -> None:
+        """The fork's filesystem consumer: the captured values as files (before the response)."""
+        fc = extras.file_capture
+        iv = gen.intervention
+        if iv is None or iv.voided:
+            file_results[id(gen)] = {"status": "error", "error": "; ".join(iv.errors if iv else ["no result"]), "payload": {}}
+            return
+        try:
+            paths = await anyio.to_thread.run_sync(capture_files.write, capture_dir, fc, iv.captures, cid)
+            file_results[id(gen)] = {"status": "ok", "error": None, "payload": {"paths": paths}}
+        except OSError as exc:
+            file_results[id(gen)] = {"status": "error", "error": f"writing the capture failed: {exc}", "payload": {}}
 
     def common() -> dict:
         out = {"id": cid, "object": shape.object, "created": created, "model": info.model}
@@ -175,6 +198,8 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
 
     if not req.stream:
         gens = await asyncio.gather(*(engine.agenerate(p, params, spec) for p in prompts))
+        if extras.file_capture is not None:
+            await write_files(gens[0])
         n_prompt = sum(len(g.prompt_token_ids) for g in gens)
         n_gen = sum(len(g.token_ids) for g in gens)
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
@@ -195,6 +220,8 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
                     first = False
                     chunk = {**common(), "object": shape.chunk_object, "choices": [with_scores(choice, d)]}
                     if d.finished and single:
+                        if extras.file_capture is not None:
+                            await write_files(gen)
                         chunk.update(intervention_fields(gen))
                     yield sse_event(chunk)
         except Exception as exc:

@@ -26,12 +26,12 @@ from pydantic import BaseModel, Field
 
 from engine_ext import Engine
 from engine_ext.errors import SpecError
+from engine_ext.generation import MAX_TOP_LOGPROBS
 
 from app.api.auth import ApiKeyGuard, api_key_guard
-from app.api.deps import get_engine
+from app.api.deps import ApiSettings, get_engine, get_settings
 from app.api.routes.generation import CompletionShape, run_completion
 from app.api.schemas.generation import CompletionRequest, ErrorResponse
-from engine_ext.generation import MAX_TOP_LOGPROBS
 from app.wire import MAX_PROMPT_CHARS, StrictModel
 
 router = APIRouter(tags=["openai"])
@@ -204,7 +204,7 @@ class ChatShape(CompletionShape):
 
 @router.post("/v1/chat/completions", responses={**ERRORS, 401: {"model": ErrorResponse}})
 async def chat_completions(req: ChatCompletionRequest, engine: Engine = Depends(get_engine),
-                           guard: ApiKeyGuard = Depends(api_key_guard)):
+                           guard: ApiKeyGuard = Depends(api_key_guard), settings: ApiSettings = Depends(get_settings)):
     """OpenAI chat completion (n = 1) with the same extra fields as `/v1/completions` (the fork's
     and the native `interventions`). A model without a chat template needs `chat_template` in the
     request (400 naming it otherwise)."""
@@ -212,4 +212,4 @@ async def chat_completions(req: ChatCompletionRequest, engine: Engine = Depends(
     text = render_chat(engine, req.messages, chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
                        continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
     ids = engine.tokenize(text, add_special_tokens=False)  # the template writes its special tokens (as vLLM)
-    return await run_completion(req.as_completion(ids), engine, guard, ChatShape())
+    return await run_completion(req.as_completion(ids), engine, guard, ChatShape(), settings.capture_dir)
