@@ -256,7 +256,7 @@ class SweepSetup(_Wire):
     swept_positions: list[int] | None = Field(None, description="Every requested position, unaligned ones included "
                                                                 "(causalboard's full axis: their columns have no value).")
     hook: str = Field(description="The first hook (`grid` is its grid).")
-    hooks: list[str] | None = Field(None, description="Every swept hook, in canonical order (pre_attn, post_attn, post_block).")
+    hooks: list[str] | None = Field(None, description="Every swept hook, in the request's order (`hook` is the first).")
     metric: Metric = Field(description="Unit of the values. Differs from `metric_requested` when `recovered` is undefined (see `notes`).")
     metric_requested: Metric | None = Field(None, description="The metric the request asked for.")
     recovered_basis: Basis | None = Field(None, description="Quantity `recovered` normalises; null for other metrics.")
