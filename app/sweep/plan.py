@@ -92,6 +92,8 @@ class SweepPlan:
     source: SourcePlan
     noise_positions: list[int] | None
     subject_positions: list[int] = field(default_factory=list)
+    #: the fork's dimension mask on every cell (an `engine_ext.specs.Mask`), or None
+    mask: object | None = None
 
     @property
     def run_positions(self) -> list[int]:
@@ -136,6 +138,8 @@ class SweepPlan:
             source = InlineSource((src.site_vectors[(cell.layer, cell.hook)],))
         else:
             source = ZeroSource()
+        if self.mask is not None:
+            return Patch(site, (cell.position,), source, self.request.alpha, self.mask)
         return Patch(site, (cell.position,), source, self.request.alpha)
 
     def basis_of(self, scores: dict[int, float]) -> float:
@@ -155,11 +159,8 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
     info = engine.info
     if req.model is not None and req.model not in (info.model, info.model_path):
         raise PlanError(404, "model", f"'{req.model}' is not served here (serving '{info.model}')")
-    if req.mask is not None:
-        raise SpecError("mask", "is not supported by causalboard yet (partial-dimension patches); the sweep is refused "
-                                "rather than run unmasked")
-    if req.patch_vectors is not None and req.source_inline is None:
-        raise SpecError("patch_vectors", "is only used with source_inline (a row of it patched into every cell)")
+    if req.patch_vectors is not None and req.source_inline is None and not (isinstance(req.mask, dict) and "inline" in req.mask):
+        raise SpecError("patch_vectors", "is only used with source_inline or a mask's inline row")
     given = [k for k in ("source_module", "source_inline") if getattr(req, k) is not None]
     if len(given) > 1:
         raise SpecError("source_inline", "set exactly one of source_module / source_inline")
@@ -252,6 +253,14 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
         # without a clean value is answered with the raw basis grid (see SweepService._prepare)
         raise SpecError("clean_baseline", "metric 'recovered' needs the clean value: give clean_prompt or clean_baseline")
 
+    mask = None
+    if req.mask is not None:  # the fork's {"indices"} or {"inline": row of patch_vectors}, on every cell
+        from app.api.compat.fork_vectors import parse_patch_vectors
+        from app.api.compat.masks import fork_mask
+
+        table = parse_patch_vectors(req.patch_vectors, "patch_vectors", hidden=info.hidden_size)
+        mask = fork_mask(req.mask, "mask", table=table, hidden=info.hidden_size)
+
     # ---- alignment and cells ----------------------------------------------------------------
     alignment = None
     skipped: list[dict] = []
@@ -290,6 +299,7 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
         source=source,
         noise_positions=noise_positions,
         subject_positions=sorted(set(subject_positions)),
+        mask=mask,
     )
 
 

@@ -27,6 +27,7 @@ from engine_ext.sites import Site
 
 from app.api.compat import steering_modules
 from app.api.compat.capture_files import LAYOUTS, FileCapture, slug
+from app.api.compat.masks import fork_mask
 from app.api.field_names import by_index, by_prefix
 from app.api.compat.fork_vectors import check_hook, check_layer, parse_patch_vectors, parse_vector_spec
 from app.api.schemas.generation import CompletionRequest
@@ -129,8 +130,7 @@ def build(req: CompletionRequest, eng: Engine, default_run: str = "", capture_di
 
 
 def _fork_patch(entry, f: str, eng: Engine, table) -> Patch:
-    if entry.mask is not None:
-        raise SpecError(f"{f}.mask", "is not supported by causalboard (masked patches); the request is refused")
+    mask = fork_mask(entry.mask, f"{f}.mask", table=table, hidden=eng.info.hidden_size) if entry.mask is not None else None
     hook = check_hook(entry.hook, f"{f}.hook")
     layer = check_layer(entry.layer, f"{f}.layer", eng.info.num_layers)
     site = Site(layer, hook)
@@ -159,6 +159,8 @@ def _fork_patch(entry, f: str, eng: Engine, table) -> Patch:
         if entry.source_inline >= table.shape[0]:
             raise SpecError(f"{f}.source_inline", f"row {entry.source_inline} is outside patch_vectors ({table.shape[0]} rows)")
         source = InlineSource((table[entry.source_inline],))
+    if mask is not None:
+        return Patch(site, (entry.dest_position,), source, float(entry.alpha), mask)
     return Patch(site, (entry.dest_position,), source, float(entry.alpha))
 
 

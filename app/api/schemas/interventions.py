@@ -194,7 +194,8 @@ class ForkPatchEntry(StrictModel):
     source_module: str | None = None
     source_inline: int | None = Field(None, ge=0)
     alpha: float = 1.0
-    mask: Any = unsupported()
+    mask: Any = unsupported("Fork: per-dimension mask {'indices': [dims]} or {'inline': row of patch_vectors}; "
+                            "refused with 400 while the engine has no dimension masks.")
 
 
 # ---- steering ------------------------------------------------------------------------------------

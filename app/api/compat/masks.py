@@ -1,0 +1,55 @@
+"""The reference fork's per-dimension patch `mask`, as the engine's `Mask`.
+
+The fork's forms: `{"indices": [dims]}` (those dimensions fully, the others untouched) and
+`{"inline": row}` (a graded row of the request's `patch_vectors`, values in [0, 1]). A masked
+patch is `(1 - alpha * m) * h + alpha * m * t` per dimension (the fork's precise lerp).
+
+Masks need the engine's support (`engine_ext.specs.Mask`, issue 16's engine part). Until the
+running engine has it, a mask is refused with a 400 naming the field — never run unmasked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine_ext.errors import SpecError
+from engine_ext.specs import Patch
+
+
+def engine_has_masks() -> bool:
+    """Whether `engine_ext` takes dimension masks on patches."""
+    return "mask" in getattr(Patch, "__dataclass_fields__", {})
+
+
+def fork_mask(value: Any, field: str, *, table: np.ndarray | None, hidden: int) -> Any:
+    """The fork's mask as the engine's `Mask` (validated against `hidden`); SpecError naming the
+    field when it is malformed, out of range, or masks are not supported by this engine."""
+    if not engine_has_masks():
+        raise SpecError(field, "is not supported by causalboard yet (partial-dimension patches); "
+                               "the request is refused rather than run unmasked")
+    from engine_ext.specs import mask_from_json
+
+    if not isinstance(value, dict):
+        raise SpecError(field, "must be {'indices': [dims]} or {'inline': row of patch_vectors}")
+    given = [k for k in ("indices", "inline") if value.get(k) is not None]
+    unknown = sorted(set(value) - {"indices", "inline"})
+    if unknown:
+        raise SpecError(f"{field}.{unknown[0]}", "unknown mask field; give 'indices' or 'inline'")
+    if len(given) != 1:
+        raise SpecError(field, "set exactly one of 'indices' and 'inline'")
+    if given[0] == "indices":
+        mask = mask_from_json({"indices": value["indices"]}, field)
+    else:
+        row = value["inline"]
+        if table is None:
+            raise SpecError(f"{field}.inline", "needs the patch_vectors table")
+        if not isinstance(row, int) or isinstance(row, bool) or not 0 <= row < table.shape[0]:
+            raise SpecError(f"{field}.inline", f"row {row!r} is outside patch_vectors ({table.shape[0]} rows)")
+        weights = np.asarray(table[row], dtype=np.float32)
+        if not np.all(np.isfinite(weights)) or weights.min() < 0 or weights.max() > 1:
+            raise SpecError(f"{field}.inline", "a graded mask row must hold values in [0, 1]")
+        mask = mask_from_json({"weights": weights.tolist()}, field)
+    mask.values(hidden, field)  # dimensions within the hidden size
+    return mask
