@@ -62,8 +62,10 @@ class PatchSweepRequest(StrictModel):
     source_module: str | None = Field(None, description='Ablation source instead of a clean run: "zeros", "mean" (mean of the clean run over positions), a steering module (its vector at each cell\'s own hook and layer) or a registered vector name.')
     source_inline: int | None = Field(None, ge=0, description="Ablation source: this row of `patch_vectors`, patched into every cell.")
     patch_vectors: dict | None = Field(None, description="Packed table {dtype, shape: [n_rows, hidden], data: base64} that `source_inline` indexes.")
-    mask: dict | None = Field(None, description="Per-dimension mask on every cell: {'indices': [dims]} or {'inline': row of "
-                                                "patch_vectors} (graded, in [0, 1]); refused with 400 while the engine has no masks.")
+    mask: dict | list | None = Field(None, description="Per-dimension mask on every cell, (1 - alpha m) h + alpha m t: {'indices': [dims]} "
+                                                       "(the fork's), {'inline': row of patch_vectors} (graded, in [0, 1]), "
+                                                       "{'weights': [...]}, a list of indices or of booleans; refused with 400 "
+                                                       "while the engine has no masks.")
     hook: str = Field("post_block", description="Hook of every cell (pre_attn, post_attn, post_block).")
     hooks: list[str] | None = Field(None, min_length=1, description="Several hooks (or one): one grid per hook in `hook_grids`, in this order (wins over `hook`).")
     layers: list[int] | LayerRange | None = Field(None, description="Layer list or {start, stop, step} (range semantics); default all layers.")

@@ -1,7 +1,8 @@
 """The reference fork's per-dimension patch `mask`, as the engine's `Mask`.
 
 The fork's forms: `{"indices": [dims]}` (those dimensions fully, the others untouched) and
-`{"inline": row}` (a graded row of the request's `patch_vectors`, values in [0, 1]). A masked
+`{"inline": row}` (a graded row of the request's `patch_vectors`, values in [0, 1]); the engine's
+own forms (`{"weights": [...]}`, a list of indices or of booleans) are accepted too. A masked
 patch is `(1 - alpha * m) * h + alpha * m * t` per dimension (the fork's precise lerp).
 
 Masks need the engine's support (`engine_ext.specs.Mask`, issue 16's engine part). Until the
@@ -31,17 +32,11 @@ def fork_mask(value: Any, field: str, *, table: np.ndarray | None, hidden: int) 
                                "the request is refused rather than run unmasked")
     from engine_ext.specs import mask_from_json
 
-    if not isinstance(value, dict):
-        raise SpecError(field, "must be {'indices': [dims]} or {'inline': row of patch_vectors}")
-    given = [k for k in ("indices", "inline") if value.get(k) is not None]
-    unknown = sorted(set(value) - {"indices", "inline"})
-    if unknown:
-        raise SpecError(f"{field}.{unknown[0]}", "unknown mask field; give 'indices' or 'inline'")
-    if len(given) != 1:
-        raise SpecError(field, "set exactly one of 'indices' and 'inline'")
-    if given[0] == "indices":
-        mask = mask_from_json({"indices": value["indices"]}, field)
+    if not (isinstance(value, dict) and "inline" in value):
+        mask = mask_from_json(value, field)  # the engine's forms: {"indices"}, {"weights"}, index or boolean lists
     else:
+        if set(value) != {"inline"}:
+            raise SpecError(field, "give exactly one of 'indices', 'weights' and 'inline'")
         row = value["inline"]
         if table is None:
             raise SpecError(f"{field}.inline", "needs the patch_vectors table")
