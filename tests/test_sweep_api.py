@@ -157,7 +157,9 @@ def test_multi_hook_grids_and_stream_equal_to_json(http, engine, tasks):
     body = pair_body(pair, metric="logprob", hooks=["post_block", "pre_attn"])
     res = sweep(http, **body)
     grids = {g["hook"]: np.array(g["grid"], dtype=float) for g in res["hook_grids"]}
-    assert set(grids) == {"pre_attn", "post_block"} and res["hooks"] == ["pre_attn", "post_block"]
+    # the request's order, as in the fork: `hook` / `grid` are the first requested hook's
+    assert set(grids) == {"pre_attn", "post_block"} and res["hooks"] == ["post_block", "pre_attn"] and res["hook"] == "post_block"
+    assert res["grid"] == res["hook_grids"][0]["grid"] and res["hook_grids"][0]["hook"] == "post_block"
     # pre_attn of layer L+1 is the same residual stream as post_block of layer L
     assert np.allclose(grids["pre_attn"][1:], grids["post_block"][:-1], atol=1e-5, rtol=0)
     with http.stream("POST", "/v1/patch_sweep", json={**body, "stream": True}) as r:
