@@ -241,10 +241,21 @@ def test_ablation_sweeps_with_each_source_kind(study, fork, engine, tasks, hf_re
         row = table[1] if dtype == "float32" else _bf16(table[1])
         want = hf_ref.score(ids, [f["answer_id"]], edits=[RefEdit.patch((3, "post_block"), [last], row)])
         assert abs(inline.grid[0][0] - want[f["answer_id"]]) <= 2e-3, dtype
-    # masks are not supported yet: refused, never run unmasked
-    with pytest.raises(httpx.HTTPStatusError) as err:
-        asyncio.run(study.ablation_sweep(f["prompt"], mask={"indices": [0, 1]}, layers=[0], positions=[0], answer_token=answer))
-    assert err.value.response.status_code == 400 and err.value.response.json()["field"] == "mask"
+    # a zero-ablation of some dimensions (the fork's mask example); refused, never run unmasked, without engine masks
+    from app.api.compat.masks import engine_has_masks
+
+    dims = [0, 1, 40]
+    if not engine_has_masks():
+        with pytest.raises(httpx.HTTPStatusError) as err:
+            asyncio.run(study.ablation_sweep(f["prompt"], mask={"indices": dims}, layers=[0], positions=[0], answer_token=answer))
+        assert err.value.response.status_code == 400 and err.value.response.json()["field"] == "mask"
+        return
+    m = np.zeros(hidden, np.float32)
+    m[dims] = 1.0
+    masked = asyncio.run(study.ablation_sweep(f["prompt"], mask={"indices": dims}, layers=[1, 4], positions=[last], answer_token=answer))
+    for i, layer in enumerate((1, 4)):
+        want = hf_ref.score(ids, [f["answer_id"]], edits=[RefEdit.zero((layer, "post_block"), [last], mask=m)])
+        assert abs(masked.grid[i][0] - want[f["answer_id"]]) <= 2e-3, layer
 
 
 def _bf16(v: np.ndarray) -> np.ndarray:
