@@ -261,7 +261,7 @@ def test_filesystem_capture_consumer_writes_the_forks_layouts(engine, tasks, tmp
         refused(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "capture": {
             "filesystem": {**spec, "request_id": "../x"}}}), 400, "capture.filesystem.request_id")
         refused(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "capture": {
-            "filesystem": {**spec, "layout": "sharded"}}}), 400, "capture.filesystem.layout")
+            "filesystem": {**spec, "layout": "striped"}}}), 400, "capture.filesystem.layout")
         refused(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "capture": {
             "filesystem": {**spec, "positions": "last_prompt"}, "patch_source": {"hooks": {"post_block": [2]}}}}),
                 400, "capture.filesystem.positions")

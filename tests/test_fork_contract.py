@@ -306,13 +306,30 @@ def test_filesystem_captures_read_by_the_forks_reader(engine, tasks, tmp_path):
     n = len(engine.tokenize(prompt))
     want = engine.capture(prompt, ["L2.post_attn", "L5.post_block"], "all_prompt").captures
     spec = {"request_id": "r1", "hooks": {"post_attn": [2], "post_block": [5]}, "positions": "all_prompt"}
+
+    def check(got: dict, what: str) -> None:
+        check_entries(got, want, n, engine.info.hidden_size, what)
+
     with TestClient(create_app(engine, capture_dir=str(tmp_path))) as client:
         for layout in ("per_file", "packed"):
             r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1,
                                                       "capture": {"filesystem": {**spec, "tag": layout, "layout": layout}}})
             assert r.status_code == 200, r.text
             got = reader.read_request(tmp_path / layout / "r1")
-            assert set(got) == {(2, "post_attn"), (5, "post_block")}, layout
-            for (layer, hook), entry in got.items():
-                assert entry.array.shape == (n, engine.info.hidden_size) and entry.dtype == "float32"
-                np.testing.assert_array_equal(entry.array, np.stack([want[(layer, hook, p)] for p in range(n)]))
+            check(got, layout)
+        # sharded: requests share the tag's shard files; the reader groups them by request
+        for rid in ("r1", "r2"):
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "capture": {
+                "filesystem": {**spec, "request_id": rid, "tag": "sh", "layout": "sharded"}}})
+            assert r.status_code == 200, r.text
+        shards = reader.read_sharded(tmp_path / "sh")
+        assert set(shards) == {"r1", "r2"}
+        for rid, got in shards.items():
+            check(got, rid)
+
+
+def check_entries(got: dict, want: dict, n: int, hidden: int, what: str) -> None:
+    assert set(got) == {(2, "post_attn"), (5, "post_block")}, what
+    for (layer, hook), entry in got.items():
+        assert entry.array.shape == (n, hidden) and entry.dtype == "float32", what
+        np.testing.assert_array_equal(entry.array, np.stack([want[(layer, hook, p)] for p in range(n)]))

@@ -12,8 +12,12 @@ a root directory the server is started with (`CAUSALBOARD_CAPTURE_DIR`, or
 
 Values are the engine's float32 captures (the fork writes the residual's dtype; the sidecar says
 which). `tag` and `request_id` are slugged as the fork does (`..`, a leading `/`, empty or > 256
-characters refused; other characters outside `[A-Za-z0-9._-]` become `_`). The fork's `sharded`
-layout (many requests per file) is not provided (400).
+characters refused; other characters outside `[A-Za-z0-9._-]` become `_`).
+
+* `sharded` — `{root}/{tag}/shard-000-{seq:06d}.bin` + `.json` (`layout: "sharded"`, `shard_idx`,
+  `seq`, `dtype`, `entries: [{request_id, layer, hook, offset, nbytes, shape}]`): here each
+  request seals a shard of its own at once (the fork packs many requests into a shard and seals it
+  by size); its reader (`read_sharded(tag_dir)`) reads them the same way.
 
 Request: `capture: {"filesystem": {"request_id"?, "tag"?, "hooks": {hook: "all" | [layers] |
 {"layers", "ranges"}}, "positions": "last_prompt" | "all_prompt" | "all_generated" | "all" |
@@ -33,7 +37,7 @@ import numpy as np
 from engine_ext.errors import SpecError
 from engine_ext.sites import Site
 
-LAYOUTS = ("per_file", "packed")
+LAYOUTS = ("per_file", "packed", "sharded")
 _SLUG_RE = re.compile(r"[^a-zA-Z0-9._-]")
 
 
@@ -64,7 +68,8 @@ def write(root: str | Path, fc: FileCapture, captures: dict[tuple[int, str, int]
           client_request_id: str) -> list[str]:
     """Write `captures` ((layer, hook, position) -> vector) of `fc.sites`; returns the paths."""
     out_dir = Path(root) / fc.tag / fc.request_id
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if fc.layout != "sharded":
+        out_dir.mkdir(parents=True, exist_ok=True)
     blocks = []
     for site in fc.sites:
         keys = sorted(k for k in captures if k[0] == site.layer and k[1] == site.hook)
@@ -83,12 +88,32 @@ def write(root: str | Path, fc: FileCapture, captures: dict[tuple[int, str, int]
     entries, offset, chunks = [], 0, []
     for site, positions, rows in blocks:
         data = rows.tobytes()
-        entries.append({"layer": site.layer, "hook": site.hook, "offset": offset, "nbytes": len(data),
-                        "shape": list(rows.shape), "positions": positions})
+        entries.append({"request_id": fc.request_id, "layer": site.layer, "hook": site.hook, "offset": offset,
+                        "nbytes": len(data), "shape": list(rows.shape), "positions": positions})
         chunks.append(data)
         offset += len(data)
+    if fc.layout == "sharded":
+        return _write_shard(Path(root) / fc.tag, entries, b"".join(chunks))
     (out_dir / "packed.bin").write_bytes(b"".join(chunks))
     index = {"request_id": fc.request_id, "client_request_id": client_request_id, "layout": "packed",
              "dtype": "float32", "entries": entries}
     (out_dir / "packed.json").write_text(json.dumps(index))
     return [str(out_dir / "packed.bin"), str(out_dir / "packed.json")]
+
+
+def _write_shard(tag_dir: Path, entries: list[dict], data: bytes) -> list[str]:
+    """One sealed shard: the next free `shard-000-{seq}` pair of `tag_dir` (claimed with an
+    exclusive create, so concurrent requests never share a file)."""
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    seq = len(list(tag_dir.glob("shard-000-*.json")))
+    while True:
+        bin_path = tag_dir / f"shard-000-{seq:06d}.bin"
+        try:
+            with open(bin_path, "xb") as fh:
+                fh.write(data)
+            break
+        except FileExistsError:
+            seq += 1
+    index = {"layout": "sharded", "shard_idx": 0, "seq": seq, "dtype": "float32", "entries": entries}
+    bin_path.with_suffix(".json").write_text(json.dumps(index))
+    return [str(bin_path), str(bin_path.with_suffix(".json"))]
