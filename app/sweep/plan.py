@@ -16,14 +16,13 @@ import numpy as np
 
 from engine_ext import Engine, GenerationParams
 from engine_ext.errors import SpecError
-from engine_ext.specs import InlineSource, MeanSource, Noise, Patch, RunSource, ZeroSource
+from engine_ext.specs import InlineSource, Mask, MeanSource, Noise, Patch, RunSource, ZeroSource
 from engine_ext.sites import HOOKS, Site
 
 from app.sweep.alignment import UNALIGNED_REASON, Alignment, align_positions
 from app.sweep.schema import LayerRange, PatchSweepRequest
 
 #: hooks of the reference fork that causalboard's decoder-layer seam does not expose
-FORK_ONLY_HOOKS = ("mlp_in", "mlp_out")
 
 
 class PlanError(Exception):
@@ -92,8 +91,8 @@ class SweepPlan:
     source: SourcePlan
     noise_positions: list[int] | None
     subject_positions: list[int] = field(default_factory=list)
-    #: the fork's dimension mask on every cell (an `engine_ext.specs.Mask`), or None
-    mask: object | None = None
+    #: the dimension mask of every cell's patch (None: every dimension): the fork's `mask`
+    mask: Mask | None = None
 
     @property
     def run_positions(self) -> list[int]:
@@ -138,9 +137,7 @@ class SweepPlan:
             source = InlineSource((src.site_vectors[(cell.layer, cell.hook)],))
         else:
             source = ZeroSource()
-        if self.mask is not None:
-            return Patch(site, (cell.position,), source, self.request.alpha, self.mask)
-        return Patch(site, (cell.position,), source, self.request.alpha)
+        return Patch(site, (cell.position,), source, self.request.alpha, self.mask)
 
     def basis_of(self, scores: dict[int, float]) -> float:
         """The basis metric of one scored request."""
@@ -174,9 +171,6 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
     hooks = req.hook_list()
     field_name = "hooks" if req.hooks else "hook"
     for k, h in enumerate(hooks):
-        if h in FORK_ONLY_HOOKS:
-            raise SpecError(f"{field_name}[{k}]" if req.hooks else "hook",
-                            f"hook {h!r} is not available: causalboard exposes {', '.join(HOOKS)}")
         if h not in HOOKS:
             raise SpecError(f"{field_name}[{k}]" if req.hooks else "hook",
                             f"unknown hook {h!r}; expected one of {', '.join(HOOKS)}")

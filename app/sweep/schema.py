@@ -4,9 +4,8 @@ state (`SweepStatus`) and the stream's events (`SweepEvent`, one model per `type
 
 Request field names and meanings are the reference fork's (`PatchSweepRequest`), so its clients
 work unchanged; causalboard's extensions (`prob`, `recovered_basis`, `noise`, `subject`,
-`max_concurrency`, `noise_floor_samples`) are optional. Fork fields causalboard cannot honour
-(`mask`, `mlp_*` hooks) are accepted by the schema only to be refused with a 400 naming them —
-never silently ignored.
+`max_concurrency`, `noise_floor_samples`) are optional. Hooks are `engine_ext.sites.HOOKS` (the
+fork's five: `pre_attn`, `post_attn`, `mlp_in`, `mlp_out`, `post_block`).
 
 Response models are exact (`extra="forbid"`): the server builds its summary and events from them,
 so it cannot send a key they do not declare. Their fields' descriptions are the API's
@@ -27,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       ValidationInfo, model_serializer, model_validator)
 
 from app.wire import MAX_PROMPT_CHARS, SpanSpec, StrictModel
+from engine_ext.sites import HOOKS
 
 METRICS = ("logprob", "logit_diff", "recovered", "prob")
 BASES = ("logprob", "logit_diff", "prob")
@@ -61,12 +61,12 @@ class PatchSweepRequest(StrictModel):
     source_run: str | None = Field(None, min_length=1, max_length=200, description="Id of a stored clean run to patch from.")
     source_module: str | None = Field(None, description='Ablation source instead of a clean run: "zeros", "mean" (mean of the clean run over positions), a steering module (its vector at each cell\'s own hook and layer) or a registered vector name.')
     source_inline: int | None = Field(None, ge=0, description="Ablation source: this row of `patch_vectors`, patched into every cell.")
-    patch_vectors: dict | None = Field(None, description="Packed table {dtype, shape: [n_rows, hidden], data: base64} that `source_inline` indexes.")
-    mask: dict | list | None = Field(None, description="Per-dimension mask on every cell, (1 - alpha m) h + alpha m t: {'indices': [dims]} "
-                                                       "(the fork's), {'inline': row of patch_vectors} (graded, in [0, 1]), "
-                                                       "{'weights': [...]}, a list of indices or of booleans; refused with 400 "
-                                                       "while the engine has no masks.")
-    hook: str = Field("post_block", description="Hook of every cell (pre_attn, post_attn, post_block).")
+    patch_vectors: dict | None = Field(None, description="Packed table {dtype, shape: [n_rows, hidden], data: base64} that `source_inline` (or a mask's `inline`) indexes.")
+    mask: dict | list | None = Field(None, description='Partial-dimension patches: only these dimensions of each cell take the source value, '
+                                                      '(1 - alpha m) h + alpha m t. {"indices": [dims]} (the fork\'s form), {"inline": row of '
+                                                      'patch_vectors} (the fork\'s graded form), a list of dimension indices, a list of booleans '
+                                                      '(one per dimension) or {"weights": [values in [0, 1]]}.')
+    hook: str = Field("post_block", description="Hook of every cell: " + ", ".join(HOOKS) + ".")
     hooks: list[str] | None = Field(None, min_length=1, description="Several hooks (or one): one grid per hook in `hook_grids`, in this order (wins over `hook`).")
     layers: list[int] | LayerRange | None = Field(None, description="Layer list or {start, stop, step} (range semantics); default all layers.")
     positions: Literal["all_prompt"] | list[int | SpanSpec] = Field("all_prompt", description='"all_prompt", token indices, {"span", "occurrence"} or a mix.')
@@ -226,12 +226,14 @@ class SweepChecksum(_Wire):
     """Cross-rank determinism of the engine's interventions: ranks of one pipeline stage must have
     applied the same actions. `consistent` is null (with `error`) when the status was unavailable."""
 
-    _omit_none = frozenset({"action_count", "mismatches", "ranks", "workers", "error"})
+    _omit_none = frozenset({"action_count", "mismatches", "checksums", "ranks", "workers", "error"})
 
     consistent: bool | None = Field(None, description="True when the ranks agree, false on a mismatch, null when unknown.")
     action_count: int | None = Field(None, description="Interventions applied (when consistent).")
     mismatches: dict[str, dict[str, str]] | None = Field(
         None, description="Pipeline stage -> {rank: checksum} for each stage whose ranks disagree (when not consistent).")
+    checksums: dict[str, str] | None = Field(
+        None, description="Every worker's checksum, keyed 'tp<i>/pp<k>' (when not consistent).")
     ranks: int | None = Field(None, description="Workers compared.")
     workers: list[WorkerChecksum] | None = Field(None, description="Per-worker checksum and action count.")
     error: str | None = Field(None, description="Why the status is unavailable.")

@@ -10,8 +10,8 @@
 
 They compose with the native `interventions` field (steer and patch entries are concatenated;
 capture and scoring may come from one side only). Fork fields with no faithful counterpart
-(`mask`, clamps, declarative `steering` gates, `mlp_*` hooks, capture consumers this server does
-not run) are refused with a 400 naming the field. Engine errors about the combined spec are
+(clamps, declarative `steering` gates, the `post_mlp` hook, capture consumers this server does not
+run) are refused with a 400 naming the field. Engine errors about the combined spec are
 re-labelled with the request field the entry came from (`patch[1].dest_position`).
 """
 
@@ -159,9 +159,7 @@ def _fork_patch(entry, f: str, eng: Engine, table) -> Patch:
         if entry.source_inline >= table.shape[0]:
             raise SpecError(f"{f}.source_inline", f"row {entry.source_inline} is outside patch_vectors ({table.shape[0]} rows)")
         source = InlineSource((table[entry.source_inline],))
-    if mask is not None:
-        return Patch(site, (entry.dest_position,), source, float(entry.alpha), mask)
-    return Patch(site, (entry.dest_position,), source, float(entry.alpha))
+    return Patch(site, (entry.dest_position,), source, float(entry.alpha), mask)
 
 
 def _hook_sites(hooks: object, f: str, num_layers: int) -> list[Site]:

@@ -5,8 +5,8 @@ The fork's forms: `{"indices": [dims]}` (those dimensions fully, the others unto
 own forms (`{"weights": [...]}`, a list of indices or of booleans) are accepted too. A masked
 patch is `(1 - alpha * m) * h + alpha * m * t` per dimension (the fork's precise lerp).
 
-Masks need the engine's support (`engine_ext.specs.Mask`, issue 16's engine part). Until the
-running engine has it, a mask is refused with a 400 naming the field — never run unmasked.
+The engine's `Mask` (`engine_ext.specs`) does the arithmetic; this module only reads the fork's
+`inline` form, which refers to the request's `patch_vectors` table.
 """
 
 from __future__ import annotations
@@ -16,22 +16,12 @@ from typing import Any
 import numpy as np
 
 from engine_ext.errors import SpecError
-from engine_ext.specs import Patch
+from engine_ext.specs import Mask, mask_from_json
 
 
-def engine_has_masks() -> bool:
-    """Whether `engine_ext` takes dimension masks on patches."""
-    return "mask" in getattr(Patch, "__dataclass_fields__", {})
-
-
-def fork_mask(value: Any, field: str, *, table: np.ndarray | None, hidden: int) -> Any:
+def fork_mask(value: Any, field: str, *, table: np.ndarray | None, hidden: int) -> Mask:
     """The fork's mask as the engine's `Mask` (validated against `hidden`); SpecError naming the
-    field when it is malformed, out of range, or masks are not supported by this engine."""
-    if not engine_has_masks():
-        raise SpecError(field, "is not supported by causalboard yet (partial-dimension patches); "
-                               "the request is refused rather than run unmasked")
-    from engine_ext.specs import mask_from_json
-
+    field when it is malformed or out of range."""
     if not (isinstance(value, dict) and "inline" in value):
         mask = mask_from_json(value, field)  # the engine's forms: {"indices"}, {"weights"}, index or boolean lists
     else:

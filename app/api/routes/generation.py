@@ -20,7 +20,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
 from engine_ext import Engine, Generation
-from engine_ext.errors import SpecError
+from engine_ext.dynamic.specs import DynamicRequest
+from engine_ext.errors import EngineDeadError, SpecError
 
 from app.api.auth import UNAUTHORIZED, ApiKeyGuard, api_key_guard
 from app.api.compat import capture_files
@@ -58,12 +59,13 @@ async def generate(req: GenerateRequest, engine: Engine = Depends(get_engine),
         if req.interventions.keeps_source():
             guard.check()
         spec = req.interventions.to_spec("interventions")
+    dynamic = req.dynamic.to_engine() if req.dynamic is not None else None
     try:
-        prompt_ids = engine.validate(req.prompt, params, spec)
+        prompt_ids = engine.validate(req.prompt, params, spec, dynamic=dynamic)
     except SpecError as exc:
         raise by_prefix(exc, NATIVE_FIELDS) from None
     if not req.stream:
-        gen = await engine.agenerate(req.prompt, params, spec)
+        gen = await engine.agenerate(req.prompt, params, spec, dynamic=dynamic)
         return GenerateResponse(**_generation_body(gen, req.prompt))
 
     async def events() -> AsyncIterator[str]:
@@ -71,12 +73,12 @@ async def generate(req: GenerateRequest, engine: Engine = Depends(get_engine),
         gen = Generation("", req.prompt, prompt_ids)
         yield sse_event({"type": "start", "prompt_token_ids": prompt_ids}, n)
         try:
-            async for delta in engine.astream(req.prompt, params, spec):
+            async for delta in engine.astream(req.prompt, params, spec, dynamic=dynamic):
                 gen.extend(delta)
                 n += 1
                 yield sse_event({"type": "token", "token_ids": delta.token_ids, "text": delta.text, "logprobs": delta.logprobs}, n)
         except Exception as exc:  # engine failure mid-stream: tell the client, don't hang
-            yield sse_event({"type": "error", "error": str(exc)}, n + 1)
+            yield sse_event({"type": "error", **_stream_error(exc)}, n + 1)
             yield DONE
             return
         yield sse_event({"type": "done", **_generation_body(gen, req.prompt)}, n + 1)
@@ -135,9 +137,17 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
         if len(prompts) > 1:
             raise SpecError("capture.patch_source.run", "one stored run per request: give a single prompt with a capture")
     spec = None if extras.spec.is_empty() else extras.spec
+    # the fork's conversation_id: the conversation of the server's global dynamic-steering
+    # policies (`latch: conversation`), as its dynamic-steering consumers read it
+    dynamic = None
+    if req.conversation_id is not None:
+        try:
+            dynamic = DynamicRequest.make([], req.conversation_id, True)
+        except SpecError as exc:
+            raise SpecError("conversation_id", exc.message) from None
     for k, prompt in enumerate(prompts):
         try:
-            engine.validate(prompt, params, spec)
+            engine.validate(prompt, params, spec, dynamic=dynamic)
         except SpecError as exc:
             exc = extras.relabel(exc)
             if not single and exc.field == "prompt":
@@ -197,7 +207,7 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
         return out
 
     if not req.stream:
-        gens = await asyncio.gather(*(engine.agenerate(p, params, spec) for p in prompts))
+        gens = await asyncio.gather(*(engine.agenerate(p, params, spec, dynamic=dynamic) for p in prompts))
         if extras.file_capture is not None:
             await write_files(gens[0])
         n_prompt = sum(len(g.prompt_token_ids) for g in gens)
@@ -214,7 +224,7 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
             for k, prompt in enumerate(prompts):
                 gen = Generation(cid, prompt if isinstance(prompt, str) else None, [])
                 first = True
-                async for d in engine.astream(prompt, params, spec):
+                async for d in engine.astream(prompt, params, spec, dynamic=dynamic):
                     gen.extend(d)
                     choice = shape.delta_choice(k, d.text, logprobs_of(d), d.finish_reason if d.finished else None, first)
                     first = False
@@ -224,11 +234,19 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
                             await write_files(gen)
                         chunk.update(intervention_fields(gen))
                     yield sse_event(chunk)
-        except Exception as exc:
-            yield sse_event({"error": str(exc)})
+        except Exception as exc:  # engine failure mid-stream: tell the client, don't hang
+            yield sse_event(_stream_error(exc))
         yield DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _stream_error(exc: Exception) -> dict:
+    """The error of a stream that failed after its first event (the engine died): the API's
+    error shape (`field: engine` for an engine failure)."""
+    if isinstance(exc, EngineDeadError):
+        return {"error": f"engine: {exc}", "field": "engine"}
+    return {"error": f"{type(exc).__name__}: {exc}", "field": None}
 
 
 def _generation_body(gen: Generation, prompt: str) -> dict:

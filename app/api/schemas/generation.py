@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from engine_ext.generation import MAX_TOP_LOGPROBS, GenerationParams
 
+from app.api.schemas.dynamic import DynamicSpec
 from app.api.schemas.interventions import (
     ForkPatchEntry,
     InterventionResultBody,
@@ -51,6 +52,9 @@ class GenerateRequest(SamplingFields):
     interventions: InterventionsSpec | None = Field(
         None, description="Per-request steer / patch / capture / noise / score_token_ids (see docs/concepts.md). "
                           "A capture with keep_as needs the API key when the server has one.")
+    dynamic: DynamicSpec | None = Field(
+        None, description="Dynamic steering: policies (probe-gated or closed-loop) and a conversation_id; the per-token "
+                          "trace returns in intervention.dynamic (see docs/dynamic-steering.md).")
 
     def params(self) -> GenerationParams:
         return GenerationParams(
@@ -117,8 +121,8 @@ class CompletionRequest(SamplingFields):
     decode_steering_clamps: Any = unsupported()
     steering: Any = unsupported("The fork's declarative steering gates. Not supported by causalboard: refused with 400 naming the field.")
     conversation_id: str | None = Field(
-        None, description="Fork: opaque conversation id, handed to dynamic-steering capture consumers (none run here): "
-                          "accepted and carried in the response, with no effect on the output (as in the fork without them).")
+        None, description="Fork: the conversation this request belongs to, for the server's global dynamic-steering "
+                          "policies (`latch: conversation`); echoed in the response.")
     # ---- causalboard
     interventions: InterventionsSpec | None = Field(None, description="Native per-request interventions (as on /v1/generate).")
 
@@ -176,8 +180,8 @@ class Topology(BaseModel):
 
 class StatusResponse(BaseModel):
     status: Literal["ok", "dead"]
-    model: str
-    model_path: str
+    model: str = Field(description="The served model's name (its folder's name; `causalboard-tiny` for the bundled one). "
+                                    "The server's filesystem path is never reported.")
     architecture: str
     num_layers: int
     hidden_size: int
@@ -195,9 +199,11 @@ class StatusResponse(BaseModel):
     in_flight_requests: int
     source_store: SourceStoreUsage | None = Field(None, description="Source-run store usage (as GET /v1/patch_source).")
     checksum: dict | None = Field(
-        None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches', "
-                          "'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
+        None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches' and "
+                          "'checksums', 'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
     global_steering: list[str] = Field(default_factory=list, description="Sites the global steering touches.")
     named_vectors: int = Field(0, description="Registered named vectors (module vectors included).")
     api_key_required: bool = Field(False, description="Whether mutating endpoints need 'Authorization: Bearer <key>'.")
     sweeps: dict | None = Field(None, description="Patch-sweep service status, when the server runs one.")
+    dynamic: dict | None = Field(None, description="Dynamic steering, as GET /v1/steering/dynamic (probes, global policies, "
+                                                   "per-worker state, determinism).")
