@@ -8,7 +8,6 @@ request forms (token-id prompts, `cache_salt`, `conversation_id`, capture `range
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from app.api.compat.fork_vectors import pack_vectors
 from engine_ext.reference.hf import RefEdit
@@ -267,18 +266,11 @@ def test_filesystem_capture_consumer_writes_the_forks_layouts(engine, tasks, tmp
                 400, "capture.filesystem.positions")
 
 
-# ---- dimension masks (need the engine's masks: skipped until engine_ext has them) ----------------
-def test_masked_patches_and_sweeps_or_a_clear_refusal(http, engine, hf_ref, tasks):
-    from app.api.compat.masks import engine_has_masks
-
+# ---- dimension masks ---------------------------------------------------------------------------
+def test_masked_patches_and_sweeps_in_the_forks_forms(http, engine, hf_ref, tasks):
     f = tasks["facts"][9]
     ids = engine.tokenize(f["prompt"])
     last = len(ids) - 1
-    if not engine_has_masks():
-        body = {"prompt": f["prompt"], "answer_token_id": f["answer_id"], "source_module": "zeros", "layers": [1],
-                "positions": [last], "mask": {"indices": [0, 1]}}
-        assert "not supported" in refused(http.post("/v1/patch_sweep", json=body), 400, "mask")["error"]
-        pytest.skip("engine_ext has no dimension masks yet (issue 16, engine part): refused, as checked")
     h = engine.info.hidden_size
     dims = [0, 5, 17]
     m = np.zeros(h, np.float32)

@@ -241,21 +241,20 @@ def test_ablation_sweeps_with_each_source_kind(study, fork, engine, tasks, hf_re
         row = table[1] if dtype == "float32" else _bf16(table[1])
         want = hf_ref.score(ids, [f["answer_id"]], edits=[RefEdit.patch((3, "post_block"), [last], row)])
         assert abs(inline.grid[0][0] - want[f["answer_id"]]) <= 2e-3, dtype
-    # a zero-ablation of some dimensions (the fork's mask example); refused, never run unmasked, without engine masks
-    from app.api.compat.masks import engine_has_masks
-
+    # a zero-ablation of some dimensions (the fork's mask example), and a graded inline mask row
     dims = [0, 1, 40]
-    if not engine_has_masks():
-        with pytest.raises(httpx.HTTPStatusError) as err:
-            asyncio.run(study.ablation_sweep(f["prompt"], mask={"indices": dims}, layers=[0], positions=[0], answer_token=answer))
-        assert err.value.response.status_code == 400 and err.value.response.json()["field"] == "mask"
-        return
     m = np.zeros(hidden, np.float32)
     m[dims] = 1.0
     masked = asyncio.run(study.ablation_sweep(f["prompt"], mask={"indices": dims}, layers=[1, 4], positions=[last], answer_token=answer))
     for i, layer in enumerate((1, 4)):
         want = hf_ref.score(ids, [f["answer_id"]], edits=[RefEdit.zero((layer, "post_block"), [last], mask=m)])
         assert abs(masked.grid[i][0] - want[f["answer_id"]]) <= 2e-3, layer
+    w = np.linspace(0, 1, hidden, dtype=np.float32)
+    graded = asyncio.run(study.ablation_sweep(f["prompt"], source_inline=0, mask={"inline": 1},
+                                              patch_vectors=fork.PatchStudy.pack_vectors(np.stack([v4, w])),
+                                              layers=[2], positions=[last], hook="mlp_out", answer_token=answer))
+    want = hf_ref.score(ids, [f["answer_id"]], edits=[RefEdit.patch((2, "mlp_out"), [last], v4, mask=w)])
+    assert abs(graded.grid[0][0] - want[f["answer_id"]]) <= 2e-3
 
 
 def _bf16(v: np.ndarray) -> np.ndarray:
