@@ -236,7 +236,7 @@ def test_fork_completions_patch_masks_indices_and_inline(http, engine, tasks):
     w = np.random.default_rng(7).uniform(0, 1, H).astype(np.float32)
     t = _vec(engine, 34, 10.0)
     table = pack_vectors(np.stack([t, w]))
-    body = {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids_, "patch_vectors": table,
+    body = {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids_, "logprobs": len(ids_), "patch_vectors": table,
             "patch": [{"layer": 3, "hook": "mlp_in", "dest_position": last, "source_inline": 0, "mask": {"inline": 1}},
                       {"layer": 1, "hook": "post_block", "dest_position": last, "source_module": "zeros",
                        "mask": {"indices": [2, 7]}}]}
