@@ -246,6 +246,6 @@ def test_fork_completions_patch_masks_indices_and_inline(http, engine, tasks):
         Patch.make("L3.mlp_in", [last], {"vectors": [t]}, mask={"weights": w.tolist()}),
         Patch.make("L1.post_block", [last], "zeros", mask={"indices": [2, 7]}))))
     assert r.json()["choices"][0]["scores"] == [{str(k): v for k, v in want.items()}]
-    for bad, field in (({"inline": 5}, "patch[0].mask.inline"), ({"inline": 0}, "patch[0].mask.weights")):
+    for bad, field in (({"inline": 5}, "patch[0].mask.inline"), ({"inline": 0}, "patch[0].mask.inline")):
         r = http.post("/v1/completions", json={**body, "patch": [{**body["patch"][0], "mask": bad}]})
         assert r.status_code == 400 and r.json()["field"] == field, r.text
