@@ -291,3 +291,28 @@ def test_masked_patches_and_sweeps_in_the_forks_forms(http, engine, hf_ref, task
     assert abs(body["choices"][0]["scores"][0][str(f["answer_id"])] - want[f["answer_id"]]) <= LOGPROB_ATOL
     refused(http.post("/v1/patch_sweep", json={"prompt": f["prompt"], "answer_token_id": f["answer_id"], "source_module": "zeros",
                                                "layers": [1], "mask": {"indices": [h]}}), 400, "mask.indices[0]")
+
+
+# ---- conversation_id reaches the global dynamic-steering policies ------------------------------
+def test_conversation_id_groups_requests_for_global_latching_policies(http, engine, tasks):
+    h = engine.info.hidden_size
+    prompt = tasks["facts"][10]["prompt"]
+    ok(http.post("/v1/steering/probes", json={"name": "fork-conv-probe", "site": "L2.post_block", "direction": [1.0] * h}))
+    # engages at the first decision of every request and latches for the conversation
+    ok(http.put("/v1/steering/dynamic/policies", json={"policies": [{
+        "probe": "fork-conv-probe", "sites": ["L3.post_block"], "vector": [0.01] * h, "on": -1e30, "latch": "conversation"}]}))
+
+    def latched() -> int:
+        return sum(w["latched_conversations"] for w in ok(http.get("/v1/steering/dynamic"))["workers"])
+
+    try:
+        before = latched()
+        ok(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}))
+        assert latched() == before  # no conversation: nothing to remember
+        body = ok(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "conversation_id": "fork-conv-1"}))
+        assert body["conversation_id"] == "fork-conv-1" and latched() == before + 1
+        refused(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "conversation_id": "bad id!"}),
+                400, "conversation_id")
+    finally:
+        http.put("/v1/steering/dynamic/policies", json={"policies": []})
+        http.delete("/v1/steering/probes/fork-conv-probe")
