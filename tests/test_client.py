@@ -204,7 +204,7 @@ def test_vectors_and_steering_round_trip(cb, engine, tasks):
     try:
         info = cb.register_vector(name, vec)
         assert info["dim"] == hidden and info["norm"] == pytest.approx(float(np.linalg.norm(vec)), rel=1e-5)
-        assert name in [v["name"] for v in cb.list_vectors()["vectors"]]
+        assert name in [v["name"] for v in cb.list_vectors()["named"]]
         np.testing.assert_array_equal(np.asarray(cb.get_vector(name)["vector"], np.float32), vec)
 
         import io as _io
@@ -248,7 +248,7 @@ def test_async_capture_and_vectors(server_url, engine, tasks):
     cap, listed, deleted = asyncio.run(main())
     direct = engine.capture(prompt, ["L0.pre_attn"], "all_prompt")
     np.testing.assert_array_equal(cap["L0.pre_attn"], np.stack([direct.captures[(0, "pre_attn", p)] for p in cap.positions]))
-    assert "client-tests/async" in [v["name"] for v in listed["vectors"]]
+    assert "client-tests/async" in [v["name"] for v in listed["named"]]
     assert deleted == (True, False)
 
 

@@ -236,7 +236,7 @@ def test_fork_completions_patch_masks_indices_and_inline(http, engine, tasks):
     w = np.random.default_rng(7).uniform(0, 1, H).astype(np.float32)
     t = _vec(engine, 34, 10.0)
     table = pack_vectors(np.stack([t, w]))
-    body = {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids_, "patch_vectors": table,
+    body = {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids_, "logprobs": len(ids_), "patch_vectors": table,
             "patch": [{"layer": 3, "hook": "mlp_in", "dest_position": last, "source_inline": 0, "mask": {"inline": 1}},
                       {"layer": 1, "hook": "post_block", "dest_position": last, "source_module": "zeros",
                        "mask": {"indices": [2, 7]}}]}
@@ -246,6 +246,6 @@ def test_fork_completions_patch_masks_indices_and_inline(http, engine, tasks):
         Patch.make("L3.mlp_in", [last], {"vectors": [t]}, mask={"weights": w.tolist()}),
         Patch.make("L1.post_block", [last], "zeros", mask={"indices": [2, 7]}))))
     assert r.json()["choices"][0]["scores"] == [{str(k): v for k, v in want.items()}]
-    for bad, field in (({"inline": 5}, "patch[0].mask.inline"), ({"inline": 0}, "patch[0].mask.weights")):
+    for bad, field in (({"inline": 5}, "patch[0].mask.inline"), ({"inline": 0}, "patch[0].mask.inline")):
         r = http.post("/v1/completions", json={**body, "patch": [{**body["patch"][0], "mask": bad}]})
         assert r.status_code == 400 and r.json()["field"] == field, r.text

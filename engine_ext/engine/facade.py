@@ -391,6 +391,7 @@ class Engine(DynamicControl):
                 f"model's context of {limit} tokens",
             )
         prep = Prepared(text, ids, None)
+        prep.cache_salt = params.cache_salt
         extra_args = None
         score_ids: list[int] | None = None
         skip_cache_read = False
@@ -416,7 +417,7 @@ class Engine(DynamicControl):
                 extra_args[DYNAMIC_ARGS_KEY] = canonical_json(dyn_wire)
             if spec.capture is not None and program["capture"]["pos"][:-1]:
                 skip_cache_read = True  # cached prompt positions would not be recomputed/captured
-        if fresh and prep.cache_salt is None:
+        if fresh:  # never reuse cached blocks (a user's cache_salt included)
             prep.cache_salt = f"cb-fresh-{self._new_id()}"
         prep.sampling = SamplingParams(
             max_tokens=params.max_tokens,
