@@ -16,6 +16,7 @@ This module
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -73,6 +74,11 @@ def check_hybrid_config(config: Any) -> None:
                                          "(every request computes its recurrent state from position 0)")
     if kw.get("speculative_config"):
         raise SpecError("engine_kwargs", "speculative_config: speculative decoding on hybrids is not supported by causalboard")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true", "yes"):
+        # vLLM 0.25.1 serves hybrids with the V1 runner by default; the zero-on-realloc guard is a
+        # V1 patch (seam `_wrap_v1_update_states`)
+        raise SpecError("VLLM_USE_V2_MODEL_RUNNER", "the V2 model runner is not supported for hybrid models "
+                                                    "(the recurrent-state guard patches the V1 runner); unset it")
 
 
 def default_probes(engine: Any) -> list[list[int]]:
