@@ -96,12 +96,16 @@ def test_hybrid_is_served_with_every_layer_patched_and_no_prefix_caching(hyb):
     assert status["mode"] == "zero" and status["state_layers"] == 3  # the three gated delta-net layers
 
 
-def test_prefix_caching_and_mamba_cache_modes_are_refused(hybrid_path):
+def test_prefix_caching_mamba_cache_modes_and_float32_on_cpu_are_refused(hybrid_path):
     for kwargs, needle in (({"enable_prefix_caching": True}, "enable_prefix_caching"),
                            ({"mamba_cache_mode": "align"}, "mamba_cache_mode")):
         with pytest.raises(SpecError, match=needle) as err:
             Engine(model=str(hybrid_path), device="cpu", dtype="bfloat16", engine_kwargs=kwargs).start()
         assert err.value.field == "engine_kwargs"
+    # vLLM's CPU gated delta-net kernels have no float32 implementation: refused, not a crash
+    with pytest.raises(SpecError, match="bfloat16") as err:
+        Engine(model=str(hybrid_path), device="cpu", dtype="float32").start()
+    assert err.value.field == "dtype"
 
 
 def test_captures_at_every_site_of_every_layer_match_the_oracle(hyb, ref):

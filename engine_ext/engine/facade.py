@@ -93,9 +93,10 @@ class Engine:
                                      "causalboard refuses to serve a model it cannot intervene on")
         self.is_hybrid = arch in seam.HYBRID_ARCHITECTURES
         if self.is_hybrid:
-            from engine_ext.engine.hybrid import check_hybrid_config
+            from engine_ext.engine.hybrid import check_hybrid_config, hybrid_dtype
 
             check_hybrid_config(self.config)
+            self.dtype = hybrid_dtype(self.device, self.config.dtype, self.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         t0 = time.perf_counter()
         self._loop = EngineLoop(self._build_vllm_engine)

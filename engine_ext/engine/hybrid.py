@@ -62,6 +62,20 @@ def hybrid_engine_kwargs(device: str) -> dict[str, Any]:
     return kwargs
 
 
+def hybrid_dtype(device: str, requested: str | None, default: str) -> str:
+    """The dtype a hybrid is served in: on CPU vLLM 0.25.1's gated delta-net kernels
+    (`causal_conv1d_fwd_kernel_impl`) exist for bfloat16 only, so the CPU default (float32) becomes
+    bfloat16 and an explicit float32 is refused."""
+    if device != "cpu":
+        return requested or default
+    if requested in (None, "auto"):
+        return "bfloat16"
+    if requested in ("float32", "float", "fp32"):
+        raise SpecError("dtype", "vLLM 0.25.1's CPU kernels for hybrid (gated delta-net) layers run in bfloat16 only "
+                                 "(causal_conv1d_fwd_kernel_impl is not implemented for float32); use dtype='bfloat16'")
+    return requested
+
+
 def check_hybrid_config(config: Any) -> None:
     """Refuse settings under which a hybrid's interventions or state hygiene cannot be exact."""
     kw = dict(config.engine_kwargs or {})
