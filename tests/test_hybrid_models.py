@@ -228,7 +228,19 @@ def test_one_token_prompt_reads_stale_state_without_the_guard_and_not_with_it(hy
 
 
 def test_state_check_report(hyb):
-    report = hyb.state_check(max_tokens=4)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(report=hyb.state_check(max_tokens=4)))
+    worker.start()
+    deadline = time.time() + 60
+    while hyb._exclusive_owner is None and worker.is_alive():
+        assert time.time() < deadline
+        time.sleep(0.01)
+    # while the check holds the engine, other callers' requests are refused, not corrupted
+    with pytest.raises(SpecError, match="state check is running") as err:
+        hyb.generate([1], GREEDY)
+    assert err.value.field == "engine"
+    worker.join()
+    report = result["report"]
     print(json.dumps({k: v for k, v in report.items() if k != "baseline"}, indent=1))
     arms = {a["arm"]: a for a in report["arms"]}
     assert list(arms) == ["zeroed+mask", "zeroed+mask_off", "sentinel+mask", "sentinel+mask_off"]

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import platform
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -75,6 +76,8 @@ class Engine:
         self.tokenizer: Any = None
         #: a hybrid (recurrent-state) architecture: served with the state-hygiene guard
         self.is_hybrid = False
+        #: thread that holds the engine exclusively (the state check); others' requests are refused
+        self._exclusive_owner: int | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -353,6 +356,11 @@ class Engine:
         `stream`: vLLM hands out every step's new tokens (DELTA); otherwise only the finished
         request (FINAL_ONLY, no per-step output objects)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        owner = self._exclusive_owner
+        if owner is not None and owner != threading.get_ident():
+            raise SpecError("engine", "a recurrent-state check is running on this engine (it switches the state "
+                                      "handling of every request); retry when it has finished")
 
         params.validate()
         if isinstance(prompt, str):
