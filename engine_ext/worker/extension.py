@@ -107,6 +107,19 @@ class CausalboardWorkerExtension:
             return st.store.info(run_id)
         raise ValueError(f"unknown store action {action!r}")
 
+    def cb_dynamic(self, action: str, arg: Any = None) -> Any:
+        """Dynamic steering's control plane: `set_probe` (the probe's wire JSON text),
+        `delete_probe` (a name), `status`."""
+        import json
+
+        dyn = self._cb().dynamic
+        if action == "set_probe":
+            return dyn.set_probe(json.loads(arg))
+        if action == "delete_probe":
+            return dyn.delete_probe(str(arg))
+        if action == "status":
+            return dyn.status()
+        raise ValueError(f"unknown dynamic action {action!r}")
 
     def cb_state_hygiene(self, options: dict) -> dict:
         """Recurrent-state hygiene on this worker (hybrids; `state_hygiene.set_mode`): `options`

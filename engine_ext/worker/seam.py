@@ -19,10 +19,17 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
 * `<model>DecoderLayer.__init__` / `.forward` for Llama, Qwen2 and Qwen3: `__init__` records the
   layer index and the engine's state id (only for engines started with
   `additional_config["causalboard"]`; others get state 0 = inert); `forward` is vLLM's own body
-  with a call to the custom op `vllm::causalboard_site` at each site (pre_attn, post_attn,
-  post_block). Safe under torch.compile and CUDA graphs: the op is opaque to Dynamo, reads
-  persistent buffers allocated before any capture, and per step only the buffer contents change
-  (`intervention_op.py`).
+  with a call to a custom op at each site: `vllm::causalboard_site` on the residual pair
+  (x, r) at pre_attn, post_attn and post_block; `vllm::causalboard_embed_site` on a single
+  tensor at layer 0's pre_attn (the embeddings), at `mlp_in` (the `hidden_states` returned by
+  `post_attention_layernorm(hidden_states, residual)`, right before `self.mlp(...)` reads it)
+  and at `mlp_out` (what `self.mlp` returns, before the next fused add-norm adds it to the
+  residual; post_block then sees the edited branch). Safe under torch.compile and CUDA graphs:
+  the op is opaque to Dynamo, mutates its tensor arguments in place (declared), reads
+  persistent buffers allocated before any capture, and per step only the buffer contents
+  change (`intervention_op.py`). Under tensor parallelism both MLP-branch tensors are
+  replicated on every rank (the norm output before the column-parallel up projection; the
+  down projection's all-reduced output), like the residual pair.
 * `GPUModelRunner.execute_model` of the V1 runner (also the CPU runner's) and of the V2 runner:
   before — register new requests' programs and retire finished ones from the `SchedulerOutput`;
   after — start copying captured rows to the host.
@@ -128,7 +135,8 @@ SEAM_FINGERPRINT = "causalboard-seam-3"
 
 logger = logging.getLogger("causalboard.seam")
 
-_PRE_ATTN, _POST_ATTN, _POST_BLOCK = (HOOK_INDEX[h] for h in ("pre_attn", "post_attn", "post_block"))
+_PRE_ATTN, _POST_ATTN, _MLP_IN, _MLP_OUT, _POST_BLOCK = (
+    HOOK_INDEX[h] for h in ("pre_attn", "post_attn", "mlp_in", "mlp_out", "post_block"))
 
 
 class VllmVersionError(RuntimeError):
@@ -226,7 +234,7 @@ def close_state(state: Any) -> None:
 
 
 def _site_forward(self, positions, hidden_states, residual):
-    """vLLM 0.25.1's Llama/Qwen2/Qwen3 decoder-layer forward, plus the three site ops."""
+    """vLLM 0.25.1's Llama/Qwen2/Qwen3 decoder-layer forward, plus the five site ops."""
     import torch
 
     sid, base = self._cb_state, self._cb_layer * SITES_PER_LAYER
@@ -240,7 +248,9 @@ def _site_forward(self, positions, hidden_states, residual):
     hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_ATTN)
     hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_IN)
     hidden_states = self.mlp(hidden_states)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_OUT)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_BLOCK)
     return hidden_states, residual
 
