@@ -15,6 +15,7 @@ import pytest
 
 from engine_ext import Engine, GenerationParams, SpecError
 from engine_ext.reference.hf import HFReference, RefEdit
+from engine_ext.sites import HOOKS
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 
 from .conftest import free_port
@@ -25,9 +26,12 @@ pytestmark = pytest.mark.engine  # starts an engine of its own
 #: site's captured rows 0.05, logprob 0.03 — the two compute in different orders, and the
 #: gated delta-net kernels differ: chunked vs recurrent)
 REL_L2_TOL = 0.08
+#: the MLP branch (mlp_in / mlp_out) end to end: small next to the stream, so the stream's bf16
+#: drift is a larger relative error there, and a MoE router can pick another expert for a token
+BRANCH_REL_L2_TOL = 0.25
 LOGPROB_TOL = 0.1
 PROMPT = "The capital of Tarn is"
-SITES = [(layer, hook) for layer in range(4) for hook in ("pre_attn", "post_attn", "post_block")]
+SITES = [(layer, hook) for layer in range(4) for hook in HOOKS]  # residual stream and MLP branch
 GREEDY = GenerationParams(max_tokens=4, ignore_eos=True, logprobs=0)
 
 
@@ -113,9 +117,26 @@ def test_captures_at_every_site_of_every_layer_match_the_oracle(hyb, ref):
     gen = hyb.capture(PROMPT, [f"L{layer}.{hook}" for layer, hook in SITES], "all_prompt")
     run = ref.run(ids, capture=SITES)
     assert set(gen.captures) == {(layer, hook, p) for layer, hook in SITES for p in range(len(ids))}
+    errors = {}
     for layer, hook in SITES:
         mine = np.stack([gen.captures[(layer, hook, p)] for p in range(len(ids))])
-        assert rel_l2(mine, run.captures[(layer, hook)].numpy()) <= REL_L2_TOL, (layer, hook)
+        errors[f"L{layer}.{hook}"] = rel_l2(mine, run.captures[(layer, hook)].numpy())
+    print("rel-L2 vs oracle:", {k: round(v, 4) for k, v in errors.items()})
+    for name, err in errors.items():
+        branch = name.split(".")[1] in ("mlp_in", "mlp_out")
+        assert err <= (BRANCH_REL_L2_TOL if branch else REL_L2_TOL), (name, err)
+    # each MoE block on its own: transformers' block applied to the engine's mlp_in reproduces the
+    # engine's mlp_out (the end-to-end branch error above is drift accumulated upstream)
+    import torch
+
+    for layer in range(4):
+        x = torch.tensor(np.stack([gen.captures[(layer, "mlp_in", p)] for p in range(len(ids))]), dtype=torch.bfloat16)
+        with torch.no_grad():
+            want = ref.layers[layer].mlp(x[None])[0].float().numpy()
+        mine = np.stack([gen.captures[(layer, "mlp_out", p)] for p in range(len(ids))])
+        err = rel_l2(mine, want)
+        print(f"L{layer} MoE block alone: rel-L2 {err:.4f}")
+        assert err <= REL_L2_TOL, (layer, err)
     # greedy decoding equals the oracle's
     assert_greedy_close(hyb.generate(ids, GREEDY), ref.generate(ids, 4, stop_at_eos=False))
 
@@ -123,7 +144,8 @@ def test_captures_at_every_site_of_every_layer_match_the_oracle(hyb, ref):
 def test_steering_linear_and_full_attention_layers_matches_the_oracle(hyb, ref):
     ids = hyb.tokenize(PROMPT)
     v = np.random.default_rng(0).standard_normal(128).astype(np.float32) * 1.5
-    sites = ["L1.post_attn", "L3.pre_attn"]  # a gated delta-net layer and the full-attention layer
+    # a gated delta-net layer, the full-attention layer and a MoE block's output
+    sites = ["L1.post_attn", "L3.pre_attn", "L2.mlp_out"]
     steered = hyb.generate(ids, GREEDY, Interventions(steer=(Steer.make(sites, v),)))
     plain = hyb.generate(ids, GREEDY)
     r = ref.generate(ids, 4, edits=[RefEdit.steer(s, v, positions=range(len(ids)), gen=True) for s in sites], stop_at_eos=False)
