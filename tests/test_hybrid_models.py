@@ -297,3 +297,32 @@ def test_state_check_route_and_cli(hyb_url, capsys):
     assert code == 0 and out["hygienic"] is True and out["probes"] == [[1], [1, 235, 295]]
     assert [a["changed"] for a in out["arms"]] == [False, False, True, True]
     assert main(["state-check", "--url", hyb_url, "--probe", "x"]) == 2
+
+
+def test_state_check_is_refused_on_a_dense_model(engine):
+    # the session's bundled (Llama) engine keeps no recurrent state
+    assert engine.is_hybrid is False
+    with pytest.raises(SpecError, match="hybrid models only") as err:
+        engine.state_check()
+    assert err.value.field == "model"
+    assert engine.state_hygiene()["state_groups"] == 0  # the guard is inert there
+
+
+def test_fresh_blocks_cover_new_and_resumed_requests_only():
+    """Which slots the guard zeroes, from a scheduler step's plain data: every Mamba group's blocks
+    of new requests and of requests resumed after preemption (recomputed from position 0), never
+    the blocks a running request continues with."""
+    from types import SimpleNamespace
+
+    from engine_ext.worker.state_hygiene import fresh_state_blocks
+
+    step = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(block_ids=([10, 11], [20], [30])),
+                            SimpleNamespace(block_ids=([12], [21], [31]))],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["run", "resumed"], resumed_req_ids={"resumed"},
+                                              new_block_ids=[([13], [22], [32]), ([14], [23], [33])]))
+    # group 0 is full attention here; groups 1 and 2 hold recurrent state
+    assert fresh_state_blocks(step, {1: [], 2: []}) == {1: [20, 21, 23], 2: [30, 31, 33]}
+    quiet = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+        req_ids=["run"], resumed_req_ids=set(), new_block_ids=[None]))
+    assert fresh_state_blocks(quiet, {1: [], 2: []}) == {}
