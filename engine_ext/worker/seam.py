@@ -131,7 +131,7 @@ PATCHED_SYMBOLS: tuple[str, ...] = (
 
 
 #: Bump when the patches change: part of the compile-cache key (additional_config).
-SEAM_FINGERPRINT = "causalboard-seam-3"
+SEAM_FINGERPRINT = "causalboard-seam-4"
 
 logger = logging.getLogger("causalboard.seam")
 
