@@ -201,8 +201,9 @@ def test_sweep_with_a_mask_matches_the_oracle_and_bad_masks_name_the_field(http,
             target = hf_ref.run(clean_ids, capture=[(layer, hook)]).captures[(layer, hook)].numpy()[pos:pos + 1]
             ref = hf_ref.score(ids, [ans], edits=[RefEdit.patch((layer, hook), [pos], target, mask=m)])
             assert abs(grids[hook][i, res["positions"].index(pos)] - ref[ans]) <= LOGPROB_ATOL, (hook, layer)
+    assert res["mask"] == {"indices": dims}  # the provenance of the numbers
     unmasked = http.post("/v1/patch_sweep", json={**body, "mask": None}).json()
-    assert unmasked["hook_grids"][1]["grid"] != res["hook_grids"][1]["grid"]
+    assert unmasked["hook_grids"][1]["grid"] != res["hook_grids"][1]["grid"] and "mask" not in unmasked
     for bad, field in (({"indices": [H]}, "mask.indices[0]"), ({"inline": 0}, "mask.inline"), ([], "mask")):
         r = http.post("/v1/patch_sweep", json={**body, "mask": bad})
         assert r.status_code == 400 and r.json()["field"] == field, r.text
