@@ -250,3 +250,47 @@ def test_fork_completions_patch_masks_indices_and_inline(http, engine, tasks):
     for bad, field in (({"inline": 5}, "patch[0].mask.inline"), ({"inline": 0}, "patch[0].mask.weights")):
         r = http.post("/v1/completions", json={**body, "patch": [{**body["patch"][0], "mask": bad}]})
         assert r.status_code == 400 and r.json()["field"] == field, r.text
+
+
+# ---- the op itself ---------------------------------------------------------------------------------
+def test_op_paths_agree_on_per_dimension_a_and_rows_are_shared_and_released():
+    """The CPU path and the branch-free torch path (CUDA tensors with unusual strides; run here on
+    CPU tensors) compute the same masked edit; slots with the same (mask, alpha) share one row."""
+    import torch
+
+    from engine_ext.worker import intervention_op as op
+    from engine_ext.worker.intervention_op import SiteBuffers, SlotMode
+    from engine_ext.worker.slots import SlotTable, SlotValue
+
+    H, rows = 16, 4
+    b = SiteBuffers(num_sites=2, max_rows=rows, max_slots=4, max_capture_rows=4, hidden=H,
+                    device=torch.device("cpu"), dtype=torch.float32, max_dim_rows=2)
+    slots = SlotTable(b)
+    m = np.zeros(H, np.float32)
+    m[[1, 5, 6]] = 1.0
+    a_vec = (1.0 - 0.75 * m.astype(np.float64)).astype(np.float32)
+    t = np.arange(H, dtype=np.float32)
+    masked = SlotValue(SlotMode.AFFINE, a=0.25, c=(0.75 * m).astype(np.float32) * t, a_vec=a_vec, a_key=("a", 0.75, "m"))
+    s0 = slots.acquire("masked-1", lambda: masked)
+    s1 = slots.acquire("masked-2", lambda: SlotValue(SlotMode.AFFINE, a=0.25, c=None, a_vec=a_vec, a_key=("a", 0.75, "m")))
+    s2 = slots.acquire("plain", lambda: SlotValue(SlotMode.AFFINE, a=0.5, c=np.ones(H, np.float32)))
+    assert slots._dim_of_slot[s0] == slots._dim_of_slot[s1] >= 0 and slots._dim_of_slot[s2] == -1
+    slots.flush()
+    b.row_slot[:rows, 1] = torch.tensor([s0, -1, s1, s2], dtype=torch.int32)
+    b.active[1] = True
+    x = torch.randn(rows, H)
+    r = torch.randn(rows, H)
+    outs = []
+    for apply in (op._apply_torch, op._apply_torch_cuda):
+        xx, rr = x.clone(), r.clone()
+        apply(b, xx, rr, 1)
+        outs.append((xx + rr).numpy())
+    assert np.array_equal(outs[0], outs[1])
+    s = (x + r).numpy()
+    keep = m == 0
+    assert np.array_equal(outs[0][0][keep], s[0][keep]) and np.array_equal(outs[0][0][~keep], (0.25 * s[0] + 0.75 * t)[~keep])
+    assert np.array_equal(outs[0][1], s[1])  # no slot: untouched
+    assert np.array_equal(outs[0][2][keep], s[2][keep]) and np.array_equal(outs[0][2][~keep], (0.25 * s[2])[~keep])
+    assert np.allclose(outs[0][3], 0.5 * s[3] + 1.0)
+    slots.release([s0, s1, s2])
+    assert len(slots._dim_free) == 2 and not slots._dim_by_key
