@@ -234,6 +234,20 @@ class Steer:
         return out
 
 
+#: the one character set of user-chosen names (stored source runs `keep_as`, named vectors):
+#: letters, digits, '_', '-', '.', ':' — no '/' (a name must read back as one URL path segment)
+SAFE_NAME = re.compile(r"[\w.\-:]{1,128}")
+SAFE_NAME_RULE = "must be 1-128 characters of letters, digits, '_', '-', '.', ':'"
+
+
+def check_safe_name(name: Any, field_name: str, allow_none: bool = False) -> None:
+    """Raise `SpecError(field_name)` unless `name` is a string of the safe name set."""
+    if name is None and allow_none:
+        return
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
+        raise SpecError(field_name, SAFE_NAME_RULE)
+
+
 @dataclass(frozen=True)
 class Capture:
     """Record the stream at `sites` × `positions` (after any intervention at that site).
@@ -249,8 +263,7 @@ class Capture:
     @classmethod
     def make(cls, sites: Any, positions: Any = "last_prompt", *, keep_as: str | None = None,
              return_values: bool = True, field_name: str = "capture") -> "Capture":
-        if keep_as is not None and (not isinstance(keep_as, str) or not re.fullmatch(r"[\w.\-:]{1,128}", keep_as)):
-            raise SpecError(f"{field_name}.keep_as", "must be 1-128 characters of letters, digits, '_', '-', '.', ':'")
+        check_safe_name(keep_as, f"{field_name}.keep_as", allow_none=True)
         return cls(_sites(sites, f"{field_name}.sites"), positions_from_json(positions, f"{field_name}.positions"),
                    keep_as, bool(return_values))
 

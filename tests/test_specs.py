@@ -123,6 +123,7 @@ def test_checksum_is_order_sensitive_and_comparison_reports_mismatch():
     assert one["consistent"] is True
     two = compare_ranks([{"tp_rank": 0, "pp_rank": 0, **a.status()}, {"tp_rank": 1, "pp_rank": 0, **b.status()}])
     assert two["consistent"] is False and set(two["mismatches"]["pp0"]) == {"tp0/pp0", "tp1/pp0"}
+    assert two["checksums"] == {"tp0/pp0": a.status()["action_checksum"], "tp1/pp0": b.status()["action_checksum"]}
     # ranks of different pipeline stages are not compared with each other
     stages = compare_ranks([{"tp_rank": 0, "pp_rank": 0, **a.status()}, {"tp_rank": 0, "pp_rank": 1, **b.status()}])
     assert stages["consistent"] is True

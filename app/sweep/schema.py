@@ -226,12 +226,14 @@ class SweepChecksum(_Wire):
     """Cross-rank determinism of the engine's interventions: ranks of one pipeline stage must have
     applied the same actions. `consistent` is null (with `error`) when the status was unavailable."""
 
-    _omit_none = frozenset({"action_count", "mismatches", "ranks", "workers", "error"})
+    _omit_none = frozenset({"action_count", "mismatches", "checksums", "ranks", "workers", "error"})
 
     consistent: bool | None = Field(None, description="True when the ranks agree, false on a mismatch, null when unknown.")
     action_count: int | None = Field(None, description="Interventions applied (when consistent).")
     mismatches: dict[str, dict[str, str]] | None = Field(
         None, description="Pipeline stage -> {rank: checksum} for each stage whose ranks disagree (when not consistent).")
+    checksums: dict[str, str] | None = Field(
+        None, description="Every worker's checksum, keyed 'tp<i>/pp<k>' (when not consistent).")
     ranks: int | None = Field(None, description="Workers compared.")
     workers: list[WorkerChecksum] | None = Field(None, description="Per-worker checksum and action count.")
     error: str | None = Field(None, description="Why the status is unavailable.")

@@ -18,6 +18,12 @@ A site is `(layer, hook)` of decoder layer `i` (`model.model.layers[i]`):
 * `post_block` — the stream leaving layer i (the layer's output; HF `hidden_states[i+1]`, but
   for the last layer the value *before* the final norm).
 
+The hooks are generic: any decoder layer that takes the stream as its first input, feeds
+`post_attention_layernorm` the post-attention stream and returns the stream is covered — Llama,
+Qwen2, Qwen3, and Qwen3-Next's gated delta-net and full-attention layers alike (hybrids: compare
+in bf16, tolerance in docs/hybrid-models.md). `run` refuses a layer whose hooks do not fire
+exactly once.
+
 Interventions (exactly the engine's `worker_state._slot_value` / `intervention_op._apply`)
 --------------------------------------------------------------------------------------
 Per site and absolute position `p` (prompt first, then generated tokens fed back):

@@ -297,10 +297,13 @@ class StepPlanner:
         #: test-only fault (`cb_debug_fault`): skip the next planned request window entirely
         self.skip_next_action = False
 
-    def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow) -> None:
+    def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow, extra=None) -> None:
         """Fill the tables for this step's rows. `plans` maps request id -> RequestPlan (requests
         without one are left untouched); `on_overflow(req_id, message)` is told about a request
-        whose captures do not fit this step (its rows are then left untouched)."""
+        whose captures do not fit this step (its rows are then left untouched). `extra(planner,
+        req_ids, query_start_loc, num_computed, hs, hc, n_cap) -> (max_row, n_cap, actions)`
+        writes more entries on top of the plans' (dynamic steering), before the upload; its
+        actions are folded after the plans'."""
         self.steps += 1
         self.checksum.begin_step()
         if self._pending:
@@ -373,6 +376,10 @@ class StepPlanner:
                 actions.append((plan.digest, p0, p1))
             for plan, rows in groups.values():
                 hs[np.asarray(rows, np.int64)[:, None], plan.gen_sites[None, :]] = plan.gen_slots
+        if extra is not None:
+            more_rows, n_cap, more = extra(self, req_ids, query_start_loc, num_computed, hs, hc, n_cap)
+            max_row = max(max_row, more_rows)
+            actions.extend(more)
         self._blocks = blocks
         if actions:
             self.checksum.fold_step(actions)

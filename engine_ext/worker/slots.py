@@ -51,6 +51,7 @@ class SlotTable:
         self.capacity = buffers.max_slots
         self._by_key: dict[Hashable, int] = {}
         self._key_of: list[Hashable | None] = [None] * self.capacity
+        self._value_of: list[SlotValue | None] = [None] * self.capacity
         self._refs = np.zeros(self.capacity, np.int64)
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out low ids first
         self._pending: list[tuple[int, SlotValue]] = []
@@ -91,6 +92,7 @@ class SlotTable:
             self._by_key[key] = slot
             self._key_of[slot] = key
             self._dim_of_slot[slot] = dim
+            self._value_of[slot] = value
             self._pending.append((slot, value))
         self._refs[slot] += 1
         return slot
@@ -101,6 +103,7 @@ class SlotTable:
             if self._refs[slot] == 0:
                 del self._by_key[self._key_of[slot]]
                 self._key_of[slot] = None
+                self._value_of[slot] = None
                 self._free.append(slot)
                 dim = int(self._dim_of_slot[slot])
                 if dim >= 0:
@@ -110,6 +113,14 @@ class SlotTable:
                         del self._dim_by_key[self._dim_key_of[dim]]
                         self._dim_key_of[dim] = None
                         self._dim_free.append(dim)
+
+    def key_of(self, slot: int) -> Hashable | None:
+        """The content key a slot in use holds (None for a free slot)."""
+        return self._key_of[slot]
+
+    def value_of(self, slot: int) -> SlotValue | None:
+        """The value a slot in use holds (to compose another value on top of it)."""
+        return self._value_of[slot]
 
     def flush(self) -> None:
         """Copy this step's new slot values to the device (before the forward reads them)."""

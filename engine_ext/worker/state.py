@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_ext.dynamic.worker import DYNAMIC_ARGS_KEY, DynamicWorker
 from engine_ext.program import EXTRA_ARGS_KEY, AddOp, WorkerProgram
 from engine_ext.sites import SITES_PER_LAYER
 from engine_ext.worker.checksum import ActionChecksum
@@ -133,6 +134,8 @@ class WorkerState:
         self.pp_rank = 0
         #: decoder layers built on this worker (all of them, or one pipeline stage's)
         self.own_layers: set[int] = set()
+        #: dynamic steering: probes, per-request policy states, conversation latches
+        self.dynamic = DynamicWorker(self)
         self._value_bytes = 2 * hidden * torch.empty((), dtype=dtype, device="cpu").element_size()
 
     def owns_site(self, site: int) -> bool:
@@ -183,6 +186,8 @@ class WorkerState:
                 st.leased.append(run)
         self.requests[req_id] = st
         self.by_key[prog.key] = st
+        if DYNAMIC_ARGS_KEY in extra_args:
+            self.dynamic.register(req_id, prog.key, prog.n_prompt, extra_args[DYNAMIC_ARGS_KEY], prog.errors)
         self._compose(req_id)
 
     def _compose(self, req_id: str) -> None:
@@ -230,6 +235,7 @@ class WorkerState:
             if len(self.results) > MAX_UNCOLLECTED:
                 for k in list(self.results)[: len(self.results) - MAX_UNCOLLECTED]:
                     del self.results[k]
+        self.dynamic.finish(req_id)
 
     # ---- per step -------------------------------------------------------------------------
     def plan_step(self, req_ids: Any, query_start_loc: Any, num_computed: Any) -> None:
@@ -242,7 +248,10 @@ class WorkerState:
                         self._compose(rid)
                     else:
                         self._plan_global_only(rid)
-        self.planner.plan_step(req_ids, query_start_loc, num_computed, self.plans, self._overflow)
+        if not self.dynamic.requests:
+            self.dynamic.idle()
+        self.planner.plan_step(req_ids, query_start_loc, num_computed, self.plans, self._overflow,
+                               self.dynamic.plan_rows if self.dynamic.requests else None)
 
     def _overflow(self, req_id: str, message: str) -> None:
         st = self.requests.get(req_id)
@@ -253,6 +262,7 @@ class WorkerState:
             self.slots.release(plan.held)
 
     def after_forward(self) -> None:
+        self.dynamic.after_forward()
         self.planner.after_forward()
 
     def _file_capture(self, req_id: str, positions: np.ndarray, sites: np.ndarray, xs: torch.Tensor, rs: torch.Tensor) -> None:
@@ -277,6 +287,12 @@ class WorkerState:
                     out["store_error"] = str(exc)
             if prog.return_captures:
                 out["captures"] = st.capture_values()
+        dyn = self.dynamic.result(st.req_id)
+        if dyn is not None:
+            out["dynamic"] = dyn
+            if dyn["errors"]:  # a decision not taken or an action not applied: the output is not the policy's
+                out["status"] = "voided"
+                out["errors"] += [e for e in dyn["errors"] if e not in out["errors"]]
         return out
 
     def collect(self, keys: list[str]) -> dict[str, dict]:
@@ -327,5 +343,5 @@ class WorkerState:
                 "registered_requests": len(self.requests), "global_steer_entries": len(self.global_adds),
                 "named_vectors": sorted(self.named), "store": self.store.usage(), "steps": self.planner.steps,
                 "steps_with_interventions": self.planner.applied_steps, "slots_in_use": len(self.slots),
-                "buffer_bytes": self.buffers.nbytes()}
+                "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status()}
 

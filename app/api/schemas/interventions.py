@@ -176,6 +176,8 @@ class InterventionResultBody(BaseModel):
     evicted: list[str] = Field(default_factory=list)
     program_hash: str | None = None
     captures: list[CaptureValue] = Field(default_factory=list)
+    dynamic: dict | None = Field(None, description="Dynamic steering: policies, per-token trace (per policy: position, score, "
+                                                   "threshold, engaged, scale), actions, latched, conversation_id.")
 
 
 # ---- the fork's vector tiers and per-request extras -------------------------------------------------
@@ -265,7 +267,7 @@ class StatusOk(BaseModel):
 
 
 class VectorRegisterRequest(StrictModel):
-    name: str = Field(..., min_length=1, max_length=128, description="Names starting with 'module/' are reserved.")
+    name: str = Field(..., min_length=1, max_length=128, description="1-128 characters of letters, digits, '_', '-', '.', ':' (the set of `keep_as`); names starting with 'module/' are reserved.")
     vector: list[float] = Field(..., min_length=1, description="Length = the model's hidden size; finite values.")
 
 
