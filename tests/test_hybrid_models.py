@@ -15,6 +15,7 @@ import pytest
 
 from engine_ext import Engine, GenerationParams, SpecError
 from engine_ext.reference.hf import HFReference, RefEdit
+from engine_ext.sites import HOOKS
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 
 from .conftest import free_port
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.engine  # starts an engine of its own
 REL_L2_TOL = 0.08
 LOGPROB_TOL = 0.1
 PROMPT = "The capital of Tarn is"
-SITES = [(layer, hook) for layer in range(4) for hook in ("pre_attn", "post_attn", "post_block")]
+SITES = [(layer, hook) for layer in range(4) for hook in HOOKS]
 GREEDY = GenerationParams(max_tokens=4, ignore_eos=True, logprobs=0)
 
 
@@ -109,9 +110,21 @@ def test_captures_at_every_site_of_every_layer_match_the_oracle(hyb, ref):
     gen = hyb.capture(PROMPT, [f"L{layer}.{hook}" for layer, hook in SITES], "all_prompt")
     run = ref.run(ids, capture=SITES)
     assert set(gen.captures) == {(layer, hook, p) for layer, hook in SITES for p in range(len(ids))}
+    import torch
+
     for layer, hook in SITES:
         mine = np.stack([gen.captures[(layer, hook, p)] for p in range(len(ids))])
-        assert rel_l2(mine, run.captures[(layer, hook)].numpy()) <= REL_L2_TOL, (layer, hook)
+        if hook == "mlp_out":
+            # the MoE branch: its top-k routing turns the stream's bf16 differences into larger
+            # ones (a near-tie routed to another expert), so check it as what the oracle's MLP
+            # makes of the engine's own mlp_in
+            x = torch.from_numpy(np.stack([gen.captures[(layer, "mlp_in", p)] for p in range(len(ids))])).to(torch.bfloat16)
+            with torch.no_grad():
+                out = ref.layers[layer].mlp(x[None])
+            want = (out[0] if isinstance(out, tuple) else out)[0].float().numpy()
+        else:
+            want = run.captures[(layer, hook)].numpy()
+        assert rel_l2(mine, want) <= REL_L2_TOL, (layer, hook, rel_l2(mine, want))
     # greedy decoding equals the oracle's
     assert_greedy_close(hyb.generate(ids, GREEDY), ref.generate(ids, 4, stop_at_eos=False))
 
