@@ -294,3 +294,37 @@ def test_op_paths_agree_on_per_dimension_a_and_rows_are_shared_and_released():
     assert np.allclose(outs[0][3], 0.5 * s[3] + 1.0)
     slots.release([s0, s1, s2])
     assert len(slots._dim_free) == 2 and not slots._dim_by_key
+
+
+def test_dynamic_steering_on_top_of_a_masked_patch_keeps_the_mask(engine, hf_ref, tasks):
+    """A dynamic action composes onto the slot of a masked patch at the same site and position:
+    the composed value keeps the patch's per-dimension a (checked against the oracle)."""
+    from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
+
+    prompt = fact(tasks, 21)["prompt"]
+    ids = engine.tokenize(prompt)
+    n, H = len(ids), engine.info.hidden_size
+    rng = np.random.default_rng(40)
+    probe = Probe.make("mask-dyn-probe", "L3.post_block", direction=rng.standard_normal(H).astype(np.float32))
+    engine.register_probe(probe)
+    try:
+        v = rng.standard_normal(H).astype(np.float32) * 3.0
+        t = rng.standard_normal(H).astype(np.float32) * 3.0
+        dims = _dims(engine, 8, H // 2)
+        m = np.zeros(H, bool)
+        m[dims] = True
+        pol = Policy.make(probe=probe.name, sites=["L2.post_attn"], vector=v, on=-1e30)  # engaged at every step
+        patch = Patch.make("L2.post_attn", [n + 1, n + 2], {"vectors": [t]}, alpha=0.8, mask={"indices": dims})
+        params = GenerationParams(max_tokens=5, ignore_eos=True, logprobs=0)
+        g = engine.generate(prompt, params, Interventions(patch=(patch,)), dynamic=DynamicRequest.make([pol]))
+        assert g.intervention.status == "ok", g.intervention.errors
+        trace = g.intervention.dynamic["trace"][0]
+        steps = [(e["position"], e["scale"]) for e in trace if e["engaged"] and e["scale"]]
+        assert {n + 1, n + 2} <= {p for p, _ in steps}
+        edits = [RefEdit.patch((2, "post_attn"), [n + 1, n + 2], t, alpha=0.8, mask=m)]
+        edits += [RefEdit.steer((2, "post_attn"), v, scale=sc, positions=[p]) for p, sc in steps]
+        ref = hf_ref.generate(ids, 5, edits=edits, stop_at_eos=False)
+        assert g.token_ids == ref.token_ids and np.allclose(g.logprobs, ref.logprobs, atol=LOGPROB_ATOL)
+    finally:
+        engine.set_dynamic_policies([])
+        engine.delete_probe(probe.name)
