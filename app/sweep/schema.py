@@ -254,6 +254,8 @@ class SweepSetup(_Wire):
     """What a sweep is, known before its first cell: the `start` event, and the summary's first
     fields. Fields of the reference fork's response keep its names and meanings."""
 
+    _omit_none = frozenset({"mask"})
+
     sweep_id: str = Field(description="Id of the sweep (GET/DELETE /v1/patch_sweep/{sweep_id}).")
     layers: list[int] = Field(description="Row axis: the swept layers.")
     positions: list[int] = Field(description="Column axis: the swept token positions of the corrupt prompt that were run "
@@ -284,6 +286,7 @@ class SweepSetup(_Wire):
     foil_token: str | None = Field(None, description="Display string of the foil token, or null.")
     alpha: float | None = Field(None, description="Patch strength: (1 - alpha) * h + alpha * source.")
     source: SweepSource | None = Field(None, description="Where the patched values come from.")
+    mask: dict | None = Field(None, description='The dimension mask of every cell\'s patch ({"indices": [...]} or {"weights": base64 float32}); absent without one.')
     subject_positions: list[int] = Field(default_factory=list, description="Positions of `subject` (or the noise span), marked in figures.")
     noise: SweepNoise | None = Field(None, description="Noise corruption of the prompt, or null.")
 

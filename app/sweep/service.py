@@ -427,6 +427,7 @@ class SweepService:
             answer_token_id=plan.answer_id, answer_token=eng.token_strings([plan.answer_id])[0],
             foil_token_id=plan.foil_id, foil_token=eng.token_strings([plan.foil_id])[0] if plan.foil_id is not None else None,
             alpha=req.alpha, source=SweepSource(**src.to_json()), subject_positions=plan.subject_positions,
+            mask=plan.mask.to_json() if plan.mask is not None else None,
             noise=(SweepNoise(positions=plan.noise_positions, scale=req.noise.scale, seed=req.noise.seed,
                               samples=req.noise.samples) if req.noise else None),
         )
