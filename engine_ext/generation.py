@@ -67,6 +67,10 @@ class InterventionResult:
     stored_as: str | None = None
     evicted: list[str] = field(default_factory=list)
     program_hash: str | None = None
+    #: dynamic steering of this request (None without policies): `policies` (their JSON),
+    #: `trace` (per policy, one entry per scored position: position, score, threshold,
+    #: engaged, scale), `actions` applied, `latched` per policy, `conversation_id`
+    dynamic: dict | None = None
 
     @property
     def voided(self) -> bool:
@@ -133,7 +137,7 @@ class Generation:
         if self.intervention is not None:
             iv = self.intervention
             d["intervention"] = {"status": iv.status, "errors": iv.errors, "stored_as": iv.stored_as,
-                                 "evicted": iv.evicted, "program_hash": iv.program_hash,
+                                 "evicted": iv.evicted, "program_hash": iv.program_hash, "dynamic": iv.dynamic,
                                  "captures": [{"layer": k[0], "hook": k[1], "position": k[2], "value": v.tolist()}
                                               for k, v in sorted(iv.captures.items())]}
         return d

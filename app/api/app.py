@@ -30,7 +30,7 @@ from app.api.auth import resolve_api_key
 from app.api.body_limit import install_body_limit
 from app.api.deps import ApiSettings, engine_of, install_state, sweep_service_of
 from app.api.errors import install_error_handlers
-from app.api.routes import capture, generation, status, steering, sweep, tokens
+from app.api.routes import capture, dynamic, generation, state_check, status, steering, sweep, tokens
 from app.sweep.service import SweepService
 
 logger = logging.getLogger("causalboard.api")
@@ -41,7 +41,8 @@ ENGINE_WATCH_S = 0.25
 #: before `app.state.on_engine_death` is called
 ENGINE_DEATH_DRAIN_S = 2.0
 
-ROUTERS = (status.router, tokens.router, generation.router, sweep.router, steering.router, capture.router)
+ROUTERS = (status.router, tokens.router, generation.router, sweep.router, steering.router, capture.router,
+           dynamic.router, state_check.router)
 
 
 def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None) -> FastAPI:

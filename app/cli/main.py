@@ -5,6 +5,7 @@
     causalboard sweep --prompt "Garrow is ruled by" --clean-prompt "Guzar is ruled by" \
         --answer " Hadrian" --metric recovered --out trace.npz --figure trace.pdf
     causalboard export trace.npz --out figures/ --formats pdf,png,csv
+    causalboard state-check --model ./my-hybrid    # recurrent-state hygiene of a hybrid (docs/hybrid-models.md)
     causalboard version
 
 `sweep` and `export` talk to a running server (`--url`, env CAUSALBOARD_URL); see `causalboard
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     from app.cli.sweep import add_parsers as add_sweep_parsers
 
     add_sweep_parsers(sub)
+
+    from app.cli.state_check import add_parsers as add_state_check_parsers
+
+    add_state_check_parsers(sub)
 
     ver = sub.add_parser("version", help="print versions")
     ver.set_defaults(func=cmd_version)

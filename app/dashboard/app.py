@@ -23,8 +23,19 @@ from app.dashboard.tracing.view import TracingView
 VERSION_ORDER = ("causalboard", "vllm", "torch", "transformers", "python")
 
 
+def topology_text(topology: dict | None) -> str:
+    """`TP 2 x PP 2 (stage 0: layers 0-3, stage 1: layers 4-7)`; empty for one rank."""
+    if not topology:
+        return ""
+    tp, pp = int(topology.get("tensor_parallel_size", 1)), int(topology.get("pipeline_parallel_size", 1))
+    if tp * pp <= 1:
+        return ""
+    stages = ", ".join(f"stage {s['pp_rank']}: layers {s['layers'][0]}-{s['layers'][1]}" for s in topology.get("stages", []))
+    return f"TP {tp} x PP {pp}" + (f" ({stages})" if stages else "")
+
+
 def header_html(status: dict | None, api_url: str, error: str | None = None) -> str:
-    """The header line: model, device, dtype, layers, versions (escaped)."""
+    """The header line: model, device, dtype, layers, parallel topology, versions (escaped)."""
     e = html.escape
     if status is None:
         detail = f'<span style="color:#b00">API at {e(api_url)} unreachable: {e(error)}</span>' if error else "connecting…"
@@ -33,11 +44,13 @@ def header_html(status: dict | None, api_url: str, error: str | None = None) -> 
     names = [k for k in VERSION_ORDER if k in versions] + sorted(k for k in versions if k not in VERSION_ORDER)
     vtext = " · ".join(f"{e(k)} {e(str(versions[k]))}" for k in names)
     state = "" if status.get("status") == "ok" else ' · <b style="color:#b00">engine stopped</b>'
+    topo = topology_text(status.get("topology"))
+    topo_html = f' · <span data-cb="topology">{e(topo)}</span>' if topo else ""
     return (
         '<div class="cb-header" style="line-height:1.6">'
         f'<b style="font-size:18px">causalboard</b> · model <b data-cb="model">{e(str(status.get("model", "?")))}</b>'
         f' ({e(str(status.get("architecture", "")))}, {e(str(status.get("num_layers", "?")))} layers)'
-        f' · device <b data-cb="device">{e(str(status.get("device", "?")))}</b> · {e(str(status.get("dtype", "")))}{state}'
+        f' · device <b data-cb="device">{e(str(status.get("device", "?")))}</b> · {e(str(status.get("dtype", "")))}{topo_html}{state}'
         f'<br><span data-cb="versions" style="color:#555;font-size:12px">{vtext} · API {e(api_url)}</span></div>'
     )
 

@@ -55,12 +55,13 @@ async def generate(req: GenerateRequest, engine: Engine = Depends(get_engine),
         if req.interventions.keeps_source():
             guard.check()
         spec = req.interventions.to_spec("interventions")
+    dynamic = req.dynamic.to_engine() if req.dynamic is not None else None
     try:
-        prompt_ids = engine.validate(req.prompt, params, spec)
+        prompt_ids = engine.validate(req.prompt, params, spec, dynamic=dynamic)
     except SpecError as exc:
         raise by_prefix(exc, NATIVE_FIELDS) from None
     if not req.stream:
-        gen = await engine.agenerate(req.prompt, params, spec)
+        gen = await engine.agenerate(req.prompt, params, spec, dynamic=dynamic)
         return GenerateResponse(**_generation_body(gen, req.prompt))
 
     async def events() -> AsyncIterator[str]:
@@ -68,7 +69,7 @@ async def generate(req: GenerateRequest, engine: Engine = Depends(get_engine),
         gen = Generation("", req.prompt, prompt_ids)
         yield sse_event({"type": "start", "prompt_token_ids": prompt_ids}, n)
         try:
-            async for delta in engine.astream(req.prompt, params, spec):
+            async for delta in engine.astream(req.prompt, params, spec, dynamic=dynamic):
                 gen.extend(delta)
                 n += 1
                 yield sse_event({"type": "token", "token_ids": delta.token_ids, "text": delta.text, "logprobs": delta.logprobs}, n)

@@ -49,13 +49,14 @@ async def status(engine: Engine = Depends(engine_handle), settings: ApiSettings 
     steering's sites, the number of named vectors and the patch-sweep service. `status` is
     'dead' once the engine has stopped; 503 before it has started (no model to describe)."""
     info = engine.info  # EngineDeadError (503) until the engine has started
-    store = checksum = None
+    store = checksum = dynamic = None
     if engine.alive:
         def control_plane() -> tuple[dict, dict]:
             return engine.source_store_usage(), engine.intervention_status()
 
         store, ivs = await run_in_threadpool(control_plane)
         checksum = {**ivs["determinism"], "workers": ivs["workers"]}
+        dynamic = engine.dynamic_status(ivs)
     fields = info.to_dict()
     fields.pop("model_path", None)  # a host path: never shown to callers
     return StatusResponse(
@@ -69,6 +70,7 @@ async def status(engine: Engine = Depends(engine_handle), settings: ApiSettings 
         named_vectors=len(engine.list_vectors()),
         api_key_required=bool(settings.api_key),
         sweeps=sweeps.status(),
+        dynamic=dynamic,
     )
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from engine_ext.generation import MAX_TOP_LOGPROBS, GenerationParams
 
+from app.api.schemas.dynamic import DynamicSpec
 from app.api.schemas.interventions import (
     ForkPatchEntry,
     InterventionResultBody,
@@ -51,6 +52,9 @@ class GenerateRequest(SamplingFields):
     interventions: InterventionsSpec | None = Field(
         None, description="Per-request steer / patch / capture / noise / score_token_ids (see docs/concepts.md). "
                           "A capture with keep_as needs the API key when the server has one.")
+    dynamic: DynamicSpec | None = Field(
+        None, description="Dynamic steering: policies (probe-gated or closed-loop) and a conversation_id; the per-token "
+                          "trace returns in intervention.dynamic (see docs/dynamic-steering.md).")
 
     def params(self) -> GenerationParams:
         return GenerationParams(
@@ -179,9 +183,11 @@ class StatusResponse(BaseModel):
     in_flight_requests: int
     source_store: SourceStoreUsage | None = Field(None, description="Source-run store usage (as GET /v1/patch_source).")
     checksum: dict | None = Field(
-        None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches', "
-                          "'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
+        None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches' and "
+                          "'checksums', 'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
     global_steering: list[str] = Field(default_factory=list, description="Sites the global steering touches.")
     named_vectors: int = Field(0, description="Registered named vectors (module vectors included).")
     api_key_required: bool = Field(False, description="Whether mutating endpoints need 'Authorization: Bearer <key>'.")
     sweeps: dict | None = Field(None, description="Patch-sweep service status, when the server runs one.")
+    dynamic: dict | None = Field(None, description="Dynamic steering, as GET /v1/steering/dynamic (probes, global policies, "
+                                                   "per-worker state, determinism).")
