@@ -76,6 +76,8 @@ class SweepRun:
         self.checksum: SweepChecksum | None = None
         self.summary: SweepSummary | None = None
         self.started = time.monotonic()
+        #: the fan-out reached its cleanup (`cancel` is then a no-op)
+        self.finishing = False
         self._wake = asyncio.Event()
 
     @property
@@ -112,9 +114,13 @@ class SweepRun:
             await self._wake.wait()
 
     def cancel(self) -> None:
-        """Cancel the fan-out once. A second `Task.cancel()` (say, an explicit DELETE racing the
-        stream's disconnect) would interrupt the cleanup the first one started in `_fan_out`'s
-        `finally` (leases, the summary), leaving the sweep running forever."""
+        """Cancel the fan-out once, and never once it is finishing. A `Task.cancel()` that lands
+        in `_fan_out`'s `finally` (a second cancel — an explicit DELETE racing the stream's
+        disconnect — or a client that disconnects while a finished sweep logs its checksum and
+        summary) would interrupt that cleanup (leases, the summary), leaving the sweep 'running'
+        forever."""
+        if self.finishing:
+            return
         if self.task is not None and not self.task.done() and not self.task.cancelling():
             self.task.cancel()
 
@@ -348,6 +354,7 @@ class SweepService:
             logger.exception("sweep %s failed", plan.sweep_id)
             run.emit(ErrorEvent(error=f"{type(exc).__name__}: {exc}"))
         finally:
+            run.finishing = True  # from here on nothing may cancel this task (see SweepRun.cancel)
             if waiter is not None:
                 waiter.cancel()
             for t in tasks:
