@@ -13,14 +13,16 @@ seen in JupyterLab on a loaded machine (tests/test_jupyterlab_browser.py):
   until Panel's next push; a message from the browser that arrives first (a resize, a
   selection) makes Panel release the hold, and what was held is dropped.
 
-`BrowserSync(layout, redraw)` answers both. The view calls `changed()` after each update:
+`BrowserSync(layout)` answers both. The view calls `changed()` after each update:
 
 * every comm of the layout's notebook outputs open: what the document holds is pushed at once;
 * one still closed: the layout is marked stale, and a task on the kernel's loop waits (at most
   `WAIT_S`) until every comm is open and `SETTLE_S` have passed for Panel's queued updates to
-  land, then re-sends the whole layout from the kernel's state: `redraw()` (the view rebuilds
-  what it draws with Bokeh directly), then the layout's children are taken out and put back, so
-  Panel sends them as new models with their current values.
+  land, then re-sends the kernel's state: the current value of every set property of every
+  model of the output (a heatmap's whole `data`, the status text, a layout's `children`, ...),
+  as one patch. The models themselves stay, so the widgets the user touches keep their
+  identity (taking the children out and putting them back instead gave a slider whose later
+  moves never reached the kernel).
 
 A served page (`panel serve`, the /dashboard mount) has no comm: `changed()` does nothing there.
 """
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from typing import Any
 
+from bokeh.document.events import ModelChangedEvent
+from panel.io.model import diff
 from panel.io.notebook import push
 from panel.io.state import state
 
@@ -45,9 +49,8 @@ POLL_S = 0.2
 class BrowserSync:
     """Keeps the browser's copy of one displayed layout (a Panel ListLike: Row, Column) in step."""
 
-    def __init__(self, layout: Any, redraw: Callable[[], None] | None = None):
+    def __init__(self, layout: Any):
         self.layout = layout
-        self.redraw = redraw
         self.resends = 0  #: how many times the layout was re-sent
         self._stale_since: float | None = None
         self._task: asyncio.Task | None = None
@@ -99,17 +102,29 @@ class BrowserSync:
         self._stale_since = None
 
     def resend(self) -> None:
-        """Send the whole layout again, from the kernel's state."""
-        if self.redraw is not None:
-            self.redraw()
-        children = list(self.layout.objects)
-        self.layout.objects = []
-        self.layout.objects = children
+        """Send the kernel's state of each output again: every set property of every model
+        under its root, as one patch."""
+        for ref in list(self.layout._models):
+            view = state._views.get(ref)
+            if view is None or view[3] is None:
+                continue
+            _viewable, root, doc, comm = view
+            events = [ModelChangedEvent(doc, model, attr, value) for model in root.references()
+                      for attr, value in model.properties_with_values(include_defaults=False).items()
+                      if _resendable(model, attr)]
+            msg = diff(doc, events=events)
+            if msg is not None:
+                push(doc, comm, msg=msg)
         self.resends += 1
 
 
 def _is_open(comm: Any) -> bool:
     return getattr(comm, "_comm", None) is not None
+
+
+def _resendable(model: Any, attr: str) -> bool:
+    prop = model.lookup(attr).property
+    return prop.serialized and not prop.readonly
 
 
 __all__ = ["POLL_S", "SETTLE_S", "WAIT_S", "BrowserSync"]
