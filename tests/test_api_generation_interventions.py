@@ -225,7 +225,7 @@ def _bad(engine) -> list:
         (gen, {"interventions": {"steer": [{"sites": "L1.post_block", "vector": ok[:-1]}]}}, "interventions.steer[0].vector"),
         (gen, {"interventions": {"steer": [{"sites": "L1.post_block", "name": "nope"}]}}, "interventions.steer[0].name"),
         (gen, {"interventions": {"steer": [{"sites": "L1.post_block"}]}}, "interventions.steer[0].vector"),
-        (gen, {"interventions": {"steer": [{"sites": "L1.mlp_out", "vector": ok}]}}, "interventions.steer[0].sites[0]"),
+        (gen, {"interventions": {"steer": [{"sites": "L1.attn_out", "vector": ok}]}}, "interventions.steer[0].sites[0]"),
         (gen, {"interventions": {"patch": [{"site": "L1.post_block", "positions": [99], "source": "zeros"}]}}, "interventions.patch[0].positions[0]"),
         (gen, {"interventions": {"patch": [{"site": "L1.post_block", "positions": [1], "source": "ones"}]}}, "interventions.patch[0].source"),
         (gen, {"interventions": {"capture": {"sites": ["L1.post_block"], "positions": [{"span": "zzz"}]}}}, "interventions.capture.positions[0].span"),
@@ -233,15 +233,15 @@ def _bad(engine) -> list:
         (gen, {"interventions": {"score_token_ids": [1]}, "logprobs": 2}, "logprobs"),
         (gen, {"interventions": {"noise": {"positions": [1], "scale": -1}}}, "interventions.noise.scale"),
         (gen, {"interventions": {"bogus": 1}}, "interventions.bogus"),
-        (cmp, {"steering_vectors": {"mlp_in": {"1": ok}}}, "steering_vectors.mlp_in"),
+        (cmp, {"steering_vectors": {"post_mlp": {"1": ok}}}, "steering_vectors.post_mlp"),
         (cmp, {"steering_vectors": {"post_block": {"1": ok[:-1]}}}, "steering_vectors.post_block.1"),
         (cmp, {"prefill_steering_vectors": {"post_block": {str(n): ok}}}, f"prefill_steering_vectors.post_block.{n}"),
         (cmp, {"steering_clamps": {"post_block": {}}}, "steering_clamps"),
         (cmp, {"steering": [{"when": {}, "apply": {}}]}, "steering"),
         (cmp, {"conversation_id": "c1"}, "conversation_id"),
         (cmp, {"steering_name": "no-such-module"}, "steering_name"),
-        (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_module": "zeros", "mask": {"indices": [1]}}]}, "patch[0].mask"),
-        (cmp, {"patch": [{"layer": 1, "hook": "mlp_out", "dest_position": 1, "source_module": "zeros"}]}, "patch[0].hook"),
+        (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_module": "zeros", "mask": {"indices": [h]}}]}, "patch[0].mask.indices[0]"),
+        (cmp, {"patch": [{"layer": 1, "hook": "post_mlp", "dest_position": 1, "source_module": "zeros"}]}, "patch[0].hook"),
         (cmp, {"patch": [{"layer": 9, "dest_position": 1, "source_module": "zeros"}]}, "patch[0].layer"),
         (cmp, {"patch": [{"layer": 1, "dest_position": 1}]}, "patch[0]"),
         (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_run": "r", "source_module": "zeros"}]}, "patch[0]"),
@@ -260,7 +260,7 @@ def _bad(engine) -> list:
     ]
 
 
-NOT_SUPPORTED = {"steering_vectors.mlp_in", "steering_clamps", "steering", "conversation_id", "patch[0].mask", "patch[0].hook",
+NOT_SUPPORTED = {"steering_vectors.post_mlp", "steering_clamps", "steering", "conversation_id", "patch[0].hook",
                  "capture.filesystem", "capture.patch_source.hooks.post_block.ranges"}
 
 

@@ -13,6 +13,7 @@ import pytest
 from app.api.compat.fork_vectors import pack_vectors
 from engine_ext import GenerationParams
 from engine_ext.specs import Interventions, Steer
+from engine_ext.sites import HOOKS
 
 
 def _vec(engine, seed=0, norm=30.0) -> np.ndarray:
@@ -141,7 +142,7 @@ def test_native_steer_with_named_vector(http, engine, tasks, clean_steering):
 def test_layers_lists_every_layer_and_hook(http, engine):
     body = http.get("/v1/steering/layers").json()
     assert list(body["layers"]) == [str(i) for i in range(engine.info.num_layers)]
-    assert all(v == {"hook_points": ["post_attn", "post_block", "pre_attn"]} for v in body["layers"].values())
+    assert all(v == {"hook_points": sorted(HOOKS)} for v in body["layers"].values())
 
 
 # ---- named vectors ------------------------------------------------------------------------------
@@ -250,7 +251,7 @@ def _bad_cases(h: int, n_layers: int) -> list:
         ("POST", "/v1/steering/set", {"vectors": {"post_block": {"2": [0.1] * (h - 1)}}}, 400, "vectors.post_block.2"),
         ("POST", "/v1/steering/set", {"vectors": {"post_block": {"2": {"vector": ok, "scale": 1, "gain": 2}}}}, 400, "vectors.post_block.2.gain"),
         ("POST", "/v1/steering/set", {"vectors": {"resid_post": {"2": ok}}}, 400, "vectors.resid_post"),
-        ("POST", "/v1/steering/set", {"vectors": {"mlp_out": {"2": ok}}}, 400, "vectors.mlp_out"),
+        ("POST", "/v1/steering/set", {"vectors": {"post_mlp": {"2": ok}}}, 400, "vectors.post_mlp"),
         ("POST", "/v1/steering/set", {"decode_vectors": {"pre_attn": {"99": ok}}}, 400, "decode_vectors.pre_attn.99"),
         ("POST", "/v1/steering/set", {"vectors": {"pre_attn": {"x": ok}}}, 400, "vectors.pre_attn.x"),
         ("POST", "/v1/steering/set", {"clamps": {"post_block": {}}}, 400, "clamps"),
@@ -331,7 +332,7 @@ def test_bad_inputs_name_the_field_and_leave_the_engine_untouched(http, engine, 
         assert r.status_code == 400 and r.json()["field"] == field, r.text
         assert "NaN" in r.json()["error"]
     for method, path, body, status, field in _bad_cases(h, engine.info.num_layers):  # unsupported fork features say so
-        if field in ("vectors.mlp_out", "clamps", "target", "kind"):
+        if field in ("vectors.post_mlp", "clamps", "target", "kind"):
             assert "not supported" in http.request(method, path, json=body).json()["error"]
     # nothing was changed and the engine still serves, identically
     assert http.get("/v1/steering").json() == {"active_layers": {}, "steer": []}

@@ -145,7 +145,7 @@ def _top_field(field: str | None) -> str | None:
 def test_sweep_errors_name_the_field(cb, tasks):
     fields = _sweep_fields(tasks)
     for bad, field in (({"layers": [0, 99]}, "layers"), ({"answer_token": " no such words"}, "answer_token"),
-                       ({"hook": "mlp_out"}, "hook")):
+                       ({"hook": "attn_out"}, "hook")):
         body = {k: v for k, v in fields.items() if not (k == "answer_token_id" and "answer_token" in bad)}
         with pytest.raises(CausalboardError) as info:
             cb.patch_sweep(**{**body, **bad})

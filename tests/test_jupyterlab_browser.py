@@ -70,17 +70,24 @@ def test_01_causal_tracing_runs_and_shows_its_figures(jupyterlab, page, http):
 
         wait_until(lambda: len(heatmap_values()) == done and None not in heatmap_values(), timeout=30,
                    message=f"the view's heatmap to hold the {done} cells of its sweep")
+        # the status block, as the browser shows it: the finished sweep with all its cells
+        status = view.locator('[data-cb="progress"]')
+        wait_until(lambda: status.count() == 1 and status.get_attribute("data-final") == "1", timeout=30,
+                   message="the view's status block to show the finished sweep")
+        assert status.get_attribute("data-done") == str(done) == status.get_attribute("data-total")
+        assert view.locator('[data-cb="phase"]').inner_text() == "finished"
         screenshot(page, "jupyterlab-01-tracing", full_page=False)
         assert not page_errors(page), page_errors(page)
     finally:
         nb.shutdown()
 
 
-def test_02_steering_sliders_renders_its_steering_view(jupyterlab, page, http):
+def test_02_steering_slider_moved_in_the_browser_regenerates(jupyterlab, page, http):
     nb = jupyterlab.open(page, "02_steering_sliders.ipynb")
     try:
         out = ran_cleanly(nb, nb.run_all())
         assert re.search(r"STEERING CHANGED [123] of 3", out)
+        prompt = re.search(r"^prompt:   '(.*)'$", out, re.M).group(1)
         baseline = re.search(r"^baseline: '(.*)'$", out, re.M).group(1)
         steered = re.search(r"^steered:  '(.*)'  \(", out, re.M).group(1)
         assert baseline != steered
@@ -90,12 +97,44 @@ def test_02_steering_sliders_renders_its_steering_view(jupyterlab, page, http):
         view = nb.cell("SteeringView(URL)").locator(".jp-OutputArea")
         view.locator('[data-cb="steered-text"]').first.scroll_into_view_if_needed()
         slider = view.locator(".cb-scale-slider")
+        title = slider.locator(".bk-slider-title")
         assert slider.count() == 1 and slider.locator(".noUi-handle").first.is_visible()
-        assert " ".join(slider.locator(".bk-slider-title").inner_text().split()) == f"scale · {VECTOR}: 1.50"
+
+        def shown(kind: str) -> str:
+            return view.locator(f'[data-cb="{kind}-text"]').first.inner_text().strip()
+
+        def status() -> str:
+            return view.locator('[data-cb="steered-status"]').first.inner_text()
+
+        wait_until(lambda: " ".join(title.inner_text().split()) == f"scale · {VECTOR}: 1.50" and shown("steered") == steered.strip(),
+                   timeout=30, message="the view to show the kernel's slider and steered text")
         assert view.locator('[data-cb="baseline-prompt"]').first.inner_text() == view.locator('[data-cb="steered-prompt"]').first.inner_text()
-        assert view.locator('[data-cb="baseline-text"]').first.inner_text().strip() == baseline.strip()
-        assert view.locator('[data-cb="steered-text"]').first.inner_text().strip() == steered.strip()
+        assert shown("baseline") == baseline.strip()
+
+        # move the slider in the browser (keyboard, 0.1 a step): 1.50 -> 0.50. The kernel hears
+        # the move over the comm, re-runs the steered stream, and the new text reaches the page;
+        # it is the server's generation at scale 0.5, and the baseline stays
+        handle = slider.locator(".noUi-handle").first
+        handle.focus()
+        for _ in range(10):
+            page.keyboard.press("ArrowLeft")
+        wait_until(lambda: " ".join(title.inner_text().split()) == f"scale · {VECTOR}: 0.50", timeout=10,
+                   message="the slider to read 0.50")
+        wait_until(lambda: "× +0.50" in status() and status().startswith("done"), timeout=120,
+                   message="the steered stream at scale 0.5")
+        expected = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 16, "interventions": {"steer": [
+            {"sites": ["L2.post_block"], "name": VECTOR, "scale": 0.5}]}}).json()["text"]
+        assert shown("steered") == expected.strip() and expected.strip() != steered.strip()
+        assert shown("baseline") == baseline.strip()
         screenshot(page, "jupyterlab-02-steering", full_page=False)
+
+        # and to 0: no steering, the steered column is the baseline again
+        handle.focus()
+        for _ in range(5):
+            page.keyboard.press("ArrowLeft")
+        wait_until(lambda: "no steering" in status() and status().startswith("done"), timeout=120,
+                   message="the unsteered stream")
+        assert shown("steered") == baseline.strip()
         assert not page_errors(page), page_errors(page)
     finally:
         nb.shutdown()

@@ -295,8 +295,8 @@ def test_patch_sweep_grid_equals_one_rank_within_the_noise_floor(ranked, ranked_
     body = {"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"], "answer_token_id": pair["answer_id"],
             "foil_token_id": pair["foil_id"], "hooks": list(HOOKS)}
     results = []
-    for client in (ranked_http, http):
-        r = client.post("/v1/patch_sweep", json=body)
+    for client, extra in ((ranked_http, {"keep_source": True}), (http, {})):
+        r = client.post("/v1/patch_sweep", json={**body, **extra})
         assert r.status_code == 200, r.text
         results.append(r.json())
     got, want = results
@@ -308,6 +308,23 @@ def test_patch_sweep_grid_equals_one_rank_within_the_noise_floor(ranked, ranked_
         assert a.shape == b.shape and np.isnan(a).sum() == np.isnan(b).sum() == 0
         assert np.max(np.abs(a - b)) <= floor, f"{ranked.name} {hook}: {np.max(np.abs(a - b)):.3g} > {floor:.3g}"
     assert got["checksum"]["consistent"] is True and got["checksum"]["ranks"] == 2
+    # zoom: a follow-up sweep of a few cells from the kept source run equals the full grid's cells
+    run = got["captured_source_run"]
+    assert got["source_kept"] and run
+    layers, positions = [1, ranked.info.num_layers - 1], got["positions"][-2:]
+    try:
+        r = ranked_http.post("/v1/patch_sweep", json={**body, "clean_prompt": None, "source_run": run, "hooks": ["post_block"],
+                                                      "layers": layers, "positions": positions})
+        assert r.status_code == 200, r.text
+        zoom = r.json()
+        full = np.array(grids[0]["post_block"], dtype=float)
+        for i, layer in enumerate(layers):
+            for j, pos in enumerate(positions):
+                cell = zoom["hook_grids"][0]["grid"][i][j] if zoom.get("hook_grids") else zoom["grid"][i][j]
+                want_cell = full[got["layers"].index(layer), got["positions"].index(pos)]
+                assert abs(cell - want_cell) <= max(floor, zoom["noise_floor"] + LOGPROB_ATOL), (layer, pos, cell, want_cell)
+    finally:
+        ranked.drop_source(run)
 
 
 def test_a_source_dropped_mid_sweep_voids_cells_on_every_stage(ranked, ranked_http, tasks):

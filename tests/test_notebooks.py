@@ -82,7 +82,21 @@ def test_01_causal_tracing(server_url, out_dir, tasks):
     assert "alignment: prefix" in out and "checksum consistent: True" in out
     noise_top = re.findall(r"^NOISE-TOP  L(\d+)\s+pos (\d+)", out, re.M)
     assert len(noise_top) == 4
-    assert _mimes(nb).count("image/png") == 3  # two hooks of the pair sweep + the noise sweep
+    # the pair sweep's post_block, the noise sweep, the ROME-style average by token role
+    assert _mimes(nb).count("image/png") == 3
+    html = [o.data["text/html"] for c in nb.cells if c.cell_type == "code" for o in c.outputs if "text/html" in o.get("data", {})]
+    # the sweep's progress bar, one output updated in place, ends finished with every cell
+    bars = [h for h in html if 'data-cb="sweep-progress"' in h]
+    assert len(bars) == 1 and 'data-state="done"' in bars[0]
+    assert re.search(r'data-done="(\d+)" data-total="\1"', bars[0])
+    # the SweepResult as a cell's value: its summary and one heatmap per hook, not its grids
+    shown = [h for h in html if 'data-cb="sweep-result"' in h]
+    assert len(shown) == 1 and shown[0].count('data-cb="heatmap"') == 2 and shown[0].count("data:image/png;base64,") == 2
+    # the average trace by token role (ROME's Figure 2): the subject's last token carries the fact
+    # in the first layer, the last token in the last one
+    avg = [[float(x) for x in row.split()] for row in re.findall(r"^AVG L\d+\s+(.*)$", out, re.M)]
+    assert len(avg) == 8 and all(len(row) == 4 for row in avg)
+    assert avg[0][0] > 0.3 > avg[0][3] and avg[-1][3] > 0.7 > avg[-1][0]
     assert "application/vnd.holoviews_exec.v0+json" in _mimes(nb)  # the TracingView was displayed
     m = re.search(r"dashboard sweep finished: (\w+), cells done (\d+)", out)
     assert m and m.group(1) == "True" and int(m.group(2)) > 0

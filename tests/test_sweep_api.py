@@ -192,7 +192,7 @@ def test_ablation_sources_and_undefined_recovered(http, engine, hf_ref, tasks):
 
 BAD = [
     ({"prompt": ""}, 400, "prompt"),
-    ({"hook": "mlp_out"}, 400, "hook"),
+    ({"hook": "attn_out"}, 400, "hook"),
     ({"hook": "resid"}, 400, "hook"),
     ({"hooks": ["post_block", "nope"]}, 400, "hooks[1]"),
     ({"layers": [0, 99]}, 400, "layers[1]"),
@@ -206,7 +206,7 @@ BAD = [
     ({"foil_token_id": None, "metric": "logit_diff"}, 400, "foil_token"),
     ({"metric": "kl"}, 400, "metric"),
     ({"alpha": 2.0}, 400, "alpha"),
-    ({"mask": {"indices": [0]}}, 400, "mask"),
+    ({"mask": {"indices": [10**6]}}, 400, "mask.indices[0]"),
     ({"source_inline": 0}, 400, "source_inline"),
     ({"clean_prompt": None}, 400, "clean_prompt"),
     ({"clean_prompt": None, "source_run": "never-stored"}, 404, "source_run"),

@@ -105,3 +105,58 @@ def test_dashboard_header_shows_the_topology():
     html = header_html({"status": "ok", "model": "m", "topology": topo}, "http://x")
     assert 'data-cb="topology">TP 1 x PP 2' in html
     assert "topology" not in header_html({"status": "ok", "model": "m"}, "http://x")
+
+
+# ---- refused before anything starts ----------------------------------------------------------------
+def _engine(**kw):
+    from engine_ext import Engine
+
+    return Engine(device="cpu", **kw)  # constructed, not started
+
+
+def test_parallel_settings_are_checked_before_start(monkeypatch):
+    from engine_ext import SpecError
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with pytest.raises(SpecError) as err:
+        _engine(tensor_parallel_size=0)._parallel_kwargs()
+    assert err.value.field == "tensor_parallel_size"
+    with pytest.raises(SpecError) as err:
+        _engine(tensor_parallel_size=2, distributed_executor_backend="ray")._parallel_kwargs()
+    assert err.value.field == "distributed_executor_backend" and "Ray" in str(err.value)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1})
+    with pytest.raises(SpecError) as err:
+        _engine(tensor_parallel_size=2, pipeline_parallel_size=2)._parallel_kwargs()
+    assert err.value.field == "tensor_parallel_size" and "4 ranks" in str(err.value)
+    kwargs, env = _engine(pipeline_parallel_size=2)._parallel_kwargs()
+    assert kwargs == {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # the user's own binding wins
+    assert _engine(tensor_parallel_size=2)._parallel_kwargs()[1] == {}
+
+
+def test_gpu_tensor_parallel_turns_off_passes_that_split_the_stream():
+    from engine_ext import SpecError
+
+    eng = _engine(tensor_parallel_size=2)
+    eng.device = "cuda"  # the GPU branch of the settings, without a GPU
+    kwargs, env = eng._parallel_kwargs()
+    assert kwargs["compilation_config"]["pass_config"] == {"enable_sp": False, "fuse_gemm_comms": False, "fuse_allreduce_rms": False}
+    assert env == {}
+    asked = _engine(tensor_parallel_size=2, engine_kwargs={"compilation_config": {"pass_config": {"enable_sp": True}}})
+    asked.device = "cuda"
+    with pytest.raises(SpecError) as err:
+        asked._parallel_kwargs()
+    assert err.value.field == "engine_kwargs" and "enable_sp" in str(err.value)
+
+
+def test_a_topology_the_seam_does_not_cover_is_refused():
+    eng = _engine(pipeline_parallel_size=2)
+    half = [_info(0, 0, 0, 4), {**_info(0, 1, 4, 8), "patched_layers": 3}]  # one layer not patched
+    eng._topology = Topology.of(half)
+    with pytest.raises(RuntimeError, match="patched 7 of 8 decoder layers"):
+        eng._check_topology(half, 8)
+    gap = [_info(0, 0, 0, 4), _info(0, 1, 5, 8)]
+    eng._topology = Topology.of(gap)
+    with pytest.raises(RuntimeError):
+        eng._check_topology(gap, 8)

@@ -32,7 +32,6 @@ import asyncio
 import inspect
 import io
 import json
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ import httpx
 import numpy as np
 from httpx_sse import aconnect_sse, connect_sse
 
+from app.client.progress import SweepProgress
 from app.client.sse import StreamEvent, aiter_events, iter_events
 from app.sweep.fold import SweepFold
 from app.sweep.result import SweepResult
@@ -215,6 +215,10 @@ class _Ops:
         return _Call("GET", "/v1/status")
 
     @staticmethod
+    def model_tasks() -> _Call:
+        return _Call("GET", "/v1/model/tasks", on_404=None)
+
+    @staticmethod
     def tokenize(prompt: str, add_special_tokens: bool) -> _Call:
         return _Call("POST", "/v1/tokenize", {"prompt": prompt, "add_special_tokens": add_special_tokens})
 
@@ -374,31 +378,6 @@ def _fold(fold: SweepFold, ev: dict) -> None:
         raise CausalboardError(0, exc.field, f"malformed sweep event: {exc}", {"error": str(exc), "field": exc.field, "event": ev}) from exc
 
 
-class _ProgressBar:
-    """A tqdm bar on stderr following a sweep's folded cells (off unless `enabled`)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.bar = None
-
-    def show(self, fold: SweepFold) -> None:
-        if not self.enabled or fold.result is None:  # nothing to count before the axes are known
-            return
-        total = fold.cells_total
-        if self.bar is None:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, unit="cell", desc="sweep", file=sys.stderr, leave=True)
-        if self.bar.total != total:
-            self.bar.total = total
-        if fold.cells_done > self.bar.n:
-            self.bar.update(fold.cells_done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _sweep_outcome(fold: SweepFold) -> SweepResult:
     """The result of a folded sweep stream: its summary's, or `SweepFailed` when the server
     reported an error (with the partial result when a summary followed)."""
@@ -443,6 +422,10 @@ class CausalboardClient:
     def status(self) -> dict:
         return self._do(_Ops.status())
 
+    def model_tasks(self) -> dict | None:
+        """The served model's `tasks.json` (example prompts with known answers), None when it has none."""
+        return self._do(_Ops.model_tasks())
+
     def health(self) -> bool:
         """True when the server answers `/health` with 200 (False when down or unreachable)."""
         try:
@@ -470,13 +453,14 @@ class CausalboardClient:
                     **request_fields: Any) -> SweepResult:
         """Run `POST /v1/patch_sweep` (fields as in the API) and return its result. Without
         `on_event` and `progress` the request is not streamed; otherwise every event is passed to
-        `on_event(ev)` and/or drives a tqdm bar on stderr, and the result is the summary event's.
+        `on_event(ev)` and/or drives a progress bar (in a notebook cell an HTML bar updated in place,
+        else tqdm on stderr: `app/client/progress.py`), and the result is the summary event's.
         A streamed sweep that the server reports failed (an `error` event) raises `SweepFailed`
         (a `CausalboardError` carrying the partial result); a cancelled one returns its result
         with `meta["cancelled"]` true."""
         if on_event is None and not progress:
             return self._do(_Ops.patch_sweep(request_fields))
-        fold, bar = SweepFold(), _ProgressBar(progress)
+        fold, bar = SweepFold(), SweepProgress(progress)
         try:
             for ev in self.stream_sweep(**request_fields):
                 _fold(fold, ev)
@@ -484,7 +468,7 @@ class CausalboardClient:
                 if on_event is not None:
                     on_event(ev)
         finally:
-            bar.close()
+            bar.close(fold)
         return _sweep_outcome(fold)
 
     def stream_sweep(self, **request_fields: Any) -> Iterator[dict]:
@@ -620,6 +604,10 @@ class AsyncCausalboardClient:
     async def status(self) -> dict:
         return await self._do(_Ops.status())
 
+    async def model_tasks(self) -> dict | None:
+        """The served model's `tasks.json`, None when it has none."""
+        return await self._do(_Ops.model_tasks())
+
     async def health(self) -> bool:
         try:
             return (await self._http.get("/health")).status_code == 200
@@ -643,7 +631,7 @@ class AsyncCausalboardClient:
                           **request_fields: Any) -> SweepResult:
         if on_event is None and not progress:
             return await self._do(_Ops.patch_sweep(request_fields))
-        fold, bar = SweepFold(), _ProgressBar(progress)
+        fold, bar = SweepFold(), SweepProgress(progress)
         try:
             async for ev in self.stream_sweep(**request_fields):
                 _fold(fold, ev)
@@ -652,7 +640,7 @@ class AsyncCausalboardClient:
                 if inspect.isawaitable(out):
                     await out
         finally:
-            bar.close()
+            bar.close(fold)
         return _sweep_outcome(fold)
 
     async def stream_sweep(self, **request_fields: Any) -> AsyncIterator[dict]:

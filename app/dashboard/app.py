@@ -11,12 +11,13 @@ views, so opening /dashboard does not bypass the key.
 from __future__ import annotations
 
 import html
-from pathlib import Path
 from typing import Any
 
 import panel as pn
 
-from app.dashboard.tracing.form import BUNDLED_TASKS, default_form
+from engine_ext.bundled import BUNDLED_MODEL_NAME
+
+from app.dashboard.tracing.form import default_form
 from app.dashboard.tracing.view import TracingView
 
 VERSION_ORDER = ("causalboard", "vllm", "torch", "transformers", "python")
@@ -129,9 +130,13 @@ class DashboardPage(pn.viewable.Viewer):
             return
         self.header.object = header_html(status, self.api_url)
         tracing.set_hooks(status.get("hooks") or ())
-        tasks = Path(str(status.get("model_path", ""))) / "tasks.json"
-        if tasks.is_file() and tasks.resolve() != BUNDLED_TASKS.resolve():
-            tracing.set_form(default_form(tasks))
+        if status.get("model") != BUNDLED_MODEL_NAME:  # the form already holds the bundled model's example
+            try:
+                tasks = await tracing.client.model_tasks()
+            except Exception:  # no examples then; the form keeps its defaults
+                tasks = None
+            if tasks:
+                tracing.set_form(default_form(tasks))
 
 
 def create_page(api_url: str, *, api_key: str | None = None, ask_api_key: bool = False) -> DashboardPage:

@@ -16,14 +16,13 @@ import numpy as np
 
 from engine_ext import Engine, GenerationParams
 from engine_ext.errors import SpecError
-from engine_ext.specs import InlineSource, MeanSource, Noise, Patch, RunSource, ZeroSource
+from engine_ext.specs import InlineSource, Mask, MeanSource, Noise, Patch, RunSource, ZeroSource, mask_from_json
 from engine_ext.sites import HOOKS, Site
 
 from app.sweep.alignment import UNALIGNED_REASON, Alignment, align_positions
 from app.sweep.schema import LayerRange, PatchSweepRequest
 
 #: hooks of the reference fork that causalboard's decoder-layer seam does not expose
-FORK_ONLY_HOOKS = ("mlp_in", "mlp_out")
 
 
 class PlanError(Exception):
@@ -88,6 +87,8 @@ class SweepPlan:
     source: SourcePlan
     noise_positions: list[int] | None
     subject_positions: list[int] = field(default_factory=list)
+    #: the dimension mask of every cell's patch (None: every dimension)
+    mask: Mask | None = None
 
     @property
     def metric(self) -> str:
@@ -124,7 +125,7 @@ class SweepPlan:
             source = InlineSource((src.vector,))
         else:
             source = ZeroSource()
-        return Patch(site, (cell.position,), source, self.request.alpha)
+        return Patch(site, (cell.position,), source, self.request.alpha, self.mask)
 
     def basis_of(self, scores: dict[int, float]) -> float:
         """The basis metric of one scored request."""
@@ -143,7 +144,10 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
     info = engine.info
     if req.model is not None and req.model not in (info.model, info.model_path):
         raise PlanError(404, "model", f"'{req.model}' is not served here (serving '{info.model}')")
-    for name in ("mask", "patch_vectors", "source_inline"):
+    mask = mask_from_json(req.mask, "mask")
+    if mask is not None:
+        mask.values(info.hidden_size, "mask")  # bounds, with the field named
+    for name in ("patch_vectors", "source_inline"):
         if getattr(req, name) is not None:
             raise SpecError(name, "is not supported by causalboard (use source_module, a registered vector, or clean_prompt)")
 
@@ -152,13 +156,10 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
     hooks = req.hook_list()
     field_name = "hooks" if req.hooks else "hook"
     for k, h in enumerate(hooks):
-        if h in FORK_ONLY_HOOKS:
-            raise SpecError(f"{field_name}[{k}]" if req.hooks else "hook",
-                            f"hook {h!r} is not available: causalboard exposes {', '.join(HOOKS)}")
         if h not in HOOKS:
             raise SpecError(f"{field_name}[{k}]" if req.hooks else "hook",
                             f"unknown hook {h!r}; expected one of {', '.join(HOOKS)}")
-    hooks = [h for h in HOOKS if h in hooks]  # canonical order: pre_attn, post_attn, post_block
+    hooks = [h for h in HOOKS if h in hooks]  # canonical order: the forward's (engine_ext.sites.HOOKS)
 
     layers = _layers(req.layers, info.num_layers)
 
@@ -265,6 +266,7 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
         source=source,
         noise_positions=noise_positions,
         subject_positions=sorted(set(subject_positions)),
+        mask=mask,
     )
 
 

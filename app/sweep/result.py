@@ -3,6 +3,7 @@ field (`meta`) needed to label, interpret and regenerate it. Built from a summar
 (`SweepResult.from_summary`: the JSON answer of `POST /v1/patch_sweep`, its last stream event, a
 saved file), or from a stream's events by the sweep's one event reader (`app/sweep/fold.py`:
 `SweepFold`, `result_from_events`), which also fills a result cell by cell while a sweep runs.
+In a notebook a result displays as its summary and heatmaps (`app/figures/display.py`).
 
 The summary's fields, their types and meanings are declared in `app/sweep/schema.py`
 (`SweepSummary`). `meta` keeps them as JSON data (a dict), verbatim: a file saved by another
@@ -91,6 +92,17 @@ class SweepResult:
                         cells.append({"hook": h, "layer": layer, "position": pos, "token": toks[j], "value": float(g[i, j])})
         cells.sort(key=lambda c: -c["value"])
         return cells[:k]
+
+    # ---- display (notebooks: the heatmaps, not the grids; app/figures/display.py) ----------------
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        from app.figures.display import sweep_mimebundle
+
+        return sweep_mimebundle(self, include, exclude)
+
+    def _repr_html_(self) -> str:
+        from app.figures.display import sweep_html
+
+        return sweep_html(self)
 
     # ---- serialization -------------------------------------------------------------------------
     def to_summary(self) -> dict:

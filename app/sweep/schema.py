@@ -4,8 +4,9 @@ state (`SweepStatus`) and the stream's events (`SweepEvent`, one model per `type
 
 Request field names and meanings are the reference fork's (`PatchSweepRequest`), so its clients
 work unchanged; causalboard's extensions (`prob`, `recovered_basis`, `noise`, `subject`,
-`max_concurrency`, `noise_floor_samples`) are optional. Fork fields causalboard cannot honour
-(`mask`, `patch_vectors`/`source_inline`, `mlp_*` hooks) are accepted by the schema only to be
+`max_concurrency`, `noise_floor_samples`) are optional. Hooks are `engine_ext.sites.HOOKS` (the
+fork's five: `pre_attn`, `post_attn`, `mlp_in`, `mlp_out`, `post_block`). Fork fields causalboard
+cannot honour yet (`patch_vectors`/`source_inline`) are accepted by the schema only to be
 refused with a 400 naming them — never silently ignored.
 
 Response models are exact (`extra="forbid"`): the server builds its summary and events from them,
@@ -27,6 +28,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       ValidationInfo, model_serializer, model_validator)
 
 from app.wire import MAX_PROMPT_CHARS, SpanSpec, StrictModel
+from engine_ext.sites import HOOKS
 
 METRICS = ("logprob", "logit_diff", "recovered", "prob")
 BASES = ("logprob", "logit_diff", "prob")
@@ -62,8 +64,10 @@ class PatchSweepRequest(StrictModel):
     source_module: str | None = Field(None, description='Ablation source instead of a clean run: "zeros", "mean" (mean of the clean run over positions) or a registered vector name.')
     source_inline: int | None = Field(None, description="Not supported (fork: row of patch_vectors).")
     patch_vectors: dict | None = Field(None, description="Not supported (fork: packed vectors for source_inline).")
-    mask: dict | None = Field(None, description="Not supported (fork: partial-dimension patch mask).")
-    hook: str = Field("post_block", description="Hook of every cell (pre_attn, post_attn, post_block).")
+    mask: dict | list | None = Field(None, description='Partial-dimension patches: only these dimensions of each cell take the source value, '
+                                                      '(1 - alpha m) h + alpha m t. {"indices": [dims]} (the fork\'s form), a list of '
+                                                      'dimension indices, a list of booleans (one per dimension) or {"weights": [values in [0, 1]]}.')
+    hook: str = Field("post_block", description="Hook of every cell: " + ", ".join(HOOKS) + ".")
     hooks: list[str] | None = Field(None, min_length=1, description="Several hooks: one grid per hook (wins over `hook`).")
     layers: list[int] | LayerRange | None = Field(None, description="Layer list or {start, stop, step} (range semantics); default all layers.")
     positions: Literal["all_prompt"] | list[int | SpanSpec] = Field("all_prompt", description='"all_prompt", token indices, {"span", "occurrence"} or a mix.')
@@ -254,7 +258,7 @@ class SweepSetup(_Wire):
     layers: list[int] = Field(description="Row axis: the swept layers.")
     positions: list[int] = Field(description="Column axis: the swept token positions of the corrupt prompt.")
     hook: str = Field(description="The first hook (`grid` is its grid).")
-    hooks: list[str] | None = Field(None, description="Every swept hook, in canonical order (pre_attn, post_attn, post_block).")
+    hooks: list[str] | None = Field(None, description="Every swept hook, in canonical order (" + ", ".join(HOOKS) + ").")
     metric: Metric = Field(description="Unit of the values. Differs from `metric_requested` when `recovered` is undefined (see `notes`).")
     metric_requested: Metric | None = Field(None, description="The metric the request asked for.")
     recovered_basis: Basis | None = Field(None, description="Quantity `recovered` normalises; null for other metrics.")

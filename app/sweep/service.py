@@ -50,6 +50,8 @@ from app.sweep.schema import (CellEvent, CellRef, CellRepeat, ChecksumEvent, Err
 logger = logging.getLogger("causalboard.sweep")
 
 KEEP_FINISHED = 32
+#: an auto-captured clean run evicted before its lease (a full store) is captured again this often
+CLEAN_CAPTURE_ATTEMPTS = 3
 #: |clean - corrupt| below this makes `recovered` undefined
 RECOVERED_EPS = 1e-6
 PROGRESS_EVERY_S = 0.5
@@ -185,20 +187,32 @@ class SweepService:
         plan, eng, req = run.plan, self.engine, run.plan.request
         src = plan.source
         if src.capture:
-            sites = [str(site_from_index(i)) for i in src.capture_sites]
-            spec = Interventions(capture=Capture.make(sites, "all_prompt", keep_as=src.run_id, return_values=False),
-                                 score_token_ids=plan.score_ids)
-            base.capture_submitted = True
-            gen = await eng.agenerate(plan.clean_ids, GenerationParams(max_tokens=1), spec)
-            iv = gen.intervention
-            if iv is None or iv.voided or iv.stored_as != src.run_id:
-                errs = "; ".join(iv.errors) if iv else "no result"
-                raise PlanError(507, "noise" if req.noise else "clean_prompt", f"the clean run could not be stored: {errs}")
-            base.auto_captured = True
-            base.clean = plan.basis_of(gen.scores[0])
+            # the stored clean run is leased right after it is stored; other requests' captures
+            # can evict it in between when the store is full, so the capture is retried then
+            field = "noise" if req.noise else "clean_prompt"
+            for attempt in range(1, CLEAN_CAPTURE_ATTEMPTS + 1):
+                sites = [str(site_from_index(i)) for i in src.capture_sites]
+                spec = Interventions(capture=Capture.make(sites, "all_prompt", keep_as=src.run_id, return_values=False),
+                                     score_token_ids=plan.score_ids)
+                base.capture_submitted = True
+                gen = await eng.agenerate(plan.clean_ids, GenerationParams(max_tokens=1), spec)
+                iv = gen.intervention
+                if iv is None or iv.voided or iv.stored_as != src.run_id:
+                    errs = "; ".join(iv.errors) if iv else "no result"
+                    raise PlanError(507, field, f"the clean run could not be stored: {errs}")
+                base.auto_captured = True
+                base.clean = plan.basis_of(gen.scores[0])
+                if await anyio.to_thread.run_sync(eng.lease_source, src.run_id):
+                    base.leased = src.run_id
+                    break
+                logger.warning("sweep %s: the clean run was evicted before it could be leased (attempt %d of %d)",
+                               plan.sweep_id, attempt, CLEAN_CAPTURE_ATTEMPTS)
+            else:
+                raise PlanError(507, field, f"the clean run was evicted from the source store before it could be leased, "
+                                            f"{CLEAN_CAPTURE_ATTEMPTS} times (the store is under pressure); retry later")
         elif plan.clean_ids is not None:
             base.clean = plan.basis_of(await self._score(plan.clean_ids, plan, None))
-        if src.run_id is not None:
+        if src.run_id is not None and base.leased is None:
             if not await anyio.to_thread.run_sync(eng.lease_source, src.run_id):
                 raise PlanError(404, "source_run", f"run {src.run_id!r} vanished from the source store before it could be leased")
             base.leased = src.run_id

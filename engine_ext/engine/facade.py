@@ -76,8 +76,11 @@ class Engine(DynamicControl):
         self._global: list[Steer] = []
         self._topology = Topology()
         self._mismatch_logged = float("-inf")
+        self._failure: BaseException | None = None
         self.tokenizer: Any = None
         self._init_dynamic()
+        #: a hybrid (recurrent-state) architecture: served with the state-hygiene guard
+        self.is_hybrid = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -94,6 +97,11 @@ class Engine(DynamicControl):
         if arch not in seam.SUPPORTED_ARCHITECTURES:
             raise SpecError("model", f"architecture {arch} is not supported (supported: {', '.join(seam.SUPPORTED_ARCHITECTURES)}); "
                                      "causalboard refuses to serve a model it cannot intervene on")
+        self.is_hybrid = arch in seam.HYBRID_ARCHITECTURES
+        if self.is_hybrid:
+            from engine_ext.engine.hybrid import check_hybrid_config
+
+            check_hybrid_config(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         t0 = time.perf_counter()
         self._loop = EngineLoop(self._build_vllm_engine)
@@ -129,6 +137,7 @@ class Engine(DynamicControl):
                 except Exception:  # best effort: the engine may already be failing
                     logger.debug("cb_close failed", exc_info=True)
             self._loop.shutdown()
+            self._failure = self._loop.error
             self._loop = None
 
     def __enter__(self) -> "Engine":
@@ -198,6 +207,10 @@ class Engine(DynamicControl):
             if self.device != "cuda":
                 raise SpecError("batch_invariant", "vLLM's batch-invariant kernels exist only on CUDA GPUs")
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM's workers at start-up
+        if getattr(self, "is_hybrid", False):
+            from engine_ext.engine.hybrid import hybrid_engine_kwargs
+
+            kwargs.update(hybrid_engine_kwargs(self.device))
         kwargs.update(self.config.engine_kwargs)
         multiprocess = bool(self.config.multiprocess) or self.world_size > 1
         saved = {k: os.environ.get(k) for k in env}
@@ -308,6 +321,13 @@ class Engine(DynamicControl):
     @property
     def in_flight(self) -> int:
         return self._loop.in_flight if self._loop is not None else 0
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine died (a step raised, the engine-core process exited), or None while it
+        serves, before it starts and after a clean `close`. A dead engine stays dead: every entry
+        point raises `EngineDeadError`; restart the process (`causalboard serve` exits 1)."""
+        return self._loop.error if self._loop is not None else self._failure
 
     # ---- tokens ----------------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -529,6 +549,21 @@ class Engine(DynamicControl):
             raise RuntimeError(f"request voided: {'; '.join(gen.intervention.errors)}")
         return gen.scores[0]
 
+    # ---- hybrids: recurrent-state hygiene ----------------------------------------------------
+    def state_check(self, probes: Sequence[Sequence[int]] | None = None, *, max_tokens: int = 4,
+                    sentinel_std: float = 1.0, seed: int = 0) -> dict:
+        """The sentinel 4-arm check on this (hybrid) engine; needs an idle engine
+        (`engine_ext.engine.hybrid.run_state_check`, docs/hybrid-models.md)."""
+        from engine_ext.engine.hybrid import run_state_check
+
+        return run_state_check(self, probes, max_tokens=max_tokens, sentinel_std=sentinel_std, seed=seed)
+
+    def state_hygiene(self) -> dict:
+        """The zero-on-realloc guard's counters (mode, slots zeroed, seconds spent)."""
+        from engine_ext.engine.hybrid import state_hygiene_status
+
+        return state_hygiene_status(self)
+
     # ---- control plane ---------------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list:
         return self._require_loop().call(lambda e: e.collective_rpc(method, args=args)).result(timeout=RPC_TIMEOUT_S)
@@ -581,7 +616,8 @@ class Engine(DynamicControl):
                 if site.layer >= self.info.num_layers:
                     raise SpecError(f"{f}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
                 e = {"site": site.index(), "scale": s.scale, "phase": s.phase,
-                     "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name}
+                     "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name,
+                     "mask": s.mask.values(self.info.hidden_size, f"{f}.mask").astype("<f4").tobytes() if s.mask is not None else None}
                 if s.positions == "all":
                     e.update(pos=[], gen=True, every=True)
                 elif s.positions == "all_generated":

@@ -40,6 +40,8 @@ MAX_UNCOLLECTED = 4096
 @dataclass
 class WorkerConfig:
     max_slots: int = 4096
+    #: distinct per-dimension `a` vectors (dimension-masked patches: one per mask x alpha) in use at once
+    max_dim_rows: int = 256
     #: captured (site, position) rows one step can hold; None: as many as `capture_buffer_bytes`
     #: holds (two rows of `hidden` values in the model dtype each), at most MAX_CAPTURE_ROWS
     max_capture_rows: int | None = None
@@ -112,7 +114,7 @@ class WorkerState:
         self.num_sites = num_layers * SITES_PER_LAYER
         self.config = config
         self.buffers = SiteBuffers(self.num_sites, max_rows, config.max_slots, config.capture_rows(hidden, dtype),
-                                   hidden, device, dtype)
+                                   hidden, device, dtype, max_dim_rows=config.max_dim_rows)
         BUFFERS[self.state_id] = self.buffers
         self.slots = SlotTable(self.buffers)
         self.checksum = ActionChecksum()
@@ -313,12 +315,14 @@ class WorkerState:
     # ---- control plane ----------------------------------------------------------------------
     def set_global_steer(self, entries: list[dict]) -> int:
         """Replace the global steering set. Entries: {site, vec (fp32 bytes) | name, scale, phase,
-        pos (list), gen (bool), every (bool)}. Plans are recomposed before the next step."""
+        pos (list), gen (bool), every (bool), mask (fp32 bytes | None)}. Plans are recomposed before the next step."""
         adds = []
         for k, e in enumerate(entries):
             vec = np.frombuffer(e["vec"], dtype="<f4").copy() if e.get("vec") is not None else self.named.get(e["name"])
             if vec is None:
                 raise KeyError(f"no registered vector named {e['name']!r}")
+            if e.get("mask") is not None:
+                vec = (vec * np.frombuffer(e["mask"], dtype="<f4")).astype(np.float32)
             adds.append(AddOp(k, "global", int(e["site"]), np.asarray(e.get("pos", []), np.int64),
                               bool(e.get("gen", True)), e.get("phase", "both"), vec, float(e["scale"]), name=e.get("name"),
                               every=bool(e.get("every", False))))

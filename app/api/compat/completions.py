@@ -10,8 +10,7 @@
 
 They compose with the native `interventions` field (steer and patch entries are concatenated;
 capture and scoring may come from one side only). Fork fields with no faithful counterpart
-(`mask`, clamps, declarative `steering` gates, `conversation_id`, `mlp_*` hooks, other capture
-consumers) are refused with a 400 naming the field. Engine errors about the combined spec are
+(clamps, declarative `steering` gates, `conversation_id`, other capture consumers) are refused with a 400 naming the field. Engine errors about the combined spec are
 re-labelled with the request field the entry came from (`patch[1].dest_position`).
 """
 
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 
 from engine_ext import Engine
 from engine_ext.errors import SpecError
-from engine_ext.specs import Capture, Interventions, Patch, RunSource, InlineSource, ZeroSource
+from engine_ext.specs import Capture, Interventions, Patch, RunSource, InlineSource, ZeroSource, mask_from_json
 from engine_ext.sites import Site
 
 from app.api.compat import steering_modules
@@ -119,9 +118,27 @@ def build(req: CompletionRequest, eng: Engine) -> CompletionInterventions:
     return out
 
 
+def _fork_mask(value, f: str, table):
+    """The fork's `mask`: `{"indices": [...]}`, or `{"inline": row}` (a row of `patch_vectors`,
+    graded weights in [0, 1]); causalboard's other mask forms are accepted too."""
+    if isinstance(value, dict) and "inline" in value:
+        row = value["inline"]
+        if set(value) != {"inline"}:
+            raise SpecError(f"{f}.mask", "give exactly one of 'indices' and 'inline'")
+        if not isinstance(row, int) or isinstance(row, bool) or row < 0:
+            raise SpecError(f"{f}.mask.inline", f"must be a row index >= 0, got {row!r}")
+        if table is None:
+            raise SpecError(f"{f}.mask.inline", "needs the patch_vectors table")
+        if row >= table.shape[0]:
+            raise SpecError(f"{f}.mask.inline", f"row {row} is outside patch_vectors ({table.shape[0]} rows)")
+        return mask_from_json({"weights": table[row]}, f"{f}.mask")
+    return mask_from_json(value, f"{f}.mask")
+
+
 def _fork_patch(entry, f: str, eng: Engine, table) -> Patch:
-    if entry.mask is not None:
-        raise SpecError(f"{f}.mask", "is not supported by causalboard (masked patches); the request is refused")
+    mask = _fork_mask(entry.mask, f, table) if entry.mask is not None else None
+    if mask is not None:
+        mask.values(eng.info.hidden_size, f"{f}.mask")
     hook = check_hook(entry.hook, f"{f}.hook")
     layer = check_layer(entry.layer, f"{f}.layer", eng.info.num_layers)
     site = Site(layer, hook)
@@ -150,7 +167,7 @@ def _fork_patch(entry, f: str, eng: Engine, table) -> Patch:
         if entry.source_inline >= table.shape[0]:
             raise SpecError(f"{f}.source_inline", f"row {entry.source_inline} is outside patch_vectors ({table.shape[0]} rows)")
         source = InlineSource((table[entry.source_inline],))
-    return Patch(site, (entry.dest_position,), source, float(entry.alpha))
+    return Patch(site, (entry.dest_position,), source, float(entry.alpha), mask)
 
 
 def _fork_capture(value: dict, num_layers: int) -> Capture:

@@ -7,4 +7,5 @@ Routes get the engine, settings and sweep service as dependencies (`app/api/deps
 * `sweep`      — `POST /v1/patch_sweep` (+ SSE), sweep replay/status
 * `steering`   — global steering, named vectors
 * `capture`    — capture runs, stored source runs (`DELETE /v1/patch_source/{run_id}`)
+* `state_check` — `POST /v1/state_check`: the sentinel 4-arm recurrent-state check (hybrid models)
 """

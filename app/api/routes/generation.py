@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
 from engine_ext import Engine, Generation
-from engine_ext.errors import SpecError
+from engine_ext.errors import EngineDeadError, SpecError
 
 from app.api.auth import UNAUTHORIZED, ApiKeyGuard, api_key_guard
 from app.api.compat import completions as completion_extras
@@ -74,7 +74,7 @@ async def generate(req: GenerateRequest, engine: Engine = Depends(get_engine),
                 n += 1
                 yield sse_event({"type": "token", "token_ids": delta.token_ids, "text": delta.text, "logprobs": delta.logprobs}, n)
         except Exception as exc:  # engine failure mid-stream: tell the client, don't hang
-            yield sse_event({"type": "error", "error": str(exc)}, n + 1)
+            yield sse_event({"type": "error", **_stream_error(exc)}, n + 1)
             yield DONE
             return
         yield sse_event({"type": "done", **_generation_body(gen, req.prompt)}, n + 1)
@@ -151,11 +151,19 @@ async def completions(req: CompletionRequest, engine: Engine = Depends(get_engin
                 if d.finished:
                     chunk.update(intervention_fields(gen))
                 yield sse_event(chunk)
-        except Exception as exc:
-            yield sse_event({"error": str(exc)})
+        except Exception as exc:  # engine failure mid-stream: tell the client, don't hang
+            yield sse_event(_stream_error(exc))
         yield DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _stream_error(exc: Exception) -> dict:
+    """The error of a stream that failed after its first event (the engine died): the API's
+    error shape (`field: engine` for an engine failure)."""
+    if isinstance(exc, EngineDeadError):
+        return {"error": f"engine: {exc}", "field": "engine"}
+    return {"error": f"{type(exc).__name__}: {exc}", "field": None}
 
 
 def _generation_body(gen: Generation, prompt: str) -> dict:

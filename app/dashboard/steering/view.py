@@ -22,6 +22,8 @@ Behaviour
   the running asyncio loop (the Bokeh server's, or the notebook kernel's); Panel applies the
   parameter/pane updates under the document lock. Without a running loop, call
   `await view.update()` / `await view.build_vector()` yourself.
+* In a notebook cell, `browser` (`app.dashboard.notebook.BrowserSync`) re-sends the view once
+  its output's comm is open when it was updated before the browser had drawn it (Run All).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import panel as pn
 import param
 
 from app.client.factory import async_client
+from app.dashboard.notebook import BrowserSync
 from app.dashboard.steering.vectors import (CAPTURE_MODES, NORMALISATIONS, ContrastiveVector,
                       abuild_contrastive_vector, check_vector_name, contrast_defaults,
                       parse_prompt_lines, steer_entry, steering_interventions)
@@ -61,7 +64,7 @@ class VectorControl(param.Parameterized):
 
     scale = param.Number(default=0.0, doc="multiplier of the vector (0 = not steering)")
     layer = param.Selector(default=0, objects=[0], doc="decoder layer the vector is added at")
-    hook = param.Selector(default="post_block", objects=list(HOOKS), doc="residual-stream hook (see docs/concepts.md)")
+    hook = param.Selector(default="post_block", objects=list(HOOKS), doc="hook: residual stream or MLP branch (see docs/concepts.md)")
 
     def __init__(self, vector_name: str, *, dim: int | None, norm: float | None, layers: list[int], layer: int,
                  hook: str, scale_limit: float, **params: Any):
@@ -168,6 +171,8 @@ class SteeringView(pn.viewable.Viewer):
         self._doc = pn.state.curdoc if pn.state.curdoc is not None and pn.state.curdoc.session_context else None
         self._runs = {k: 0 for k in KINDS}
         self._build_layout()
+        # in a notebook cell: the browser's copy of the view kept in step (app/dashboard/notebook.py)
+        self.browser = BrowserSync(self._layout)
         self.param.watch(self._on_generation_input, ["prompt", "max_tokens"])
         self.param.watch(self._on_selected, ["selected"])
         self.param.watch(self._on_scale_limit, ["scale_limit"])
@@ -357,6 +362,7 @@ class SteeringView(pn.viewable.Viewer):
             if name not in self.controls:
                 self.controls[name] = self._make_control(name)
         self._controls_box.objects = [self.controls[n] for n in event.new] or [self._no_vector_hint]
+        self._browser_changed()
         self._schedule("steered", 0.0)
 
     def _make_control(self, name: str) -> VectorControl:
@@ -472,6 +478,11 @@ class SteeringView(pn.viewable.Viewer):
     def _render_output(self, *events: Any) -> None:
         for kind in dict.fromkeys(e.name.split("_", 1)[0] for e in events):
             self._outputs[kind].object = self._output_html(kind)
+        self._browser_changed()
+
+    def _browser_changed(self) -> None:
+        if self._doc is None:  # a notebook cell (a served page has no comm to keep in step)
+            self.browser.changed()
 
     def __panel__(self) -> pn.viewable.Viewable:
         return self._layout

@@ -34,6 +34,11 @@ folds the buffer into `state` (a `SweepState`, the sweep's one event reader
 ONE method (`_push_cells`: one `ColumnDataSource.patch` per heatmap, at most every
 `HEATMAP_PUSH_MS` while the sweep runs). The view talks to the API over HTTP only.
 
+In a notebook cell, `browser` (`app.dashboard.notebook.BrowserSync`) keeps the output's copy in
+the browser in step after each render: direct Bokeh changes are pushed at once, and a view
+updated before the browser had drawn it (Run All) is re-sent, heatmaps rebuilt from the fold,
+once its comm is open.
+
 Contracts
 ---------
 * Starting a sweep cancels the running one; `cancel()` closes the stream and asks the server to
@@ -68,6 +73,7 @@ import param
 
 from app.client import CausalboardError
 from app.client.factory import async_client, sync_twin
+from app.dashboard.notebook import BrowserSync
 from app.dashboard.tracing.downloads import EXPORTS, export_filename, export_payload, export_stem
 from app.dashboard.tracing.form import CORRUPT_PROMPT, METRICS, NOISE_SPAN, SweepForm, default_form, zoom_request
 from app.dashboard.tracing.heatmap import SweepHeatmap, block_of, legend_html
@@ -160,6 +166,8 @@ class TracingView(pn.viewable.Viewer):
         self._doc = pn.state.curdoc if pn.state.curdoc is not None and pn.state.curdoc.session_context else None
         self.status_html = status_html(self.state, self.phase)
         self._layout = self._build_layout()
+        # in a notebook cell: the browser's copy of the view kept in step (app/dashboard/notebook.py)
+        self.browser = BrowserSync(self._layout, redraw=self._redraw)
         if self._doc is not None:  # a served page: its session's end cleans up
             pn.state.on_session_destroyed(self._on_session_destroyed)
         else:  # a notebook kernel or a script: the interpreter's exit does
@@ -518,6 +526,15 @@ class TracingView(pn.viewable.Viewer):
             self.result = s.result
         self.param.update(sweep_id=s.sweep_id, progress=s.fraction_done)
         self._refresh_status()
+        if self._doc is None:
+            self.browser.changed()
+
+    def _redraw(self) -> None:
+        """Rebuild the heatmaps from the fold, as new figures with every cell (the notebook
+        output's re-send, `BrowserSync`)."""
+        if self.state.result is not None:
+            self.state.redraw_all()
+            self._render()
 
     def _push_cells(self) -> None:
         """THE way cells reach the browser: the cells the fold changed since the last push, one
