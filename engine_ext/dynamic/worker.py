@@ -239,7 +239,9 @@ class DynamicWorker:
                     c = None if base_val is None or base_val.c is None else base_val.c.astype(np.float32)
                     for v, _ in parts:
                         c = v.copy() if c is None else c + v
-                    return SlotValue(SlotMode.AFFINE, a=1.0 if base_val is None else base_val.a, c=c)
+                    if base_val is None:
+                        return SlotValue(SlotMode.AFFINE, a=1.0, c=c)
+                    return SlotValue(SlotMode.AFFINE, a=base_val.a, c=c, a_vec=base_val.a_vec, a_key=base_val.a_key)
 
                 acquired.append((site, slots.acquire(key, make)))
                 desc.append(f"{site}:{','.join(f'{c:08x}' for _, c in parts)}")
