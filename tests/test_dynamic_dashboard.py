@@ -66,7 +66,8 @@ def test_panel_generates_with_the_policy_and_plots_its_trace(server_url):
         assert [r["score"] for r in view.rows] == [e["score"] for e in trace]
         assert [r["engaged"] for r in view.rows] == [False] + [True] * 5
         assert "".join(r["token"] for r in view.rows) == view.text == done["text"]
-        assert view.status.startswith("ok: steering engaged on 5 of 6")
+        assert view.status.startswith("ok: steering engaged on 5 of 6") and "ranks consistent" in view.status
+        assert view.determinism["consistent"] is True
         src = view._source.data
         assert list(src["score"]) == [r["score"] for r in view.rows] and list(src["engaged"]) == [0, 1, 1, 1, 1, 1]
         assert view.plot_pane.object is not None

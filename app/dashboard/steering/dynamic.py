@@ -46,6 +46,7 @@ class DynamicTraceView(pn.viewable.Viewer):
     text = param.String(default="")
     status = param.String(default="")
     rows = param.List(default=[], doc="the trace rows (app.figures.dynamic_trace.trace_rows)")
+    determinism = param.Dict(default={}, doc="GET /v1/steering/dynamic's determinism after the last run")
 
     def __init__(self, client_or_url: Any = None, *, api_key: str | None = None, **params: Any):
         super().__init__(**params)
@@ -107,6 +108,13 @@ class DynamicTraceView(pn.viewable.Viewer):
         iv = done.get("intervention") or {}
         engaged = sum(r["engaged"] for r in self.rows)
         self.status = f"{iv.get('status', '?')}: steering engaged on {engaged} of {len(self.rows)} tokens"
+        try:  # the applied-action checksums across ranks (GET /v1/steering/dynamic)
+            det = (await self._client.dynamic_status())["determinism"]
+            self.determinism = det
+            self.status += (f" · ranks consistent ({det['action_count']} actions)" if det.get("consistent")
+                            else f" · RANKS DISAGREE: {det.get('checksums')}")
+        except Exception as exc:
+            self.status += f" · determinism unknown ({exc})"
         self._render()
         return done
 
