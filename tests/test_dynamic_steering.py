@@ -16,6 +16,7 @@ from engine_ext import GenerationParams, SpecError
 from engine_ext.dynamic.policy import PolicyState
 from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
 from engine_ext.reference.hf import RefEdit
+from engine_ext.specs import Interventions, Steer
 
 SCORE_RTOL, SCORE_ATOL = 1e-3, 1e-2
 #: margin kept between any score and a threshold the tests place (in score units)
@@ -278,3 +279,27 @@ def test_fit_probe_from_two_prompt_sets(engine, tasks):
             assert any(x["name"] == p.name for x in engine.list_probes())
         finally:
             engine.delete_probe(f"fit-{method}")
+
+
+def test_a_dynamic_request_salts_its_kv_from_its_first_generated_position(engine, probe, steer_vec):
+    """The request carries the seam's KV salt from position n_prompt on (tests/test_seam.py checks
+    that the salt covers exactly the blocks ending after that position): its prompt blocks stay
+    shareable, no block holding a generated position is ever reused by another request. (On the
+    bundled CPU engine a KV block is larger than the model's context, so reuse itself cannot be
+    observed here.)"""
+    from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY
+    from engine_ext.program import KV_SALT_KEY
+
+    pol = Policy.make(probe=probe.name, sites=[STEER_SITE], vector=steer_vec, on=1.0)
+    prep = engine._prepare(PROMPT, PARAMS, None, dynamic=DynamicRequest.make([pol]))
+    extra = prep.sampling.extra_args
+    first, salt = extra[KV_SALT_KEY]
+    assert first == len(prep.ids) and salt.endswith(prep.key)
+    assert DYNAMIC_ARGS_KEY in extra
+    other = engine._prepare(PROMPT, PARAMS, None, dynamic=DynamicRequest.make([pol]))
+    assert other.sampling.extra_args[KV_SALT_KEY][1] != salt  # never shared between two dynamic requests
+    static = Interventions(steer=(Steer.make([STEER_SITE], steer_vec, positions=[2]),))
+    both = engine._prepare(PROMPT, PARAMS, static, dynamic=DynamicRequest.make([pol]))
+    assert both.sampling.extra_args[KV_SALT_KEY][0] == 2  # the earlier of the static and the dynamic start
+    plain = engine._prepare(PROMPT, PARAMS, None)
+    assert plain.sampling.extra_args is None
