@@ -106,6 +106,10 @@ class Engine(DynamicControl):
 
             check_hybrid_config(self.config)
             self.dtype = hybrid_dtype(self.device, self.config.dtype, self.dtype)
+            if self.config.batch_invariant:
+                raise SpecError("batch_invariant", "vLLM 0.25.1's batch-invariant mode does not support the gated "
+                                                   "delta-net attention (GDN_ATTN) of hybrid models")
+            self.batch_invariant = False  # the CUDA default (on) does not apply to hybrids
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         t0 = time.perf_counter()
         self._loop = EngineLoop(self._build_vllm_engine)
@@ -215,6 +219,10 @@ class Engine(DynamicControl):
             from engine_ext.engine.hybrid import hybrid_engine_kwargs
 
             kwargs.update(hybrid_engine_kwargs(self.device))
+            if self.device == "cuda":
+                # vLLM's default gated delta-net prefill on Hopper is FlashInfer's (JIT-built, not in
+                # the GPU bundle); its Triton kernels are the portable choice
+                kwargs["additional_config"]["gdn_prefill_backend"] = "triton"
         kwargs.update(self.config.engine_kwargs)
         multiprocess = bool(self.config.multiprocess) or self.world_size > 1
         saved = {k: os.environ.get(k) for k in env}

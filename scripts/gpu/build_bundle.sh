@@ -16,6 +16,8 @@
 #   WORK              scratch folder for the build (default: a fresh mktemp -d, removed at exit)
 #   PY                python with pip (default python3; any version, deps are
 #                     cross-downloaded for cp312)
+#   BUNDLE_MOE=1      keep vLLM's MoE kernels (sm_90 only), needed by MoE models such as the
+#                     Qwen3-Next hybrids (docs/hybrid-models.md); +19 MiB (52 MiB in all)
 # Needs: python3 + pip, unzip (or python's zipfile as fallback), tar, xz, network access
 # for pip.  Takes ~150 s on 2 cores (xz -9e dominates).
 set -euo pipefail
@@ -80,8 +82,13 @@ EOF
 
 echo "[3/5] keep only sm_90/sm_90a GPU code in _C_stable_libtorch and _moe_C_stable_libtorch (zero the rest, same layout)"
 "$PY" "$HERE/prune_fatbin.py" --keep 90 "$V/_C_stable_libtorch.abi3.so"
-# the MoE ops: every MoE layer needs them (hybrid models such as Qwen3-Next, docs/hybrid-models.md)
-"$PY" "$HERE/prune_fatbin.py" --keep 90 "$V/_moe_C_stable_libtorch.abi3.so"
+# the MoE ops (every MoE layer needs them: hybrids such as Qwen3-Next, docs/hybrid-models.md) only
+# with BUNDLE_MOE=1: they add ~19 MiB to the bundle, which must fit the device tool's 64 MiB carry
+if [ "${BUNDLE_MOE:-0}" = 1 ]; then
+  "$PY" "$HERE/prune_fatbin.py" --keep 90 "$V/_moe_C_stable_libtorch.abi3.so"
+else
+  rm -f "$V/_moe_C_stable_libtorch.abi3.so"
+fi
 
 echo "[4/5] add the Python deps missing on the GPU host (cp312 wheels, cross-installed)"
 PLAT=""
