@@ -57,6 +57,8 @@ CAPTURE_SITES = ["L1.post_block", "L4.post_attn", "L6.pre_attn"]
 PATCH_SITE = "L3.post_block"
 #: after the load stops, the server must have nothing in flight and no sweep active within this
 SETTLE_S = 30.0
+#: the report keeps every n-th RSS sample (one a second)
+RSS_SERIES_EVERY = 15
 
 
 def free_port() -> int:
@@ -251,7 +253,13 @@ class Soak:
         k = self.rng.randrange(len(self.pairs))
         run_id = f"soak-p{self.next_id}-{k}"
         self.next_id += 1
-        await self.store_patch_source(client, k, run_id)
+        try:
+            await self.store_patch_source(client, k, run_id)
+        except RuntimeError as exc:
+            if "HTTP 507" not in str(exc):
+                raise
+            self.count("capture_refused_507")  # the store is full of leased runs: refused, not wrong
+            return
         self.stored.append(run_id)
         # patch from an older run of the same pair when there is one (likely evicted by now)
         older = [r for r in self.stored[:-1] if r.startswith("soak-p") and r.endswith(f"-{k}")]
@@ -279,7 +287,12 @@ class Soak:
 
     async def do_disconnect(self, client: httpx.AsyncClient) -> None:
         if self.rng.random() < 0.5:
-            await self.read_sse(client, "/v1/patch_sweep", self.sweep_body(self.rng.choice(self.pairs)), stop_after=3)
+            try:
+                await self.read_sse(client, "/v1/patch_sweep", self.sweep_body(self.rng.choice(self.pairs)), stop_after=3)
+            except RuntimeError as exc:
+                if "HTTP 507" not in str(exc):
+                    raise
+                self.count("sweep_refused_507")  # its clean run did not fit beside the leased runs: refused, not wrong
         else:
             await self.read_sse(client, "/v1/generate", {**self.steer_body(self.rng.randrange(len(self.ref["steer"]))),
                                                          "max_tokens": 60}, stop_after=2)
@@ -335,6 +348,11 @@ class Soak:
             self.fail(f"{status['sweeps']['active']} sweeps still active {SETTLE_S} s after the end: {status['sweeps']['sweeps']}")
         if not healthy:
             self.fail("/health is not 200 at the end")
+        workers = [{k: w.get(k) for k in ("tp_rank", "registered_requests", "slots_in_use", "buffer_bytes")}
+                   for w in (status.get("checksum") or {}).get("workers", [])]
+        for w in workers:  # every finished or aborted request's worker state was freed
+            if w["registered_requests"] or w["slots_in_use"]:
+                self.fail(f"worker state left behind after the load: {w}")
         self.rss.append((time.monotonic(), rss_bytes(self.pid)))
         warm_at = start + self.args.warmup * self.args.duration
         warm = [r for t, r in self.rss if t >= warm_at] or [self.rss[-1][1]]
@@ -366,6 +384,8 @@ class Soak:
             "rss_mib": {"after_warmup": round(warm_rss / 2**20, 1), "peak": round(peak_rss / 2**20, 1),
                         "final": round(final_rss / 2**20, 1), "growth_after_warmup": round(growth / 2**20, 1),
                         "tolerance": self.args.rss_tolerance_mb},
+            "workers_at_end": workers,
+            "rss_series_mib": [[round(t - start, 1), round(r / 2**20, 1)] for t, r in self.rss[::RSS_SERIES_EVERY]],
             "server": {"model": status["model"], "device": status["device"], "dtype": status["dtype"],
                        "versions": status["versions"]},
         }

@@ -248,6 +248,7 @@ class DynamicWorker:
                         c = v.copy() if c is None else c + v
                     if base_val is None:
                         return SlotValue(SlotMode.AFFINE, a=1.0, c=c)
+                    # keep the base's per-dimension a (a dimension-masked patch) with its content key
                     return SlotValue(SlotMode.AFFINE, a=base_val.a, c=c, a_vec=base_val.a_vec, a_key=base_val.a_key)
 
                 acquired.append((site, slots.acquire(key, make)))

@@ -39,8 +39,8 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
 * V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
   `query_start_loc_np`, `num_computed_tokens_np`).
 * `Qwen3NextDecoderLayer.__init__` / `.forward` (hybrid: gated delta-net "linear_attention" and
-  "full_attention" layers): the same three sites around the token mixer, whichever it is
-  (`_qwen3_next_site_forward`; forward sha checked like the others).
+  "full_attention" layers): the same five sites, around the token mixer whichever it is and
+  around its (MoE or dense) MLP (`_qwen3_next_site_forward`; forward sha checked like the others).
 * V1 `GPUModelRunner._update_states` (also the CPU runner's), before it: **zero-on-realloc** of
   recurrent state — every conv/ssm state row of the Mamba-group blocks of each request that starts
   from position 0 (new, or resumed after preemption) is zeroed (`state_hygiene.on_update_states`).
@@ -131,7 +131,7 @@ PATCHED_SYMBOLS: tuple[str, ...] = (
 
 
 #: Bump when the patches change: part of the compile-cache key (additional_config).
-SEAM_FINGERPRINT = "causalboard-seam-3"
+SEAM_FINGERPRINT = "causalboard-seam-4"
 
 logger = logging.getLogger("causalboard.seam")
 
@@ -260,7 +260,8 @@ _site_forward._cb_wrapped = True
 
 def _qwen3_next_site_forward(self, hidden_states, residual, positions=None, **kwargs):
     """vLLM 0.25.1's Qwen3-Next decoder-layer forward (linear-attention and full-attention layers
-    alike), plus the three site ops at the same points of the residual stream."""
+    alike), plus the five site ops at the same points as `_site_forward` (`mlp_out`: the branch
+    as written back, after the optional layer scale)."""
     import torch
 
     sid, base = self._cb_state, self._cb_layer * SITES_PER_LAYER
@@ -284,10 +285,12 @@ def _qwen3_next_site_forward(self, hidden_states, residual, positions=None, **kw
         hidden_states = hidden_states * ((scale[0] if hidden_states.dim() == 2 else scale) + 1)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_ATTN)
     hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_IN)
     hidden_states = self.mlp(hidden_states)
     if self.layer_scale:
         scale = self.ffn_layer_scale.to(hidden_states.dtype)
         hidden_states = hidden_states * ((scale[0] if hidden_states.dim() == 2 else scale) + 1)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_OUT)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_BLOCK)
     return hidden_states, residual
 

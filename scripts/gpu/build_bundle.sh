@@ -61,7 +61,7 @@ V="$WORK/site/vllm"
 
 echo "[2/5] drop what an offline LLM run on Hopper does not import"
 rm -f  "$V"/vllm_flash_attn/_vllm_fa2_C.abi3.so "$V"/vllm_flash_attn/_vllm_fa3_C.abi3.so \
-       "$V"/_moe_C_stable_libtorch.abi3.so "$V"/_qutlass_C.abi3.so \
+       "$V"/_qutlass_C.abi3.so \
        "$V"/_flashmla_C.abi3.so "$V"/_flashmla_extension_C.abi3.so \
        "$V"/_rust_tool_parser.abi3.so "$V"/vllm-rs
 rm -rf "$V"/third_party/deep_gemm "$V"/third_party/fmha_sm100
@@ -78,8 +78,10 @@ s = s.replace(old, "if False and not (FA2_AVAILABLE or FA3_AVAILABLE):  # slim b
 open(p, "w").write(s)
 EOF
 
-echo "[3/5] keep only sm_90/sm_90a GPU code in _C_stable_libtorch (zero the rest, same layout)"
+echo "[3/5] keep only sm_90/sm_90a GPU code in _C_stable_libtorch and _moe_C_stable_libtorch (zero the rest, same layout)"
 "$PY" "$HERE/prune_fatbin.py" --keep 90 "$V/_C_stable_libtorch.abi3.so"
+# the MoE ops: every MoE layer needs them (hybrid models such as Qwen3-Next, docs/hybrid-models.md)
+"$PY" "$HERE/prune_fatbin.py" --keep 90 "$V/_moe_C_stable_libtorch.abi3.so"
 
 echo "[4/5] add the Python deps missing on the GPU host (cp312 wheels, cross-installed)"
 PLAT=""
