@@ -61,7 +61,9 @@ class DynamicTraceView(pn.viewable.Viewer):
     async def refresh_choices(self) -> None:
         """Reload the probe and vector lists from the server."""
         probes = [p["name"] for p in await self._client.list_probes()]
-        vectors = sorted(v["name"] for v in (await self._client.list_vectors()).get("vectors", []))
+        listing = await self._client.list_vectors()
+        # causalboard's named vectors (`named`; `vectors` is the fork's probe/steer registry)
+        vectors = sorted(v["name"] for v in listing.get("named") or [])
         self.param.probe.objects = [None, *probes]
         self.param.vector.objects = [None, *vectors]
         if self.probe not in probes:
