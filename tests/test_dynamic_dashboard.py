@@ -78,3 +78,32 @@ def test_panel_generates_with_the_policy_and_plots_its_trace(server_url):
         with CausalboardClient(server_url) as c:
             c.delete_probe("dash-probe")
             c.delete_vector("dash-vec")
+
+
+def test_panel_fits_a_probe_from_two_prompt_sets(server_url, tasks):
+    from app.client import CausalboardClient
+    from app.dashboard.steering.dynamic import DynamicTraceView
+
+    facts = tasks["facts"]
+
+    async def scenario():
+        view = DynamicTraceView(server_url)
+        try:
+            view.param.update(fit_name="dash-fit", fit_layer=4, fit_hook="post_block",
+                              fit_positive="\n".join([f["prompt"] for f in facts if f["relation"] == "capital"][:3]),
+                              fit_negative="\n".join([f["prompt"] for f in facts if f["relation"] == "river"][:3]))
+            out = await view.fit()
+            return view, out
+        finally:
+            await view.aclose()
+
+    view, out = _run(scenario())
+    try:
+        assert out is not None, view.fit_status
+        assert view.probe == "dash-fit" and view.on == out["threshold"] and view.off < view.on
+        assert view.fit_status.startswith("fitted dash-fit (direction) at L4.post_block")
+        assert min(out["positive_scores"]) > view.on > max(out["negative_scores"])
+        assert type(view.__panel__()).__name__ == "Row"  # the layout builds (controls, builder, plot)
+    finally:
+        with CausalboardClient(server_url) as c:
+            c.delete_probe("dash-fit")

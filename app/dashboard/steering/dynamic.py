@@ -42,6 +42,15 @@ class DynamicTraceView(pn.viewable.Viewer):
     layer = param.Integer(default=2, bounds=(0, None))
     hook = param.Selector(default="post_attn", objects=list(HOOKS))
 
+    # probe builder: two prompt sets -> a fitted probe (POST /v1/steering/probes/fit)
+    fit_name = param.String(default="dashboard_probe", doc="name of the probe to fit")
+    fit_positive = param.String(default="", doc="prompts the probe should score high, one per line")
+    fit_negative = param.String(default="", doc="prompts of the other class, one per line")
+    fit_layer = param.Integer(default=3, bounds=(0, None))
+    fit_hook = param.Selector(default="post_block", objects=list(HOOKS))
+    fit_method = param.Selector(default="mean_diff", objects=["mean_diff", "least_squares", "logistic"])
+    fit_status = param.String(default="")
+
     # outputs
     text = param.String(default="")
     status = param.String(default="")
@@ -57,17 +66,40 @@ class DynamicTraceView(pn.viewable.Viewer):
         self.status_pane = pn.pane.HTML("")
         self.run_button = pn.widgets.Button(name="Generate with the policy", button_type="primary")
         self.run_button.on_click(lambda _e: pn.state.execute(self.run))
+        self.fit_button = pn.widgets.Button(name="Fit the probe", button_type="default")
+        self.fit_button.on_click(lambda _e: pn.state.execute(self.fit))
 
     async def refresh_choices(self) -> None:
         """Reload the probe and vector lists from the server."""
         probes = [p["name"] for p in await self._client.list_probes()]
-        vectors = sorted(v["name"] for v in (await self._client.list_vectors()).get("vectors", []))
+        listing = await self._client.list_vectors()
+        # causalboard's named vectors (`named`; `vectors` is the fork's probe/steer registry)
+        vectors = sorted(v["name"] for v in listing.get("named") or [])
         self.param.probe.objects = [None, *probes]
         self.param.vector.objects = [None, *vectors]
         if self.probe not in probes:
             self.probe = probes[0] if probes else None
         if self.vector not in vectors:
             self.vector = vectors[0] if vectors else None
+
+    async def fit(self) -> dict | None:
+        """Fit a probe from the two prompt sets, register it, select it and set the thresholds to
+        the fit's midpoint (`on`) and one score spread below (`off`)."""
+        pos = [p.strip() for p in self.fit_positive.splitlines() if p.strip()]
+        neg = [p.strip() for p in self.fit_negative.splitlines() if p.strip()]
+        try:
+            out = await self._client.fit_probe(name=self.fit_name, site=str(Site(int(self.fit_layer), self.fit_hook)),
+                                               positive=pos, negative=neg, method=self.fit_method)
+        except Exception as exc:
+            self.fit_status = f"error: {exc}"
+            return None
+        await self.refresh_choices()
+        scores = out["positive_scores"] + out["negative_scores"]
+        spread = (max(scores) - min(scores)) / 4 if scores else 1.0
+        self.param.update(probe=out["probe"]["name"], mode="threshold", on=out["threshold"], off=out["threshold"] - spread)
+        self.fit_status = (f"fitted {out['probe']['name']} ({out['probe']['kind']}) at {out['probe']['site']}: "
+                           f"threshold {out['threshold']:.3g}")
+        return out
 
     def policy(self) -> dict:
         """The policy JSON the controls describe (`dynamic.policies[0]` of the request)."""
@@ -157,7 +189,12 @@ class DynamicTraceView(pn.viewable.Viewer):
         controls = pn.Param(self.param, parameters=["prompt", "max_tokens", "ignore_eos", "probe", "mode", "on", "off", "min_hold",
                                                     "latch", "target", "gain", "vector", "scale", "layer", "hook"],
                             show_name=False, width=300)
-        return pn.Row(pn.Column(pn.pane.Markdown("### Dynamic steering"), controls, self.run_button),
+        builder = pn.Param(self.param, parameters=["fit_name", "fit_positive", "fit_negative", "fit_layer", "fit_hook",
+                                                   "fit_method"], show_name=False, width=300,
+                           widgets={"fit_positive": pn.widgets.TextAreaInput, "fit_negative": pn.widgets.TextAreaInput})
+        fit_box = pn.Card(builder, self.fit_button, pn.widgets.StaticText.from_param(self.param.fit_status),
+                          title="Fit a probe from two prompt sets", collapsed=True, width=320)
+        return pn.Row(pn.Column(pn.pane.Markdown("### Dynamic steering"), fit_box, controls, self.run_button),
                       pn.Column(self.text_pane, self.plot_pane, self.status_pane, sizing_mode="stretch_width"),
                       sizing_mode="stretch_width")
 
