@@ -101,6 +101,10 @@ class Engine(DynamicControl):
             raise SpecError("model", f"architecture {arch} is not supported (supported: {', '.join(seam.SUPPORTED_ARCHITECTURES)}); "
                                      "causalboard refuses to serve a model it cannot intervene on")
         self.is_hybrid = arch in seam.HYBRID_ARCHITECTURES
+        missing = seam.unavailable_architecture(arch)
+        if missing:
+            raise SpecError("model", f"architecture {arch} cannot be served in this environment: {missing}; hybrids need "
+                                     "compressed-tensors and loguru (requirements/cpu.txt; GPU bundle: BUNDLE_MOE=1)")
         if self.is_hybrid:
             from engine_ext.engine.hybrid import check_hybrid_config, hybrid_dtype
 

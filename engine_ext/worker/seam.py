@@ -110,6 +110,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 #: hybrid architectures (recurrent-state layers besides attention): served with the state-hygiene
 #: guard (`state_hygiene.py`) and without prefix caching (docs/hybrid-models.md)
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+#: architectures whose vLLM module is patched only where it imports (`unavailable_architecture`)
+OPTIONAL_ARCHITECTURE_MODULES = {"Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next"}
 
 #: Every vLLM symbol this module patches or wraps (see the module docstring for why each is safe).
 PATCHED_SYMBOLS: tuple[str, ...] = (
@@ -450,8 +452,11 @@ class Patch:
 
 def _layer_patch(module: str, cls: str) -> Patch:
     forward = LAYER_SITE_FORWARD.get((module, cls), _site_forward)
+    # a hybrid's module imports packages dense models do not need (qwen3_next: compressed-tensors,
+    # loguru); where they are missing it is skipped and `Engine.start` refuses such a model by name
     return Patch(module, cls, ("__init__", "forward"),
-                 functools.partial(_patch_layer_class, LAYER_FORWARD_SHA[(module, cls)], site_forward=forward))
+                 functools.partial(_patch_layer_class, LAYER_FORWARD_SHA[(module, cls)], site_forward=forward),
+                 optional=(module, cls) in LAYER_SITE_FORWARD)
 
 
 def _wrap_block_hash_extra_keys(module: Any) -> None:
@@ -492,7 +497,8 @@ KV_SALT_PATCHES: tuple[Patch, ...] = (
 #: check's mask override
 STATE_HYGIENE_PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("_update_states",), _wrap_v1_update_states),
-    Patch("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder", ("build",), _wrap_gdn_metadata_build),
+    Patch("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder", ("build",), _wrap_gdn_metadata_build,
+          optional=True),
 )
 
 PATCHES: tuple[Patch, ...] = (
@@ -520,14 +526,20 @@ def is_patched(symbol: str) -> bool:
     raise KeyError(f"{symbol} is not in the seam's patch table")
 
 
+#: optional patch modules that did not import in this process: module -> why
+SKIPPED_MODULES: dict[str, str] = {}
+
+
 def _apply(patch: Patch) -> bool:
-    """Apply one patch; False when its optional module does not import here."""
+    """Apply one patch; False when its optional module does not import here (recorded in
+    `SKIPPED_MODULES`)."""
     try:
         module = importlib.import_module(patch.module)
     except Exception as exc:
         if not patch.optional:
             raise
-        # the V2 runner needs Triton; CPU builds run V1 only
+        # the V2 runner needs Triton (CPU builds run V1 only); a hybrid's module needs its extra packages
+        SKIPPED_MODULES[patch.module] = f"{type(exc).__name__}: {exc}"
         logger.debug("%s not importable here (%s); not patched", patch.module, exc)
         return False
     patch.apply(getattr(module, patch.cls) if patch.cls else module)
@@ -547,3 +559,11 @@ def install() -> None:
     for patch in PATCHES:
         _apply(patch)
     _INSTALLED = True
+
+
+def unavailable_architecture(arch: str) -> str | None:
+    """Why `arch` cannot be served in this process (its patched module did not import), or None."""
+    module = OPTIONAL_ARCHITECTURE_MODULES.get(arch)
+    if module in SKIPPED_MODULES:
+        return f"{module} does not import here ({SKIPPED_MODULES[module]})"
+    return None
