@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lab setup model bundle clean-venv
+.PHONY: run test lab soak setup model bundle clean-venv
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -18,6 +18,12 @@ test: setup
 ## JupyterLab on notebooks/ with the project's kernel (LAB_HOST, LAB_PORT, LAB_OPEN override; scripts/lab.sh).
 lab: setup
 	@exec bash scripts/lab.sh
+
+## Soak: a loopback server on the bundled model under mixed concurrent load for SOAK_SECONDS (default 600),
+## every result checked against its solo run; writes soak.json (docs/reliability.md).
+SOAK_SECONDS ?= 600
+soak: setup
+	$(PY) benchmarks/soak.py --duration $(SOAK_SECONDS) --out soak.json --log soak-server.log
 
 ## Retrain the bundled model from its seeded corpus (not needed to use the project).
 model: setup

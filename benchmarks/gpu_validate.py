@@ -7,13 +7,19 @@ Run on the GPU host after `source .vbundle/gpu_env.sh`; each configuration in it
     python3 benchmarks/gpu_validate.py --throughput --model llama-1b --out $OUT/tp.json
 
 Checks (bf16; tolerances printed in the result):
-* captures vs the transformers oracle (bf16 on the same GPU) at every hook of 3 layers;
-* replacing every site of a layer with the run's own stored values: bit-exact generation;
+* captures vs the transformers oracle (bf16 on the same GPU) at every hook (the MLP-branch hooks
+  mlp_in / mlp_out included) of 3 layers;
+* replacing every site (all five hooks) of a layer with the run's own stored values: bit-exact generation;
 * steering (per-request, all positions) vs the oracle: first greedy token and logprob;
 * patching a corrupt prompt at all positions of a layer with clean values: clean scores, bit-exact;
 * an unintervened request batched with steered/patched/capturing neighbours: bit-exact;
 * prefix cache: an unpatched rerun after a steered run equals a fresh run, bit-exact;
-* a patch from a missing source is voided; the checksum status is consistent.
+* a patch from a missing source is voided; the checksum status is consistent;
+* MLP-branch sites: zero-ablating mlp_out vs the oracle (and the output changes); steering at
+  mlp_out equals steering at post_block within the tolerance; steering at mlp_in vs the oracle;
+* dimension masks: a masked clean->corrupt patch at mlp_out takes the clean values on the masked
+  dimensions and keeps the others, both bit-exact (single-tensor site), and scores as the oracle;
+  masked steering at post_attn vs the oracle.
 Throughput: decode tokens/s with CUDA graphs, vanilla vs every request steered, batch 1 and 32.
 """
 
@@ -66,6 +72,7 @@ def run_checks(args) -> dict:
 
     from engine_ext import Engine, GenerationParams
     from engine_ext.reference.hf import HFReference, RefEdit
+    from engine_ext.sites import HOOKS
     from engine_ext.specs import Capture, Interventions, Patch, Steer
 
     res: dict = {"model": args.model, "mode": args.mode, "runner": args.runner, "checks": {}}
@@ -89,9 +96,9 @@ def run_checks(args) -> dict:
         print(json.dumps({name: checks[name]}), flush=True)
 
     def captures():
-        sites = [f"L{l}.{h}" for l in layers for h in ("pre_attn", "post_attn", "post_block")]
+        sites = [f"L{l}.{h}" for l in layers for h in HOOKS]
         gen = eng.capture(ids, sites, "all_prompt")
-        rr = ref.run(ids, capture=[(l, h) for l in layers for h in ("pre_attn", "post_attn", "post_block")])
+        rr = ref.run(ids, capture=[(l, h) for l in layers for h in HOOKS])
         worst = 1.0
         for (l, h, p), v in gen.captures.items():
             w = rr.captures[(l, h)][p].float().cpu().numpy()
@@ -106,7 +113,7 @@ def run_checks(args) -> dict:
         clean = eng.generate(ids, params)
         out = {}
         for l in layers:
-            hooks = ("pre_attn", "post_attn", "post_block")
+            hooks = HOOKS
             eng.capture(ids, [f"L{l}.{h}" for h in hooks], "all_prompt", keep_as=f"self{l}", return_values=False)
             g = eng.generate(ids, params, Interventions(patch=tuple(Patch.make(f"L{l}.{h}", "all_prompt", {"run": f"self{l}"}) for h in hooks)))
             out[l] = not g.intervention.voided and g.token_ids == clean.token_ids and g.logprobs == clean.logprobs
@@ -173,10 +180,85 @@ def run_checks(args) -> dict:
         st = eng.intervention_status()
         return {"ok": g.intervention.voided and st["determinism"]["consistent"], "determinism": st["determinism"]}
 
+    def _rand(seed, site):
+        v = np.random.default_rng(seed).standard_normal(eng.info.hidden_size).astype(np.float32)
+        layer, hook = int(site.split(".")[0][1:]), site.split(".")[1]
+        norm = float(np.linalg.norm(eng.capture(ids, [site], "last_prompt").captures[(layer, hook, len(ids) - 1)]))
+        return v * (norm / np.linalg.norm(v))
+
+    def _lp_vs_oracle(spec, edits):
+        g = eng.generate(ids, GenerationParams(max_tokens=1, logprobs=1), spec)
+        r = ref.generate(ids, 1, edits=edits)
+        return g, abs(g.logprobs[0] - float(r.step_logprobs[0][g.token_ids[0]])), g.token_ids == r.token_ids
+
+    def mlp_out_zero():
+        l = L // 2
+        spec = Interventions(patch=(Patch.make(f"L{l}.mlp_out", "all_prompt", "zeros"),))
+        g, diff, same = _lp_vs_oracle(spec, [RefEdit.zero((l, "mlp_out"), range(len(ids)))])
+        base = eng.generate(ids, GenerationParams(max_tokens=1, logprobs=0))
+        return {"ok": diff <= LOGPROB_TOL_BF16 and g.logprobs != base.logprobs, "logprob_diff": diff, "same_token_as_oracle": same,
+                "changed_output": g.logprobs != base.logprobs, "tolerance": LOGPROB_TOL_BF16}
+
+    def mlp_out_steer_equals_post_block():
+        l = L // 2
+        v = _rand(1, f"L{l}.post_block") * 0.25
+        params = GenerationParams(max_tokens=4, ignore_eos=True, logprobs=0)
+        a = eng.generate(ids, params, Interventions(steer=(Steer.make([f"L{l}.mlp_out"], v),)))
+        b = eng.generate(ids, params, Interventions(steer=(Steer.make([f"L{l}.post_block"], v),)))
+        diff = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
+        return {"ok": a.token_ids == b.token_ids and diff <= LOGPROB_TOL_BF16, "max_logprob_diff": diff, "tolerance": LOGPROB_TOL_BF16}
+
+    def mlp_in_steer():
+        l = L // 2
+        v = _rand(2, f"L{l}.mlp_in") * 2.0
+        spec = Interventions(steer=(Steer.make([f"L{l}.mlp_in"], v),))
+        g, diff, same = _lp_vs_oracle(spec, [RefEdit.steer((l, "mlp_in"), v, positions=range(len(ids)), gen=True)])
+        base = eng.generate(ids, GenerationParams(max_tokens=1, logprobs=0))
+        return {"ok": diff <= LOGPROB_TOL_BF16 and g.logprobs != base.logprobs, "logprob_diff": diff, "same_token_as_oracle": same,
+                "changed_output": g.logprobs != base.logprobs, "tolerance": LOGPROB_TOL_BF16}
+
+    def masked_patch():
+        clean = P["clean"] if isinstance(P["clean"], list) else eng.tokenize(P["clean"])
+        corrupt = P["corrupt"] if isinstance(P["corrupt"], list) else eng.tokenize(P["corrupt"])
+        l, H = L // 2, eng.info.hidden_size
+        site = f"L{l}.mlp_out"
+        dims = sorted(np.random.default_rng(3).choice(H, H // 4, replace=False).tolist())
+        m = np.zeros(H, bool)
+        m[dims] = True
+        eng.capture(clean, [site], "all_prompt", keep_as="mask-src", return_values=False)
+        src = eng.capture(clean, [site], "all_prompt").captures
+        plain = eng.capture(corrupt, [site], "all_prompt").captures
+        spec = Interventions(patch=(Patch.make(site, "all_prompt", {"run": "mask-src"}, mask={"indices": dims}),),
+                             capture=Capture.make([site], "all_prompt"), score_token_ids=(P["ans"],))
+        g = eng.generate(corrupt, GenerationParams(max_tokens=1), spec)
+        eng.drop_source("mask-src")
+        exact_in = all(np.array_equal(v[m], src[k][m]) for k, v in g.captures.items())
+        exact_out = all(np.array_equal(v[~m], plain[k][~m]) for k, v in g.captures.items())
+        clean_vals = ref.run(clean, capture=[(l, "mlp_out")]).captures[(l, "mlp_out")].float().cpu().numpy()
+        want = ref.score(corrupt, [P["ans"]], edits=[RefEdit.patch((l, "mlp_out"), range(len(corrupt)), clean_vals, mask=m)])
+        diff = abs(g.scores[0][P["ans"]] - want[P["ans"]])
+        return {"ok": exact_in and exact_out and diff <= LOGPROB_TOL_BF16 and not g.intervention.voided,
+                "masked_dims_bit_exact_source": exact_in, "other_dims_bit_exact_kept": exact_out, "logprob_diff": diff,
+                "tolerance": LOGPROB_TOL_BF16}
+
+    def masked_steer():
+        l, H = L // 2, eng.info.hidden_size
+        v = _rand(4, f"L{l}.post_attn") * 0.5
+        dims = sorted(np.random.default_rng(5).choice(H, H // 2, replace=False).tolist())
+        m = np.zeros(H, bool)
+        m[dims] = True
+        spec = Interventions(steer=(Steer.make([f"L{l}.post_attn"], v, mask={"indices": dims}),))
+        g, diff, same = _lp_vs_oracle(spec, [RefEdit.steer((l, "post_attn"), v, positions=range(len(ids)), gen=True, mask=m)])
+        base = eng.generate(ids, GenerationParams(max_tokens=1, logprobs=0))
+        return {"ok": diff <= LOGPROB_TOL_BF16 and g.logprobs != base.logprobs, "logprob_diff": diff, "same_token_as_oracle": same,
+                "tolerance": LOGPROB_TOL_BF16}
+
     for name, fn in [("captures_vs_oracle", captures), ("self_patch_bit_exact", self_patch), ("steering_vs_oracle", steering),
                      ("corrupt_to_clean_bit_exact", corrupt_to_clean), ("neighbours_bit_exact", neighbours),
                      ("prefix_cache_isolation", prefix_cache), ("missing_source_voided", voided),
-                     ("logprobs_only_on_request", logprobs_on_request)]:
+                     ("logprobs_only_on_request", logprobs_on_request), ("mlp_out_zero_vs_oracle", mlp_out_zero),
+                     ("mlp_out_steer_equals_post_block", mlp_out_steer_equals_post_block), ("mlp_in_steer_vs_oracle", mlp_in_steer),
+                     ("masked_patch_bit_exact", masked_patch), ("masked_steer_vs_oracle", masked_steer)]:
         check(name, fn)
     res["all_ok"] = all(c.get("ok") for c in checks.values())
     ref = None  # free the oracle's GPU memory (the checks above are done with it)

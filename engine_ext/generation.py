@@ -31,6 +31,8 @@ class GenerationParams:
     logprobs: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    #: vLLM's `cache_salt`: prefix-cache blocks are shared only among requests with the same salt
+    cache_salt: str | None = None
 
     def validate(self, prefix: str = "") -> None:
         """Raise `SpecError` naming the first bad field."""
@@ -51,6 +53,8 @@ class GenerationParams:
             raise bad("logprobs", f"must be null or an integer between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", "must be a non-empty string if provided")
 
 
 @dataclass
@@ -67,6 +71,10 @@ class InterventionResult:
     stored_as: str | None = None
     evicted: list[str] = field(default_factory=list)
     program_hash: str | None = None
+    #: dynamic steering of this request (None without policies): `policies` (their JSON),
+    #: `trace` (per policy, one entry per scored position: position, score, threshold,
+    #: engaged, scale), `actions` applied, `latched` per policy, `conversation_id`
+    dynamic: dict | None = None
 
     @property
     def voided(self) -> bool:
@@ -133,7 +141,7 @@ class Generation:
         if self.intervention is not None:
             iv = self.intervention
             d["intervention"] = {"status": iv.status, "errors": iv.errors, "stored_as": iv.stored_as,
-                                 "evicted": iv.evicted, "program_hash": iv.program_hash,
+                                 "evicted": iv.evicted, "program_hash": iv.program_hash, "dynamic": iv.dynamic,
                                  "captures": [{"layer": k[0], "hook": k[1], "position": k[2], "value": v.tolist()}
                                               for k, v in sorted(iv.captures.items())]}
         return d

@@ -118,6 +118,28 @@ def _check_vec(vec: np.ndarray, dims: ModelDims, field_name: str) -> str:
     return encode_vector(vec)
 
 
+def _mask_wire(mask, dims: ModelDims, field_name: str) -> dict | None:
+    """The wire form of a dimension mask (checked against the hidden size): the sorted indices
+    with the width, or the base64 float32 weights."""
+    if mask is None:
+        return None
+    mask.values(dims.hidden_size, field_name)  # bounds
+    if mask.indices is not None:
+        return {"idx": list(mask.indices), "n": dims.hidden_size}
+    return {"w": encode_vector(mask.weights)}
+
+
+def decode_mask(wire: dict | None) -> np.ndarray | None:
+    """The float32 per-dimension weights of a wire mask (None: no mask)."""
+    if wire is None:
+        return None
+    if "w" in wire:
+        return decode_vector(wire["w"])
+    m = np.zeros(int(wire["n"]), np.float32)
+    m[np.asarray(wire["idx"], np.int64)] = 1.0
+    return m
+
+
 def noise_vectors(n_positions: int, hidden: int, scale: float, std: float, seed: int) -> np.ndarray:
     """The Gaussian corruption added at the noised positions: `scale * std * N(0, 1)`, drawn in
     position order from `numpy.random.default_rng(seed)` (so the oracle can redraw it)."""
@@ -159,8 +181,10 @@ def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *,
         else:
             vec = _check_vec(s.vector, dims, f"{f}.vector")
         touched += len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))
-        steer_out.append({"sites": sites, "pos": pos, "gen": gen, "phase": s.phase, "vec": vec,
-                          "name": s.name, "scale": s.scale})
+        entry = {"sites": sites, "pos": pos, "gen": gen, "phase": s.phase, "vec": vec, "name": s.name, "scale": s.scale}
+        if s.mask is not None:
+            entry["mask"] = _mask_wire(s.mask, dims, f"{f}.mask")
+        steer_out.append(entry)
     patch_out = []
     for k, p in enumerate(spec.patch):
         f = f"patch[{k}]"
@@ -186,7 +210,10 @@ def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *,
             assert isinstance(src, ZeroSource)
             sj = {"zero": True}
         touched += len(dst)
-        patch_out.append({"site": site, "dst": dst, "src": sj, "alpha": p.alpha})
+        entry = {"site": site, "dst": dst, "src": sj, "alpha": p.alpha}
+        if p.mask is not None:
+            entry["mask"] = _mask_wire(p.mask, dims, f"{f}.mask")
+        patch_out.append(entry)
     noise_out = None
     if spec.noise is not None:
         pos, _ = resolve_positions(spec.noise.positions, prompt, "noise.positions")
@@ -300,9 +327,9 @@ class WorkerProgram:
     max_pos: int
     hash: str
     adds: list[AddOp] = field(default_factory=list)
-    #: (site, position) -> (alpha, target): target is an fp32 vector, a stored (x, r) pair, or
-    #: None for zero-ablation
-    replaces: dict[tuple[int, int], tuple[float, Any]] = field(default_factory=dict)
+    #: (site, position) -> (alpha, target, mask): target is an fp32 vector, a stored (x, r) pair,
+    #: or None for zero-ablation; mask the fp32 per-dimension weights or None
+    replaces: dict[tuple[int, int], tuple[float, Any, np.ndarray | None]] = field(default_factory=dict)
     capture_sites: list[int] = field(default_factory=list)
     capture_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     capture_gen: bool = False
@@ -347,6 +374,8 @@ class WorkerProgram:
                 if vec is None:
                     prog.errors.append(f"steering vector {s['name']!r} is no longer registered")
                     continue
+            if s.get("mask") is not None:
+                vec = (vec * decode_mask(s["mask"])).astype(np.float32)
             for site in s["sites"]:
                 if not owns_site(site):
                     continue
@@ -361,6 +390,7 @@ class WorkerProgram:
             op_id += 1
         for p in data["patch"]:
             site, alpha, src = int(p["site"]), float(p["alpha"]), p["src"]
+            mask = decode_mask(p.get("mask"))
             if "run" in src or "mean_of" in src:
                 prog.sources.add(src.get("run") or src["mean_of"])
             if not owns_site(site):
@@ -381,7 +411,7 @@ class WorkerProgram:
                         continue
                 else:
                     t = None
-                prog.replaces[(site, int(dst))] = (alpha, t)
+                prog.replaces[(site, int(dst))] = (alpha, t, mask)
             if missing:
                 prog.errors.append(f"source run {src['run']!r} has no value at {site_from_index(site)} position(s) "
                                    f"{missing} (never captured there, dropped, or evicted)")

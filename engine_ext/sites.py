@@ -9,8 +9,15 @@ A site is `(layer, hook)`. Hooks are points of decoder layer `i` (see docs/conce
 
 * `pre_attn`   — the residual stream entering layer i (HF `hidden_states[i]`);
 * `post_attn`  — the stream after the attention add of layer i;
+* `mlp_in`     — the MLP's input: the output of the post-attention norm, what the MLP reads
+  (a branch tensor, not the residual stream);
+* `mlp_out`    — the MLP's output, before it is added to the residual stream (a branch
+  tensor: `post_block = post_attn + mlp_out` in an unmodified run);
 * `post_block` — the stream leaving layer i (HF `hidden_states[i+1]`; for the last layer the
   value before the final norm).
+
+`RESIDUAL_HOOKS` are the three residual-stream hooks; `BRANCH_HOOKS` the two MLP-branch hooks.
+Every hook is `hidden_size` wide, and every intervention (steer, patch, capture) works at each.
 
 Canonical text form `L{layer}.{hook}` (`site_name`, `Site.__str__`, `Site.parse`), e.g.
 `L3.post_attn`: the same string in the API, capture keys, figure labels and docs. Internally a
@@ -45,14 +52,20 @@ from typing import Any, NamedTuple
 
 from engine_ext.errors import SpecError
 
-#: hooks of a decoder layer, in stream order (the order of the per-site buffers and of figures)
-HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
+#: hooks of a decoder layer, in the order the forward computes them (the order of the per-site
+#: buffers and of figures)
+HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "mlp_in", "mlp_out", "post_block")
+#: the hooks on the residual stream, and those on the MLP branch (see the module docstring)
+RESIDUAL_HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
+BRANCH_HOOKS: tuple[str, ...] = ("mlp_in", "mlp_out")
 HOOK_INDEX: dict[str, int] = {h: i for i, h in enumerate(HOOKS)}
 SITES_PER_LAYER = len(HOOKS)
 #: what each hook is, for forms, tooltips and the OpenAPI page
 HOOK_DOCS: dict[str, str] = {
     "pre_attn": "residual stream entering the layer",
     "post_attn": "residual stream after the attention add",
+    "mlp_in": "MLP input (after the post-attention norm)",
+    "mlp_out": "MLP output, before its residual add",
     "post_block": "residual stream leaving the layer",
 }
 NAMED_POSITIONS: tuple[str, ...] = ("last_prompt", "all_prompt", "all_generated", "all")

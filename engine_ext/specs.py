@@ -98,6 +98,80 @@ def decode_vector(text: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), dtype="<f4").copy()
 
 
+# ---- dimension masks -----------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class Mask:
+    """Which dimensions of a site an intervention touches: `indices` (the reference fork's
+    `{"indices": [...]}`: those dimensions fully, the others not at all) or `weights` (one value
+    in [0, 1] per dimension: graded). A patch becomes `(1 - alpha * m) * h + alpha * m * t` per
+    dimension, a steer adds `scale * m * v`."""
+
+    indices: tuple[int, ...] | None = None
+    weights: np.ndarray | None = None
+
+    def to_json(self) -> dict:
+        if self.indices is not None:
+            return {"indices": list(self.indices)}
+        return {"weights": encode_vector(self.weights)}
+
+    def values(self, hidden: int, field_name: str = "mask") -> np.ndarray:
+        """The float32 weight of every dimension; SpecError naming the field if it does not fit `hidden`."""
+        if self.indices is not None:
+            bad = [k for k, i in enumerate(self.indices) if i >= hidden]
+            if bad:
+                raise SpecError(f"{field_name}.indices[{bad[0]}]", f"dimension {self.indices[bad[0]]} is out of range: the hidden size is {hidden}")
+            m = np.zeros(hidden, np.float32)
+            m[list(self.indices)] = 1.0
+            return m
+        if self.weights.shape[0] != hidden:
+            raise SpecError(f"{field_name}.weights", f"has {self.weights.shape[0]} values, the model's hidden size is {hidden}")
+        return self.weights
+
+
+MAX_MASK_INDICES = 1 << 20
+
+
+def mask_from_json(value: Any, field_name: str = "mask") -> Mask | None:
+    """A `Mask` from its JSON forms: `{"indices": [int, ...]}` (the fork's), a plain list of
+    dimension indices, a list of booleans (one per dimension: true = masked in),
+    `{"weights": [floats in [0, 1]]}` (one per dimension, or its base64 float32 form) — or None."""
+    if value is None or isinstance(value, Mask):
+        return value
+    if isinstance(value, dict):
+        extra = set(value) - {"indices", "weights"}
+        if extra:
+            raise SpecError(f"{field_name}.{sorted(extra)[0]}", "unknown mask field; give 'indices' or 'weights'")
+        if len(value) != 1:
+            raise SpecError(field_name, "give exactly one of 'indices' and 'weights'")
+        if "indices" in value:
+            return _mask_indices(value["indices"], f"{field_name}.indices")
+        w = value["weights"]
+        arr = decode_vector(w) if isinstance(w, str) else as_vector(w, f"{field_name}.weights")
+        if arr.size == 0 or not np.all(np.isfinite(arr)) or arr.min() < 0 or arr.max() > 1:
+            raise SpecError(f"{field_name}.weights", "must be finite values in [0, 1], one per dimension")
+        return Mask(weights=np.ascontiguousarray(arr, np.float32))
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, bool) for v in value):
+        idx = tuple(i for i, v in enumerate(value) if v)
+        if not idx:
+            raise SpecError(field_name, "masks no dimension (every entry is false)")
+        return Mask(weights=np.asarray(value, np.float32))
+    if isinstance(value, (list, tuple)):
+        return _mask_indices(value, field_name)
+    raise SpecError(field_name, "must be {'indices': [dims]}, a list of dimension indices, a list of booleans "
+                                "(one per dimension) or {'weights': [values in [0, 1]]}")
+
+
+def _mask_indices(value: Any, field_name: str) -> Mask:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise SpecError(field_name, "must be a non-empty list of dimension indices")
+    if len(value) > MAX_MASK_INDICES:
+        raise SpecError(field_name, f"at most {MAX_MASK_INDICES} indices")
+    for k, i in enumerate(value):
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
+            raise SpecError(f"{field_name}[{k}]", f"must be a dimension index >= 0, got {i!r}")
+    return Mask(indices=tuple(sorted({int(i) for i in value})))
+
+
 # ---- interventions ---------------------------------------------------------------------------
 def _sites(value: Any, field_name: str) -> tuple[Site, ...]:
     items = value if isinstance(value, (list, tuple)) else [value]
@@ -123,7 +197,8 @@ def _sites(value: Any, field_name: str) -> tuple[Site, ...]:
 
 @dataclass(frozen=True, eq=False)
 class Steer:
-    """Add `scale * vector` to the stream at `sites` and `positions` during `phase`.
+    """Add `scale * vector` to the stream at `sites` and `positions` during `phase` (only on the
+    dimensions of `mask`, when given: `scale * m * vector`).
 
     Exactly one of `vector` (inline) and `name` (a registered named vector) is given."""
 
@@ -133,10 +208,11 @@ class Steer:
     scale: float = 1.0
     positions: Positions = "all"
     phase: Literal["both", "prefill", "decode"] = "both"
+    mask: Mask | None = None
 
     @classmethod
     def make(cls, sites: Any, vector: Any = None, *, name: str | None = None, scale: float = 1.0,
-             positions: Any = "all", phase: str = "both", field_name: str = "steer") -> "Steer":
+             positions: Any = "all", phase: str = "both", mask: Any = None, field_name: str = "steer") -> "Steer":
         if (vector is None) == (name is None):
             raise SpecError(f"{field_name}.vector", "give exactly one of an inline 'vector' and a registered 'name'")
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
@@ -145,13 +221,31 @@ class Steer:
             raise SpecError(f"{field_name}.phase", f"must be one of {', '.join(PHASES)}, got {phase!r}")
         vec = as_vector(vector, f"{field_name}.vector") if vector is not None else None
         return cls(_sites(sites, f"{field_name}.sites"), vec, name, float(scale),
-                   positions_from_json(positions, f"{field_name}.positions"), phase)  # type: ignore[arg-type]
+                   positions_from_json(positions, f"{field_name}.positions"), phase,  # type: ignore[arg-type]
+                   mask_from_json(mask, f"{field_name}.mask"))
 
     def to_json(self) -> dict:
-        return {"sites": [str(s) for s in self.sites],
-                "vector": encode_vector(self.vector) if self.vector is not None else None,
-                "name": self.name, "scale": self.scale,
-                "positions": positions_to_json(self.positions), "phase": self.phase}
+        out = {"sites": [str(s) for s in self.sites],
+               "vector": encode_vector(self.vector) if self.vector is not None else None,
+               "name": self.name, "scale": self.scale,
+               "positions": positions_to_json(self.positions), "phase": self.phase}
+        if self.mask is not None:
+            out["mask"] = self.mask.to_json()
+        return out
+
+
+#: the one character set of user-chosen names (stored source runs `keep_as`, named vectors):
+#: letters, digits, '_', '-', '.', ':' — no '/' (a name must read back as one URL path segment)
+SAFE_NAME = re.compile(r"[\w.\-:]{1,128}")
+SAFE_NAME_RULE = "must be 1-128 characters of letters, digits, '_', '-', '.', ':'"
+
+
+def check_safe_name(name: Any, field_name: str, allow_none: bool = False) -> None:
+    """Raise `SpecError(field_name)` unless `name` is a string of the safe name set."""
+    if name is None and allow_none:
+        return
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
+        raise SpecError(field_name, SAFE_NAME_RULE)
 
 
 @dataclass(frozen=True)
@@ -169,8 +263,7 @@ class Capture:
     @classmethod
     def make(cls, sites: Any, positions: Any = "last_prompt", *, keep_as: str | None = None,
              return_values: bool = True, field_name: str = "capture") -> "Capture":
-        if keep_as is not None and (not isinstance(keep_as, str) or not re.fullmatch(r"[\w.\-:]{1,128}", keep_as)):
-            raise SpecError(f"{field_name}.keep_as", "must be 1-128 characters of letters, digits, '_', '-', '.', ':'")
+        check_safe_name(keep_as, f"{field_name}.keep_as", allow_none=True)
         return cls(_sites(sites, f"{field_name}.sites"), positions_from_json(positions, f"{field_name}.positions"),
                    keep_as, bool(return_values))
 
@@ -214,22 +307,25 @@ Source = Union[RunSource, InlineSource, ZeroSource, MeanSource]
 @dataclass(frozen=True, eq=False)
 class Patch:
     """At `site` and destination `positions`: replace (alpha = 1) or lerp
-    `(1 - alpha) * h + alpha * t` with values `t` from `source`."""
+    `(1 - alpha) * h + alpha * t` with values `t` from `source` — with a `mask`, per dimension
+    `(1 - alpha * m) * h + alpha * m * t` (dimensions outside the mask keep their value exactly)."""
 
     site: Site
     positions: Positions
     source: Source
     alpha: float = 1.0
+    mask: Mask | None = None
 
     @classmethod
-    def make(cls, site: Any, positions: Any, source: Any, *, alpha: float = 1.0, field_name: str = "patch") -> "Patch":
+    def make(cls, site: Any, positions: Any, source: Any, *, alpha: float = 1.0, mask: Any = None,
+             field_name: str = "patch") -> "Patch":
         sites = _sites(site, f"{field_name}.site")
         if len(sites) != 1:
             raise SpecError(f"{field_name}.site", "a patch names exactly one site")
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
             raise SpecError(f"{field_name}.alpha", f"must be a finite number, got {alpha!r}")
         return cls(sites[0], positions_from_json(positions, f"{field_name}.positions"),
-                   _source(source, f"{field_name}.source"), float(alpha))
+                   _source(source, f"{field_name}.source"), float(alpha), mask_from_json(mask, f"{field_name}.mask"))
 
     def to_json(self) -> dict:
         src = self.source
@@ -241,7 +337,10 @@ class Patch:
             sj = {"mean_of": src.run_id}
         else:
             sj = {"zero": True}
-        return {"site": str(self.site), "positions": positions_to_json(self.positions), "source": sj, "alpha": self.alpha}
+        out = {"site": str(self.site), "positions": positions_to_json(self.positions), "source": sj, "alpha": self.alpha}
+        if self.mask is not None:
+            out["mask"] = self.mask.to_json()
+        return out
 
 
 def _source(value: Any, field_name: str) -> Source:

@@ -54,7 +54,7 @@ def test_routes_that_need_the_engine_answer_503(client):
         r = client.request(method, path, json=body)
         assert r.status_code == 503, (path, r.text)
         err = r.json()
-        assert err["field"] is None and ("not running" in err["error"] or "not started" in err["error"]), err
+        assert err["field"] == "engine" and ("not running" in err["error"] or "not started" in err["error"]), err
 
 
 def test_auth_and_the_body_limit_come_before_the_engine(client):

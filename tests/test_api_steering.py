@@ -13,6 +13,7 @@ import pytest
 from app.api.compat.fork_vectors import pack_vectors
 from engine_ext import GenerationParams
 from engine_ext.specs import Interventions, Steer
+from engine_ext.sites import HOOKS
 
 
 def _vec(engine, seed=0, norm=30.0) -> np.ndarray:
@@ -81,7 +82,9 @@ def test_merge_replace_and_active_layers(http, engine, clean_steering):
     assert r.json()["sites"] == ["L1.post_attn", "L3.pre_attn"]
     st = http.get("/v1/steering").json()
     assert st["active_layers"]["1"]["post_attn"]["norm"] == pytest.approx(3.0, rel=1e-5)
-    assert st["active_layers"]["3"]["pre_attn"] == {"norm": 0.0, "prefill_norm": pytest.approx(2.0, rel=1e-5)}
+    # the fork's shape: a zero norm is left out, norms are rounded to 6 decimals
+    assert st["active_layers"]["3"]["pre_attn"] == {"prefill_norm": pytest.approx(2.0, rel=1e-5)}
+    assert all(round(v, 6) == v for hooks in st["active_layers"].values() for n in hooks.values() for v in n.values())
     assert [(e["sites"], e["phase"]) for e in st["steer"]] == [(["L1.post_attn"], "both"), (["L3.pre_attn"], "prefill")]
     # same site and phase: replaced, not added
     http.post("/v1/steering/set", json={"vectors": {"post_attn": {"1": c.tolist()}}})
@@ -141,7 +144,7 @@ def test_native_steer_with_named_vector(http, engine, tasks, clean_steering):
 def test_layers_lists_every_layer_and_hook(http, engine):
     body = http.get("/v1/steering/layers").json()
     assert list(body["layers"]) == [str(i) for i in range(engine.info.num_layers)]
-    assert all(v == {"hook_points": ["post_attn", "post_block", "pre_attn"]} for v in body["layers"].values())
+    assert all(v == {"hook_points": sorted(HOOKS)} for v in body["layers"].values())
 
 
 # ---- named vectors ------------------------------------------------------------------------------
@@ -172,7 +175,7 @@ def test_named_vector_json_npy_and_safetensors_round_trip(http, engine):
                 r = http.put(f"/v1/steering/vectors/{name}", content=payload, headers={"content-type": "application/octet-stream"})
             assert r.status_code == 200, (name, r.text)
             assert r.json() == {"name": name, "dim": h, "norm": pytest.approx(float(np.linalg.norm(want[name])), rel=1e-5)}
-        listed = {v["name"]: v for v in http.get("/v1/steering/vectors").json()["vectors"]}
+        listed = {v["name"]: v for v in http.get("/v1/steering/vectors").json()["named"]}
         for name, vec in want.items():
             assert listed[name]["dim"] == h
             got = http.get(f"/v1/steering/vectors/{name}").json()
@@ -250,7 +253,7 @@ def _bad_cases(h: int, n_layers: int) -> list:
         ("POST", "/v1/steering/set", {"vectors": {"post_block": {"2": [0.1] * (h - 1)}}}, 400, "vectors.post_block.2"),
         ("POST", "/v1/steering/set", {"vectors": {"post_block": {"2": {"vector": ok, "scale": 1, "gain": 2}}}}, 400, "vectors.post_block.2.gain"),
         ("POST", "/v1/steering/set", {"vectors": {"resid_post": {"2": ok}}}, 400, "vectors.resid_post"),
-        ("POST", "/v1/steering/set", {"vectors": {"mlp_out": {"2": ok}}}, 400, "vectors.mlp_out"),
+        ("POST", "/v1/steering/set", {"vectors": {"post_mlp": {"2": ok}}}, 400, "vectors.post_mlp"),
         ("POST", "/v1/steering/set", {"decode_vectors": {"pre_attn": {"99": ok}}}, 400, "decode_vectors.pre_attn.99"),
         ("POST", "/v1/steering/set", {"vectors": {"pre_attn": {"x": ok}}}, 400, "vectors.pre_attn.x"),
         ("POST", "/v1/steering/set", {"clamps": {"post_block": {}}}, 400, "clamps"),
@@ -331,7 +334,7 @@ def test_bad_inputs_name_the_field_and_leave_the_engine_untouched(http, engine, 
         assert r.status_code == 400 and r.json()["field"] == field, r.text
         assert "NaN" in r.json()["error"]
     for method, path, body, status, field in _bad_cases(h, engine.info.num_layers):  # unsupported fork features say so
-        if field in ("vectors.mlp_out", "clamps", "target", "kind"):
+        if field in ("vectors.post_mlp", "clamps", "target", "kind"):
             assert "not supported" in http.request(method, path, json=body).json()["error"]
     # nothing was changed and the engine still serves, identically
     assert http.get("/v1/steering").json() == {"active_layers": {}, "steer": []}

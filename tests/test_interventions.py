@@ -15,6 +15,7 @@ import pytest
 
 from engine_ext import GenerationParams, SpecError
 from engine_ext.reference.hf import RefEdit
+from engine_ext.sites import HOOKS
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 
 CAPTURE_ATOL, CAPTURE_RTOL = 2e-4, 2e-4
@@ -32,7 +33,7 @@ def assert_close_capture(got: np.ndarray, want: np.ndarray, what: str):
 
 
 def hf_sites(engine):
-    return [(L, h) for L in range(engine.info.num_layers) for h in ("pre_attn", "post_attn", "post_block")]
+    return [(L, h) for L in range(engine.info.num_layers) for h in HOOKS]
 
 
 # ---- capture ---------------------------------------------------------------------------------
@@ -65,7 +66,8 @@ def _vec(engine, seed=0, norm=6.0):
     return v / np.linalg.norm(v) * norm
 
 
-@pytest.mark.parametrize("site, phase", [("L1.pre_attn", "both"), ("L2.post_attn", "prefill"), ("L3.post_block", "decode")])
+@pytest.mark.parametrize("site, phase", [("L1.pre_attn", "both"), ("L2.post_attn", "prefill"), ("L3.post_block", "decode"),
+                                         ("L1.mlp_in", "both"), ("L2.mlp_out", "decode")])
 def test_steered_generation_matches_reference(engine, hf_ref, tasks, site, phase):
     prompt = fact(tasks, 7)["prompt"]
     v = _vec(engine, 1)
@@ -117,10 +119,8 @@ def test_replacing_every_site_of_a_layer_with_its_own_values_is_bit_exact(engine
     clean = engine.generate(prompt, params)
     for layer in (0, engine.info.num_layers - 1):
         run = f"self-{layer}"
-        engine.capture(prompt, [f"L{layer}.{h}" for h in ("pre_attn", "post_attn", "post_block")], "all_prompt",
-                       keep_as=run, return_values=False)
-        spec = Interventions(patch=tuple(Patch.make(f"L{layer}.{h}", "all_prompt", {"run": run})
-                                         for h in ("pre_attn", "post_attn", "post_block")))
+        engine.capture(prompt, [f"L{layer}.{h}" for h in HOOKS], "all_prompt", keep_as=run, return_values=False)
+        spec = Interventions(patch=tuple(Patch.make(f"L{layer}.{h}", "all_prompt", {"run": run}) for h in HOOKS))
         patched = engine.generate(prompt, params, spec)
         assert patched.intervention.status == "ok"
         assert patched.token_ids == clean.token_ids

@@ -24,7 +24,7 @@ TYPED = {
     ("GET", "/v1/steering/vectors/{name}"), ("DELETE", "/v1/steering/vectors/{name}"),
     ("POST", "/v1/steering/modules/register"), ("POST", "/v1/steering/modules/unregister"), ("GET", "/v1/steering/modules"),
     ("POST", "/v1/capture"), ("GET", "/v1/patch_source"), ("DELETE", "/v1/patch_source/{run_id}"),
-    ("POST", "/v1/generate"), ("GET", "/v1/status"), ("POST", "/v1/tokenize"),
+    ("POST", "/v1/generate"), ("GET", "/v1/status"), ("POST", "/v1/tokenize"), ("POST", "/v1/state_check"),
 }
 
 
@@ -94,7 +94,8 @@ def test_typed_request_and_response_models(app_and_spec):
     assert "not supported" in schemas["CompletionRequest"]["properties"]["steering_clamps"]["description"].lower()
     for field in ("source_store", "checksum", "global_steering", "named_vectors", "sweeps"):
         assert field in schemas["StatusResponse"]["properties"], field
-    guarded = [("post", "/v1/steering/set"), ("delete", "/v1/patch_source/{run_id}"), ("post", "/v1/capture")]
+    guarded = [("post", "/v1/steering/set"), ("delete", "/v1/patch_source/{run_id}"), ("post", "/v1/capture"),
+               ("post", "/v1/state_check")]
     for method, path in guarded:
         assert "401" in spec["paths"][path][method]["responses"], path
 

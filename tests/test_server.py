@@ -13,7 +13,7 @@ def test_health_and_status(http, engine):
     assert st["status"] == "ok"
     assert st["model"] == "causalboard-tiny"
     assert st["num_layers"] == engine.info.num_layers
-    assert st["hooks"] == ["pre_attn", "post_attn", "post_block"]
+    assert st["hooks"] == ["pre_attn", "post_attn", "mlp_in", "mlp_out", "post_block"]
     assert st["versions"]["vllm"].startswith("0.25.1")
     assert st["device"] == "cpu"
 

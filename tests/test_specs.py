@@ -7,7 +7,7 @@ from engine_ext.worker.checksum import ActionChecksum, compare_ranks
 from engine_ext.errors import SpecError
 from engine_ext.program import ModelDims, PromptInfo, WorkerProgram, compile_program, resolve_positions, noise_vectors
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer, canonical_json, positions_from_json, spec_hash
-from engine_ext.sites import Site
+from engine_ext.sites import HOOKS, SITES_PER_LAYER, Site
 
 DIMS = ModelDims(num_layers=4, hidden_size=8, vocab_size=100, embedding_std=0.5)
 TEXT = "The capital of North Kell is"
@@ -35,7 +35,7 @@ def compile_(spec: dict, named=lambda n: None):
 def test_site_text_form_round_trips():
     s = Site(3, "post_attn")
     assert str(s) == "L3.post_attn" and Site.parse("L3.post_attn") == s
-    assert s.index() == 3 * 3 + 1
+    assert s.index() == 3 * SITES_PER_LAYER + HOOKS.index("post_attn")
 
 
 @pytest.mark.parametrize("sel, expected", [
@@ -49,7 +49,7 @@ def test_position_resolution(sel, expected):
 
 @pytest.mark.parametrize("spec, field", [
     ({"steer": [{"sites": ["L4.pre_attn"], "vector": [0.0] * 8}]}, "steer[0].sites[0]"),
-    ({"steer": [{"sites": ["L1.mlp_out"], "vector": [0.0] * 8}]}, "steer[0].sites[0]"),
+    ({"steer": [{"sites": ["L1.attn_out"], "vector": [0.0] * 8}]}, "steer[0].sites[0]"),
     ({"steer": [{"sites": ["L1.pre_attn"], "vector": [0.0] * 7}]}, "steer[0].vector"),
     ({"steer": [{"sites": ["L1.pre_attn"], "vector": [float("nan")] * 8}]}, "steer[0].vector"),
     ({"steer": [{"sites": ["L1.pre_attn"], "name": "nope"}]}, "steer[0].name"),
@@ -123,6 +123,7 @@ def test_checksum_is_order_sensitive_and_comparison_reports_mismatch():
     assert one["consistent"] is True
     two = compare_ranks([{"tp_rank": 0, "pp_rank": 0, **a.status()}, {"tp_rank": 1, "pp_rank": 0, **b.status()}])
     assert two["consistent"] is False and set(two["mismatches"]["pp0"]) == {"tp0/pp0", "tp1/pp0"}
+    assert two["checksums"] == {"tp0/pp0": a.status()["action_checksum"], "tp1/pp0": b.status()["action_checksum"]}
     # ranks of different pipeline stages are not compared with each other
     stages = compare_ranks([{"tp_rank": 0, "pp_rank": 0, **a.status()}, {"tp_rank": 0, "pp_rank": 1, **b.status()}])
     assert stages["consistent"] is True

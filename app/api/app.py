@@ -7,11 +7,20 @@ model work without vLLM (routes that need the engine answer 503 until it runs). 
 (else the `CAUSALBOARD_API_KEY` environment variable) guards mutating endpoints
 (`app/api/auth.py`). Routes live in `app/api/routes/` and get the engine, settings and sweep
 service as dependencies (`app/api/deps.py`).
+
+Engine failure (docs/reliability.md): once the engine dies, every in-flight request ends with
+503 `{"field": "engine"}` (streams with an `error` event, then `[DONE]`), `/health` answers 503,
+and — after `ENGINE_DEATH_DRAIN_S`, so those answers reach their clients — the lifespan calls
+`app.state.on_engine_death` when set: `causalboard serve` then stops and exits 1, so a
+supervisor restarts it, as `vllm serve` does. Stored source runs die with the engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import os
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
@@ -22,15 +31,28 @@ from app.api.auth import resolve_api_key
 from app.api.body_limit import install_body_limit
 from app.api.deps import ApiSettings, engine_of, install_state, sweep_service_of
 from app.api.errors import install_error_handlers
-from app.api.routes import capture, generation, status, steering, sweep, tokens
+from app.api.routes import (capture, dynamic, fork_registry, generation, openai_compat, state_check, status, steering, sweep,
+                            tokens)
 from app.sweep.service import SweepService
 
-ROUTERS = (status.router, tokens.router, generation.router, sweep.router, steering.router, capture.router)
+logger = logging.getLogger("causalboard.api")
+
+#: how often the lifespan checks that the engine is alive
+ENGINE_WATCH_S = 0.25
+#: after the engine died: time for the in-flight requests' error answers to reach their clients
+#: before `app.state.on_engine_death` is called
+ENGINE_DEATH_DRAIN_S = 2.0
+
+ROUTERS = (status.router, tokens.router, openai_compat.router, generation.router, sweep.router, fork_registry.router,
+           steering.router, capture.router, dynamic.router, state_check.router)
 
 
-def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None,
+               capture_dir: str | None = None) -> FastAPI:
     """The API app on `engine` (already started; the caller closes it), or on a new engine
-    built from `config` (default: the bundled model) that the lifespan starts and closes."""
+    built from `config` (default: the bundled model) that the lifespan starts and closes.
+    `capture_dir` (else the `CAUSALBOARD_CAPTURE_DIR` environment variable) enables the fork's
+    `filesystem` capture consumer, writing under that directory."""
     owns_engine = engine is None
     app = FastAPI(
         title="causalboard",
@@ -39,7 +61,7 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None,
         lifespan=_lifespan(owns_engine),
     )
     engine = engine if engine is not None else Engine(config)
-    settings = ApiSettings(api_key=resolve_api_key(api_key))
+    settings = ApiSettings(api_key=resolve_api_key(api_key), capture_dir=capture_dir or os.environ.get("CAUSALBOARD_CAPTURE_DIR") or None)
     install_state(app, engine, settings, SweepService(engine))
     install_error_handlers(app)
     install_body_limit(app, settings.max_body_bytes)
@@ -65,11 +87,26 @@ def _lifespan(owns_engine: bool):
         announce = getattr(app.state, "announce", None)
         if announce:
             print(f"causalboard: serving {engine.info.model} on {engine.info.device} at {announce}", flush=True)
+        watcher = asyncio.create_task(_watch_engine(app, engine), name="causalboard-engine-watch")
         try:
             yield
         finally:
+            watcher.cancel()
             await sweep_service_of(app).cancel_all()  # release leases before the engine goes
             if owns_engine:
                 engine.close()
 
     return lifespan
+
+
+async def _watch_engine(app: FastAPI, engine: Engine) -> None:
+    """Wait for the engine to die; then, after the drain, call `app.state.on_engine_death`."""
+    while engine.alive:
+        await asyncio.sleep(ENGINE_WATCH_S)
+    if engine.failure is None:  # closed on purpose (shutdown), not a failure
+        return
+    logger.error("the vLLM engine died (%s): every request now answers 503; stored source runs are lost", engine.failure)
+    on_death = getattr(app.state, "on_engine_death", None)
+    if on_death is not None:
+        await asyncio.sleep(ENGINE_DEATH_DRAIN_S)
+        on_death()

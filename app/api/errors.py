@@ -120,7 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(SpecError)
     async def _spec(_: Request, exc: SpecError) -> JSONResponse:
-        return error_response(400, str(exc), exc.field)
+        return error_response(getattr(exc, "status", 400), str(exc), exc.field)
 
     @app.exception_handler(AuthError)
     async def _unauthorized(_: Request, exc: AuthError) -> JSONResponse:
@@ -130,8 +130,23 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc))
+        return error_response(503, f"engine: {exc}", "engine")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_PARSE_ERROR:
+            return error_response(400, f"body: {_unparsable(exc.__cause__)}", "body")
         return error_response(exc.status_code, str(exc.detail))
+
+
+#: FastAPI's detail when reading a JSON body raised something else than a JSON syntax error
+FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
+
+
+def _unparsable(cause: BaseException | None) -> str:
+    """Why a body FastAPI could not parse is not a JSON document we accept."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"request body is not valid UTF-8 JSON ({cause.reason} at byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "request body is not valid JSON (nested too deeply)"
+    return f"request body could not be parsed as JSON ({type(cause).__name__ if cause else 'parse error'})"

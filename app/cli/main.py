@@ -5,6 +5,7 @@
     causalboard sweep --prompt "Garrow is ruled by" --clean-prompt "Guzar is ruled by" \
         --answer " Hadrian" --metric recovered --out trace.npz --figure trace.pdf
     causalboard export trace.npz --out figures/ --formats pdf,png,csv
+    causalboard state-check --model ./my-hybrid    # recurrent-state hygiene of a hybrid (docs/hybrid-models.md)
     causalboard version
 
 `sweep` and `export` talk to a running server (`--url`, env CAUSALBOARD_URL); see `causalboard
@@ -33,6 +34,8 @@ def _engine_config(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        multiprocess=args.multiprocess,
+        **({"source_store_bytes": int(args.source_store_mb * 1024 * 1024)} if args.source_store_mb is not None else {}),
     )
 
 
@@ -48,6 +51,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="vLLM batch-invariant kernels (GPU default: on; exact sweeps, slower decoding; docs/validation.md)")
     bi.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                     help="faster decoding on the GPU; sweep cells then vary with their batch")
+    p.add_argument("--source-store-mb", type=float, default=None,
+                   help="byte budget of the stored source runs (keep_as), in MiB (default 256); the least recently used "
+                        "unleased runs are evicted beyond it")
+    mp = p.add_mutually_exclusive_group()
+    mp.add_argument("--multiprocess", dest="multiprocess", action="store_true", default=None,
+                    help="run vLLM's engine core in its own process (default: off on CPU, vLLM's default on GPU)")
+    mp.add_argument("--no-multiprocess", dest="multiprocess", action="store_false", help="engine core in this process")
     par = p.add_argument_group("parallelism (vLLM's flags; docs/distributed.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks per pipeline stage")
     par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
@@ -68,7 +78,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # a clean exit, so a stopped server reports success.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=10))
+    # the engine died (docs/reliability.md): stop serving once the in-flight requests got their
+    # 503s, and exit 1 so a supervisor restarts the server (as `vllm serve` does)
+    app.state.on_engine_death = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if not server.started:  # the engine (or the socket) failed at start-up
+        return 1
+    failure = app.state.engine.failure
+    if failure is not None:
+        print(f"causalboard: the vLLM engine died ({failure}); exiting with status 1 so a supervisor restarts "
+              "the server (stored source runs are lost; clients retry)", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -117,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     from app.cli.sweep import add_parsers as add_sweep_parsers
 
     add_sweep_parsers(sub)
+
+    from app.cli.state_check import add_parsers as add_state_check_parsers
+
+    add_state_check_parsers(sub)
 
     ver = sub.add_parser("version", help="print versions")
     ver.set_defaults(func=cmd_version)

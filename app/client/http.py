@@ -215,6 +215,10 @@ class _Ops:
         return _Call("GET", "/v1/status")
 
     @staticmethod
+    def model_tasks() -> _Call:
+        return _Call("GET", "/v1/model/tasks", on_404=None)
+
+    @staticmethod
     def tokenize(prompt: str, add_special_tokens: bool) -> _Call:
         return _Call("POST", "/v1/tokenize", {"prompt": prompt, "add_special_tokens": add_special_tokens})
 
@@ -282,6 +286,32 @@ class _Ops:
     @staticmethod
     def drop_source(run_id: str) -> _Call:
         return _Call("DELETE", f"/v1/patch_source/{_seg(run_id)}", parse=lambda r: True, on_404=False)
+
+    # dynamic steering (docs/dynamic-steering.md)
+    @staticmethod
+    def list_probes() -> _Call:
+        return _Call("GET", "/v1/steering/probes", parse=lambda r: r.json()["probes"])
+
+    @staticmethod
+    def register_probe(fields: dict) -> _Call:
+        return _Call("POST", "/v1/steering/probes", jsonable(fields))
+
+    @staticmethod
+    def fit_probe(fields: dict) -> _Call:
+        return _Call("POST", "/v1/steering/probes/fit", jsonable(fields))
+
+    @staticmethod
+    def delete_probe(name: str) -> _Call:
+        return _Call("DELETE", f"/v1/steering/probes/{_seg(name)}", parse=lambda r: True, on_404=False)
+
+    @staticmethod
+    def set_dynamic_policies(policies: list) -> _Call:
+        return _Call("PUT", "/v1/steering/dynamic/policies", jsonable({"policies": policies}),
+                     parse=lambda r: r.json()["policies"])
+
+    @staticmethod
+    def dynamic_status() -> _Call:
+        return _Call("GET", "/v1/steering/dynamic")
 
 
 # ---- stream book-keeping shared by both clients -------------------------------------------------
@@ -391,6 +421,10 @@ class CausalboardClient:
     # ---- status and tokens
     def status(self) -> dict:
         return self._do(_Ops.status())
+
+    def model_tasks(self) -> dict | None:
+        """The served model's `tasks.json` (example prompts with known answers), None when it has none."""
+        return self._do(_Ops.model_tasks())
 
     def health(self) -> bool:
         """True when the server answers `/health` with 200 (False when down or unreachable)."""
@@ -522,6 +556,27 @@ class CausalboardClient:
     def global_steer(self) -> dict:
         return self._do(_Ops.global_steer())
 
+    # ---- dynamic steering: probes, global policies, status (docs/dynamic-steering.md)
+    def list_probes(self) -> list[dict]:
+        return self._do(_Ops.list_probes())
+
+    def register_probe(self, **fields: Any) -> dict:
+        """`POST /v1/steering/probes` (name, site, kind, direction | weights, bias, labels)."""
+        return self._do(_Ops.register_probe(fields))
+
+    def fit_probe(self, **fields: Any) -> dict:
+        """`POST /v1/steering/probes/fit` (name, site, positive, negative, method, positions, keep)."""
+        return self._do(_Ops.fit_probe(fields))
+
+    def delete_probe(self, name: str) -> bool:
+        return self._do(_Ops.delete_probe(name))
+
+    def set_dynamic_policies(self, policies: list[dict]) -> list[dict]:
+        return self._do(_Ops.set_dynamic_policies(policies))
+
+    def dynamic_status(self) -> dict:
+        return self._do(_Ops.dynamic_status())
+
 
 class AsyncCausalboardClient:
     """asyncio client with the methods of `CausalboardClient` (`async def`; `stream_*` and
@@ -548,6 +603,10 @@ class AsyncCausalboardClient:
 
     async def status(self) -> dict:
         return await self._do(_Ops.status())
+
+    async def model_tasks(self) -> dict | None:
+        """The served model's `tasks.json`, None when it has none."""
+        return await self._do(_Ops.model_tasks())
 
     async def health(self) -> bool:
         try:
@@ -651,3 +710,21 @@ class AsyncCausalboardClient:
 
     async def global_steer(self) -> dict:
         return await self._do(_Ops.global_steer())
+
+    async def list_probes(self) -> list[dict]:
+        return await self._do(_Ops.list_probes())
+
+    async def register_probe(self, **fields: Any) -> dict:
+        return await self._do(_Ops.register_probe(fields))
+
+    async def fit_probe(self, **fields: Any) -> dict:
+        return await self._do(_Ops.fit_probe(fields))
+
+    async def delete_probe(self, name: str) -> bool:
+        return await self._do(_Ops.delete_probe(name))
+
+    async def set_dynamic_policies(self, policies: list[dict]) -> list[dict]:
+        return await self._do(_Ops.set_dynamic_policies(policies))
+
+    async def dynamic_status(self) -> dict:
+        return await self._do(_Ops.dynamic_status())

@@ -81,10 +81,12 @@ class ServerStartError(RuntimeError):
 class LocalServer:
     """A `causalboard serve` subprocess on 127.0.0.1 owned by this process (see `connect`)."""
 
-    def __init__(self, port: int | None = None, model: str | None = None):
+    def __init__(self, port: int | None = None, model: str | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
+        self.parallel = (int(tensor_parallel_size), int(pipeline_parallel_size))
         fd, path = tempfile.mkstemp(prefix=f"causalboard-serve-{self.port}-", suffix=".log")
         os.close(fd)
         self.log_path = Path(path)
@@ -97,6 +99,7 @@ class LocalServer:
                 "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         if self.model:
             args += ["--model", self.model]
+        args += ["--tensor-parallel-size", str(self.parallel[0]), "--pipeline-parallel-size", str(self.parallel[1])]
         env = dict(os.environ)
         # the server runs the same code as this client, also when the virtualenv is shared by checkouts
         env["PYTHONPATH"] = os.pathsep.join([str(SOURCE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
@@ -146,8 +149,9 @@ class LocalServer:
         """SIGTERM, wait at most `timeout` s, then SIGKILL the server's process group; the log file
         is removed unless `keep_log` (a failed start keeps it for its error message). Idempotent."""
         atexit.unregister(self._stop_at_exit)
-        if _STARTED.get(self.model) is self:
-            del _STARTED[self.model]
+        key = (self.model, *self.parallel)
+        if _STARTED.get(key) is self:
+            del _STARTED[key]
         proc = self.process
         if proc is None:
             return
@@ -174,7 +178,8 @@ class LocalServer:
 
 
 #: servers this process started, by model (None: the bundled one), for reuse by later calls
-_STARTED: dict[str | None, LocalServer] = {}
+#: servers started by `connect`, by (model, tensor_parallel_size, pipeline_parallel_size)
+_STARTED: dict[tuple[str | None, int, int], LocalServer] = {}
 
 
 class ConnectedClient(CausalboardClient):
@@ -196,11 +201,13 @@ class ConnectedClient(CausalboardClient):
 
 
 def connect(url: str | None = None, *, start: bool = True, model: str | None = None, api_key: str | None = None,
-            connect_timeout: float = CONNECT_TIMEOUT_S, start_timeout: float = START_TIMEOUT_S,
+            tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, connect_timeout: float = CONNECT_TIMEOUT_S, start_timeout: float = START_TIMEOUT_S,
             timeout: float = 600.0, say: Callable[[str], Any] = print) -> ConnectedClient:
     """A client on the server at `url` (default `$CAUSALBOARD_URL`, else http://127.0.0.1:8000),
     or on a server started for this process when nothing answers there (see the module docstring).
-    `say` receives the one-line report of what was done; `timeout` is the client's (per read)."""
+    `say` receives the one-line report of what was done; `timeout` is the client's (per read).
+    `tensor_parallel_size` / `pipeline_parallel_size` apply to a server started here (as
+    `causalboard serve -tp/-pp`, docs/distributed.md)."""
     url = (url or os.environ.get("CAUSALBOARD_URL") or DEFAULT_URL).rstrip("/")
     api_key = api_key or os.environ.get("CAUSALBOARD_API_KEY")
     code = _health(url, connect_timeout)
@@ -214,17 +221,18 @@ def connect(url: str | None = None, *, start: bool = True, model: str | None = N
     if not start:
         raise ServerUnavailable(f"no causalboard server answers at {url} (start one with `make run`, or call connect() "
                                 f"without start=False to start one here)")
-    server = _STARTED.get(model)
+    key = (model, tensor_parallel_size, pipeline_parallel_size)
+    server = _STARTED.get(key)
     if server is not None and server.running() and server.healthy():
         client = ConnectedClient(server.url, server, api_key=api_key, timeout=timeout)
         say(f"using the server this process started at {server.url} (nothing answers at {url}): {_describe(client, server.url)}")
         return client
     if server is not None:
         server.stop()
-    server = LocalServer(model=model)
+    server = LocalServer(model=model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     say(f"no server answers at {url}: starting one at {server.url} ({model or 'bundled model'}; log {server.log_path}) ...")
     server.start()
-    _STARTED[model] = server
+    _STARTED[key] = server
     try:
         server.wait_ready(start_timeout)
     except BaseException:  # an interrupted start (Kernel > Interrupt) does not leave a server behind

@@ -50,6 +50,8 @@ from app.sweep.schema import (CellEvent, CellRef, CellRepeat, ChecksumEvent, Err
 logger = logging.getLogger("causalboard.sweep")
 
 KEEP_FINISHED = 32
+#: an auto-captured clean run evicted before its lease (a full store) is captured again this often
+CLEAN_CAPTURE_ATTEMPTS = 3
 #: |clean - corrupt| below this makes `recovered` undefined
 RECOVERED_EPS = 1e-6
 PROGRESS_EVERY_S = 0.5
@@ -74,6 +76,8 @@ class SweepRun:
         self.checksum: SweepChecksum | None = None
         self.summary: SweepSummary | None = None
         self.started = time.monotonic()
+        #: the fan-out reached its cleanup (`cancel` is then a no-op)
+        self.finishing = False
         self._wake = asyncio.Event()
 
     @property
@@ -110,9 +114,13 @@ class SweepRun:
             await self._wake.wait()
 
     def cancel(self) -> None:
-        """Cancel the fan-out once. A second `Task.cancel()` (say, an explicit DELETE racing the
-        stream's disconnect) would interrupt the cleanup the first one started in `_fan_out`'s
-        `finally` (leases, the summary), leaving the sweep running forever."""
+        """Cancel the fan-out once, and never once it is finishing. A `Task.cancel()` that lands
+        in `_fan_out`'s `finally` (a second cancel — an explicit DELETE racing the stream's
+        disconnect — or a client that disconnects while a finished sweep logs its checksum and
+        summary) would interrupt that cleanup (leases, the summary), leaving the sweep 'running'
+        forever."""
+        if self.finishing:
+            return
         if self.task is not None and not self.task.done() and not self.task.cancelling():
             self.task.cancel()
 
@@ -185,20 +193,32 @@ class SweepService:
         plan, eng, req = run.plan, self.engine, run.plan.request
         src = plan.source
         if src.capture:
-            sites = [str(site_from_index(i)) for i in src.capture_sites]
-            spec = Interventions(capture=Capture.make(sites, "all_prompt", keep_as=src.run_id, return_values=False),
-                                 score_token_ids=plan.score_ids)
-            base.capture_submitted = True
-            gen = await eng.agenerate(plan.clean_ids, GenerationParams(max_tokens=1), spec)
-            iv = gen.intervention
-            if iv is None or iv.voided or iv.stored_as != src.run_id:
-                errs = "; ".join(iv.errors) if iv else "no result"
-                raise PlanError(507, "noise" if req.noise else "clean_prompt", f"the clean run could not be stored: {errs}")
-            base.auto_captured = True
-            base.clean = plan.basis_of(gen.scores[0])
+            # the stored clean run is leased right after it is stored; other requests' captures
+            # can evict it in between when the store is full, so the capture is retried then
+            field = "noise" if req.noise else "clean_prompt"
+            for attempt in range(1, CLEAN_CAPTURE_ATTEMPTS + 1):
+                sites = [str(site_from_index(i)) for i in src.capture_sites]
+                spec = Interventions(capture=Capture.make(sites, "all_prompt", keep_as=src.run_id, return_values=False),
+                                     score_token_ids=plan.score_ids)
+                base.capture_submitted = True
+                gen = await eng.agenerate(plan.clean_ids, GenerationParams(max_tokens=1), spec)
+                iv = gen.intervention
+                if iv is None or iv.voided or iv.stored_as != src.run_id:
+                    errs = "; ".join(iv.errors) if iv else "no result"
+                    raise PlanError(507, field, f"the clean run could not be stored: {errs}")
+                base.auto_captured = True
+                base.clean = plan.basis_of(gen.scores[0])
+                if await anyio.to_thread.run_sync(eng.lease_source, src.run_id):
+                    base.leased = src.run_id
+                    break
+                logger.warning("sweep %s: the clean run was evicted before it could be leased (attempt %d of %d)",
+                               plan.sweep_id, attempt, CLEAN_CAPTURE_ATTEMPTS)
+            else:
+                raise PlanError(507, field, f"the clean run was evicted from the source store before it could be leased, "
+                                            f"{CLEAN_CAPTURE_ATTEMPTS} times (the store is under pressure); retry later")
         elif plan.clean_ids is not None:
             base.clean = plan.basis_of(await self._score(plan.clean_ids, plan, None))
-        if src.run_id is not None:
+        if src.run_id is not None and base.leased is None:
             if not await anyio.to_thread.run_sync(eng.lease_source, src.run_id):
                 raise PlanError(404, "source_run", f"run {src.run_id!r} vanished from the source store before it could be leased")
             base.leased = src.run_id
@@ -215,7 +235,13 @@ class SweepService:
         base.corrupt_solo0 = solo[0]
         base.corrupt = sum(solo) / len(solo)
         base.metric = plan.metric
-        if plan.metric == "recovered" and abs(base.clean - base.corrupt) < RECOVERED_EPS:
+        if plan.metric == "recovered" and base.clean is None:
+            # a stored run and no clean value: the raw grid, as the fork returns it — but labelled
+            # with its real unit (the fork would call raw values `recovered`)
+            base.metric = plan.basis
+            base.notes.append(f"recovered needs the clean baseline (give clean_prompt or clean_baseline); "
+                              f"values are raw {plan.basis}")
+        elif plan.metric == "recovered" and abs(base.clean - base.corrupt) < RECOVERED_EPS:
             base.metric = plan.basis
             base.notes.append(f"recovered is undefined: the clean and corrupt baselines are equal ({plan.basis} "
                               f"{base.clean:.6g} vs {base.corrupt:.6g}); values are raw {plan.basis}")
@@ -328,6 +354,7 @@ class SweepService:
             logger.exception("sweep %s failed", plan.sweep_id)
             run.emit(ErrorEvent(error=f"{type(exc).__name__}: {exc}"))
         finally:
+            run.finishing = True  # from here on nothing may cancel this task (see SweepRun.cancel)
             if waiter is not None:
                 waiter.cancel()
             for t in tasks:
@@ -393,7 +420,8 @@ class SweepService:
         """What the sweep is, once its baselines are known: the `start` event's fields."""
         eng, req, src, a = self.engine, plan.request, plan.source, plan.alignment
         return SweepSetup(
-            sweep_id=plan.sweep_id, layers=plan.layers, positions=plan.positions, hook=plan.hooks[0], hooks=plan.hooks,
+            sweep_id=plan.sweep_id, layers=plan.layers, positions=plan.run_positions, swept_positions=plan.positions,
+            hook=plan.hooks[0], hooks=plan.hooks,
             metric=base.metric, metric_requested=plan.metric,
             recovered_basis=req.recovered_basis if plan.metric == "recovered" else None,
             auto_captured=base.auto_captured, captured_source_run=src.run_id if base.auto_captured else None,
@@ -406,6 +434,7 @@ class SweepService:
             answer_token_id=plan.answer_id, answer_token=eng.token_strings([plan.answer_id])[0],
             foil_token_id=plan.foil_id, foil_token=eng.token_strings([plan.foil_id])[0] if plan.foil_id is not None else None,
             alpha=req.alpha, source=SweepSource(**src.to_json()), subject_positions=plan.subject_positions,
+            mask=plan.mask.to_json() if plan.mask is not None else None,
             noise=(SweepNoise(positions=plan.noise_positions, scale=req.noise.scale, seed=req.noise.seed,
                               samples=req.noise.samples) if req.noise else None),
         )
@@ -418,11 +447,12 @@ class SweepService:
         threshold = max(floor, MIN_EFFECT) if floor is not None else None
         corrupt_metric = 0.0 if base.metric == "recovered" else base.corrupt
         hook_grids, within = [], []
+        cols = plan.run_positions  # the fork's axis: unaligned positions left out
         for hook in plan.hooks:
-            grid = [[run.values.get((hook, l, p)) for p in plan.positions] for l in plan.layers]
-            hook_grids.append(HookGrid(hook=hook, grid=grid, argmax=argmax_cell(grid, plan.layers, plan.positions)))
+            grid = [[run.values.get((hook, l, p)) for p in cols] for l in plan.layers]
+            hook_grids.append(HookGrid(hook=hook, grid=grid, argmax=argmax_cell(grid, plan.layers, cols)))
             if threshold is not None:
-                within += [CellRef(hook=hook, layer=l, position=p) for l in plan.layers for p in plan.positions
+                within += [CellRef(hook=hook, layer=l, position=p) for l in plan.layers for p in cols
                            if run.values.get((hook, l, p)) is not None and abs(run.values[(hook, l, p)] - corrupt_metric) <= threshold]
         voided = [VoidedCell(hook=h, layer=l, position=p, reason=e) for (h, l, p), e in run.errors.items()]
         notes = list(base.notes)
@@ -430,7 +460,7 @@ class SweepService:
             notes.append(f"cancelled after {len(run.values)} of {len(plan.cells)} cells")
         return SweepSummary(
             **dict(run.setup),
-            grid=hook_grids[0].grid, argmax=hook_grids[0].argmax, hook_grids=hook_grids if len(hook_grids) > 1 else None,
+            grid=hook_grids[0].grid, argmax=hook_grids[0].argmax, hook_grids=hook_grids if plan.request.hooks is not None else None,
             skipped=list(plan.skipped_positions) + voided,
             noise_floor=floor, noise_floor_detail=nf, within_noise=within, within_noise_threshold=threshold,
             source_kept=base.auto_captured and plan.request.keep_source and not cancelled,

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import platform
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -33,8 +34,11 @@ from engine_ext.engine.topology import (Topology, cpu_thread_binding, merge_mode
                                         merge_store_usage)
 from engine_ext.engine.outputs import AsyncSink, Prepared, QueueSink, delta_from_output
 from engine_ext.generation import Generation, GenerationDelta, GenerationParams
-from engine_ext.program import ModelDims, PromptInfo, check_score_token_ids, compile_program, program_to_extra_args
-from engine_ext.specs import Interventions, Steer, positions_from_json
+from engine_ext.dynamic.engine import DynamicControl
+from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY
+from engine_ext.program import (KV_SALT_KEY, ModelDims, PromptInfo, check_score_token_ids, compile_program,
+                                program_to_extra_args)
+from engine_ext.specs import Interventions, Steer, canonical_json, positions_from_json
 
 logger = logging.getLogger("causalboard.engine")
 
@@ -46,8 +50,9 @@ RPC_TIMEOUT_S = 300
 MISMATCH_LOG_INTERVAL_S = 60.0
 
 
-class Engine:
-    """A vLLM engine on the bundled model (or `model`) with causalboard's interventions."""
+class Engine(DynamicControl):
+    """A vLLM engine on the bundled model (or `model`) with causalboard's interventions (and
+    dynamic steering: `DynamicControl`)."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any):
         config = config or EngineConfig()
@@ -72,7 +77,13 @@ class Engine:
         self._global: list[Steer] = []
         self._topology = Topology()
         self._mismatch_logged = float("-inf")
+        self._failure: BaseException | None = None
         self.tokenizer: Any = None
+        self._init_dynamic()
+        #: a hybrid (recurrent-state) architecture: served with the state-hygiene guard
+        self.is_hybrid = False
+        #: thread that holds the engine exclusively (the state check); others' requests are refused
+        self._exclusive_owner: int | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -89,6 +100,16 @@ class Engine:
         if arch not in seam.SUPPORTED_ARCHITECTURES:
             raise SpecError("model", f"architecture {arch} is not supported (supported: {', '.join(seam.SUPPORTED_ARCHITECTURES)}); "
                                      "causalboard refuses to serve a model it cannot intervene on")
+        self.is_hybrid = arch in seam.HYBRID_ARCHITECTURES
+        if self.is_hybrid:
+            from engine_ext.engine.hybrid import check_hybrid_config, hybrid_dtype
+
+            check_hybrid_config(self.config)
+            self.dtype = hybrid_dtype(self.device, self.config.dtype, self.dtype)
+            if self.config.batch_invariant:
+                raise SpecError("batch_invariant", "vLLM 0.25.1's batch-invariant mode does not support the gated "
+                                                   "delta-net attention (GDN_ATTN) of hybrid models")
+            self.batch_invariant = False  # the CUDA default (on) does not apply to hybrids
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         t0 = time.perf_counter()
         self._loop = EngineLoop(self._build_vllm_engine)
@@ -124,6 +145,7 @@ class Engine:
                 except Exception:  # best effort: the engine may already be failing
                     logger.debug("cb_close failed", exc_info=True)
             self._loop.shutdown()
+            self._failure = self._loop.error
             self._loop = None
 
     def __enter__(self) -> "Engine":
@@ -193,6 +215,14 @@ class Engine:
             if self.device != "cuda":
                 raise SpecError("batch_invariant", "vLLM's batch-invariant kernels exist only on CUDA GPUs")
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM's workers at start-up
+        if getattr(self, "is_hybrid", False):
+            from engine_ext.engine.hybrid import hybrid_engine_kwargs
+
+            kwargs.update(hybrid_engine_kwargs(self.device))
+            if self.device == "cuda":
+                # vLLM's default gated delta-net prefill on Hopper is FlashInfer's (JIT-built, not in
+                # the GPU bundle); its Triton kernels are the portable choice
+                kwargs["additional_config"]["gdn_prefill_backend"] = "triton"
         kwargs.update(self.config.engine_kwargs)
         multiprocess = bool(self.config.multiprocess) or self.world_size > 1
         saved = {k: os.environ.get(k) for k in env}
@@ -304,6 +334,13 @@ class Engine:
     def in_flight(self) -> int:
         return self._loop.in_flight if self._loop is not None else 0
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine died (a step raised, the engine-core process exited), or None while it
+        serves, before it starts and after a clean `close`. A dead engine stays dead: every entry
+        point raises `EngineDeadError`; restart the process (`causalboard serve` exits 1)."""
+        return self._loop.error if self._loop is not None else self._failure
+
     # ---- tokens ----------------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -334,13 +371,18 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------
     def _prepare(self, prompt: Prompt, params: GenerationParams, spec: Interventions | None = None,
-                 fresh: bool = False, stream: bool = False) -> Prepared:
+                 fresh: bool = False, stream: bool = False, dynamic: Any = None) -> Prepared:
         """Validate and build the vLLM request. Raises `SpecError` naming the field. `fresh`:
         compute the whole prompt (no prefix-cache reuse), like every request that modifies the
         stream — so an unpatched baseline goes through the same computation as patched cells.
         `stream`: vLLM hands out every step's new tokens (DELTA); otherwise only the finished
         request (FINAL_ONLY, no per-step output objects)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        owner = self._exclusive_owner
+        if owner is not None and owner != threading.get_ident():
+            raise SpecError("engine", "a recurrent-state check is running on this engine (it switches the state "
+                                      "handling of every request); retry when it has finished")
 
         params.validate()
         if isinstance(prompt, str):
@@ -366,6 +408,7 @@ class Engine:
                 f"model's context of {limit} tokens",
             )
         prep = Prepared(text, ids, None)
+        prep.cache_salt = params.cache_salt
         extra_args = None
         score_ids: list[int] | None = None
         skip_cache_read = False
@@ -374,17 +417,24 @@ class Engine:
                 if params.logprobs:
                     raise SpecError("logprobs", "top-k logprobs cannot be combined with score_token_ids (vLLM returns one or the other)")
                 score_ids = check_score_token_ids(spec.score_token_ids, self.info.vocab_size)
-            if spec.steer or spec.patch or spec.capture or spec.noise:
-                prep.key = self._new_id()
-                program = compile_program(spec, self._prompt_info(text, ids, params.max_tokens), self._dims,
-                                          key=prep.key, named_vector_dims=self._named.get, limits=self.config.limits)
-                prep.program_hash = program["hash"]
-                # KV blocks at or after the first modified position get a salt of their own: never
-                # shared with requests computed differently; the blocks before it stay shared
-                extra_args = program_to_extra_args(program, kv_salt=f"cb-{program['hash']}-{prep.key}")
-                if spec.capture is not None and program["capture"]["pos"][:-1]:
-                    skip_cache_read = True  # cached prompt positions would not be recomputed/captured
-        if fresh and prep.cache_salt is None:
+        dyn_wire = self._dynamic_wire(dynamic)
+        if (spec is not None and (spec.steer or spec.patch or spec.capture or spec.noise)) or dyn_wire is not None:
+            spec = spec if spec is not None else Interventions()
+            prep.key = self._new_id()
+            program = compile_program(spec, self._prompt_info(text, ids, params.max_tokens), self._dims,
+                                      key=prep.key, named_vector_dims=self._named.get, limits=self.config.limits)
+            prep.program_hash = program["hash"]
+            # KV blocks at or after the first modified position get a salt of their own: never
+            # shared with requests computed differently; the blocks before it stay shared
+            extra_args = program_to_extra_args(program, kv_salt=f"cb-{program['hash']}-{prep.key}")
+            if dyn_wire is not None:
+                # dynamic steering may change any generated position: salt from the first one on
+                first = extra_args.get(KV_SALT_KEY, [len(ids)])[0]
+                extra_args[KV_SALT_KEY] = [min(first, len(ids)), f"cb-{program['hash']}-{prep.key}"]
+                extra_args[DYNAMIC_ARGS_KEY] = canonical_json(dyn_wire)
+            if spec.capture is not None and program["capture"]["pos"][:-1]:
+                skip_cache_read = True  # cached prompt positions would not be recomputed/captured
+        if fresh:  # never reuse cached blocks (a user's cache_salt included)
             prep.cache_salt = f"cb-fresh-{self._new_id()}"
         prep.sampling = SamplingParams(
             max_tokens=params.max_tokens,
@@ -402,10 +452,11 @@ class Engine:
         )
         return prep
 
-    def validate(self, prompt: Prompt, params: GenerationParams, interventions: Interventions | None = None) -> list[int]:
+    def validate(self, prompt: Prompt, params: GenerationParams, interventions: Interventions | None = None, *,
+                 dynamic: Any = None) -> list[int]:
         """Check a request without submitting it; returns the prompt's token ids.
         Raises `SpecError` naming the offending field."""
-        return self._prepare(prompt, params, interventions).ids
+        return self._prepare(prompt, params, interventions, dynamic=dynamic).ids
 
     def _new_id(self) -> str:
         return f"cb-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -421,10 +472,12 @@ class Engine:
                                  score_ids=score_ids, program_hash=prep.program_hash, chosen=params.logprobs is not None)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: GenerationParams | None = None,
-                 interventions: Interventions | Sequence[Interventions | None] | None = None) -> Any:
+                 interventions: Interventions | Sequence[Interventions | None] | None = None, *,
+                 dynamic: Any = None) -> Any:
         """Generate for one prompt (returns a `Generation`) or a list of prompts (returns a list),
         all submitted together so vLLM batches them. `interventions` is one spec for all prompts
-        or one per prompt. Blocks until all are finished."""
+        or one per prompt; `dynamic` (a `DynamicRequest`) applies to every prompt. Blocks until all
+        are finished."""
         params = params or GenerationParams()
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
@@ -432,7 +485,7 @@ class Engine:
         if len(specs) != len(batch):
             raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
         loop = self._require_loop()
-        prepared = [self._prepare(p, params, s) for p, s in zip(batch, specs)]  # validate all before submitting any
+        prepared = [self._prepare(p, params, s, dynamic=dynamic) for p, s in zip(batch, specs)]  # validate all before submitting any
         jobs, requests = [], []
         for prep, spec in zip(prepared, specs):
             rid = prep.key or self._new_id()
@@ -452,11 +505,11 @@ class Engine:
         return results[0] if single else results
 
     async def astream(self, prompt: Prompt, params: GenerationParams | None = None,
-                      interventions: Interventions | None = None) -> AsyncIterator[GenerationDelta]:
+                      interventions: Interventions | None = None, *, dynamic: Any = None) -> AsyncIterator[GenerationDelta]:
         """Yield deltas as the engine produces them (the last one carries the intervention
         result). Leaving the iterator early (or cancelling the task) aborts the request."""
         params = params or GenerationParams()
-        prep = self._prepare(prompt, params, interventions, stream=True)
+        prep = self._prepare(prompt, params, interventions, stream=True, dynamic=dynamic)
         async for delta in self._astream(prep, params, interventions):
             yield delta
 
@@ -481,10 +534,11 @@ class Engine:
                 loop.abort(rid)
 
     async def agenerate(self, prompt: Prompt, params: GenerationParams | None = None,
-                        interventions: Interventions | None = None, *, fresh: bool = False) -> Generation:
+                        interventions: Interventions | None = None, *, fresh: bool = False,
+                        dynamic: Any = None) -> Generation:
         """Async `generate` for one prompt (`fresh`: see `_prepare`)."""
         params = params or GenerationParams()
-        prep = self._prepare(prompt, params, interventions, fresh)
+        prep = self._prepare(prompt, params, interventions, fresh, dynamic=dynamic)
         gen = Generation(prep.key or "", prep.text, prep.ids)
         async for delta in self._astream(prep, params, interventions):
             gen.extend(delta)
@@ -512,6 +566,21 @@ class Engine:
         if gen.intervention is not None and gen.intervention.voided:
             raise RuntimeError(f"request voided: {'; '.join(gen.intervention.errors)}")
         return gen.scores[0]
+
+    # ---- hybrids: recurrent-state hygiene ----------------------------------------------------
+    def state_check(self, probes: Sequence[Sequence[int]] | None = None, *, max_tokens: int = 4,
+                    sentinel_std: float = 1.0, seed: int = 0) -> dict:
+        """The sentinel 4-arm check on this (hybrid) engine; needs an idle engine
+        (`engine_ext.engine.hybrid.run_state_check`, docs/hybrid-models.md)."""
+        from engine_ext.engine.hybrid import run_state_check
+
+        return run_state_check(self, probes, max_tokens=max_tokens, sentinel_std=sentinel_std, seed=seed)
+
+    def state_hygiene(self) -> dict:
+        """The zero-on-realloc guard's counters (mode, slots zeroed, seconds spent)."""
+        from engine_ext.engine.hybrid import state_hygiene_status
+
+        return state_hygiene_status(self)
 
     # ---- control plane ---------------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list:
@@ -565,7 +634,8 @@ class Engine:
                 if site.layer >= self.info.num_layers:
                     raise SpecError(f"{f}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
                 e = {"site": site.index(), "scale": s.scale, "phase": s.phase,
-                     "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name}
+                     "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name,
+                     "mask": s.mask.values(self.info.hidden_size, f"{f}.mask").astype("<f4").tobytes() if s.mask is not None else None}
                 if s.positions == "all":
                     e.update(pos=[], gen=True, every=True)
                 elif s.positions == "all_generated":
@@ -611,8 +681,8 @@ class Engine:
         self._rpc("cb_store", "release", run_id)
 
     def source_store_usage(self) -> dict:
-        """The source store over every stage: budget and bytes summed over stages (each stage
-        holds its own layers' values), runs by id."""
+        """The source store over every stage, as one store (`topology.merge_store_usage`): the
+        budget applies to whole runs on every stage, a run's bytes are its values on all stages."""
         return merge_store_usage(self._rpc("cb_store", "usage"), self._topology)
 
     @property

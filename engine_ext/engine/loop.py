@@ -3,8 +3,15 @@
 Contract: every call into the engine (build, add_request, step, abort, collective_rpc) happens on
 the loop thread, so callers on any thread or event loop can submit work concurrently and vLLM's
 scheduler batches it (continuous batching). Outputs are handed to per-request `Sink`s on the loop
-thread; sinks must not block. A failing `add_request` fails only that request; a failing `step`
-kills the loop and fails every in-flight request with `EngineDeadError`.
+thread; sinks must not block. A failing `add_request` fails only that request.
+
+Engine failure (what `vllm serve` does: no restart, every caller told at once): a `step` that
+raises (in-process engine: any exception of the model or the worker), or the engine-core process
+dying (multiprocess engine: killed, out of memory; noticed by a watchdog thread, since vLLM's
+sync client then blocks forever in `get_output` or a utility call) makes the loop dead for good:
+every in-flight request, every request queued but not yet added and every pending `call` future
+fails with `EngineDeadError`, and every later entry point raises it. Sinks and call futures are
+registered before their command is queued, so none can be missed.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -19,6 +27,39 @@ from typing import Any, Protocol
 from engine_ext.errors import EngineDeadError
 
 logger = logging.getLogger("causalboard.engine")
+
+#: how often the watchdog looks at the engine-core process (and how soon an idle loop notices)
+WATCHDOG_INTERVAL_S = 0.5
+#: how long `shutdown` waits for the loop thread of an engine that already died
+DEAD_JOIN_TIMEOUT_S = 5.0
+
+
+def engine_core_dead(engine: Any) -> bool:
+    """Whether vLLM (0.25.1) has marked its engine-core client dead: `MPClient.resources.engine_dead`,
+    set by vLLM's own `MPClientEngineMonitor` thread when an engine-core process exits and by the
+    output thread on an `ENGINE_CORE_DEAD` message. The in-process client has no such flag (a
+    failure there raises from `step` on the loop thread)."""
+    core = getattr(engine, "engine_core", None)
+    return bool(getattr(getattr(core, "resources", None), "engine_dead", False))
+
+
+def wake_blocked_calls(engine: Any, error: BaseException) -> None:
+    """Unblock a loop thread stuck in vLLM's sync multiprocess client after the engine core died:
+    `SyncMPClient.get_output` waits on `outputs_queue` and `call_utility` (collective_rpc) on a
+    future in `utility_results`; neither is ever answered by a dead process."""
+    core = getattr(engine, "engine_core", None)
+    q = getattr(core, "outputs_queue", None)
+    if q is not None:
+        try:
+            q.put_nowait(error)
+        except Exception:  # best effort: the loop thread's failure is reported either way
+            logger.debug("could not post to outputs_queue", exc_info=True)
+    for fut in list((getattr(core, "utility_results", None) or {}).values()):
+        try:
+            if not fut.done():
+                fut.set_exception(error)
+        except Exception:
+            logger.debug("could not fail a utility future", exc_info=True)
 
 
 class Sink(Protocol):
@@ -35,6 +76,9 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._collect: dict[str, str] = {}  # request id -> causalboard key to collect at finish
+        self._calls: set[Future] = set()  # `call` futures not yet resolved
+        #: guards `_sinks`, `_calls` and `_error` (callers register, the loop and the watchdog fail them)
+        self._lock = threading.Lock()
         self._ready = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
@@ -43,6 +87,7 @@ class EngineLoop:
         #: the facade sets it from the topology (several ranks), rank 0's reply otherwise
         self.merge_results: Callable[[list[dict[str, dict]]], dict[str, dict]] = lambda per_rank: per_rank[0]
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -51,17 +96,23 @@ class EngineLoop:
         self._ready.wait()
         if self._error is not None:
             raise self._error
+        self._watchdog.start()
 
     def shutdown(self) -> None:
         if not self._thread.is_alive():
             return
         self._stopping = True
         self._commands.put(lambda: None)  # wake the loop
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=DEAD_JOIN_TIMEOUT_S if self._error is not None else 60)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None and not self._stopping
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine (None while it serves or after a clean shutdown)."""
+        return self._error
 
     @property
     def in_flight(self) -> int:
@@ -71,37 +122,46 @@ class EngineLoop:
     def submit(self, request_id: str, prompt: Any, params: Any, sink: Sink, collect_key: str | None = None) -> None:
         """Add a request. With `collect_key`, the workers' result for it (captures, voided
         status) is fetched when it finishes and handed to the sink with the final output."""
-        self._check_alive()
+        self._register([(request_id, sink)])
 
         def add() -> None:
-            try:
-                self.engine.add_request(request_id, prompt, params)
-            except Exception as exc:  # refused by vLLM: only this request fails
-                sink.on_error(exc)
-                return
-            self._sinks[request_id] = sink
-            if collect_key is not None:
-                self._collect[request_id] = collect_key
+            self._add(request_id, prompt, params, sink, collect_key)
 
         self._commands.put(add)
 
     def submit_many(self, requests: list[tuple[str, Any, Any, Sink, str | None]]) -> None:
         """Add several requests `(request_id, prompt, params, sink, collect_key)` with one command
         (one wake-up of the loop thread): what `submit` does for each."""
-        self._check_alive()
+        self._register([(r[0], r[3]) for r in requests])
 
         def add_all() -> None:
             for request_id, prompt, params, sink, collect_key in requests:
-                try:
-                    self.engine.add_request(request_id, prompt, params)
-                except Exception as exc:  # refused by vLLM: only this request fails
-                    sink.on_error(exc)
-                    continue
-                self._sinks[request_id] = sink
-                if collect_key is not None:
-                    self._collect[request_id] = collect_key
+                self._add(request_id, prompt, params, sink, collect_key)
 
         self._commands.put(add_all)
+
+    def _register(self, sinks: list[tuple[str, Sink]]) -> None:
+        """Record sinks before their command is queued (so an engine death fails them too)."""
+        with self._lock:
+            self._check_alive()
+            for request_id, sink in sinks:
+                self._sinks[request_id] = sink
+
+    def _add(self, request_id: str, prompt: Any, params: Any, sink: Sink, collect_key: str | None) -> None:
+        """On the loop thread: hand one registered request to vLLM."""
+        with self._lock:
+            if self._sinks.get(request_id) is not sink:  # aborted (or failed) before it was added
+                return
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as exc:  # refused by vLLM: only this request fails
+            with self._lock:
+                gone = self._sinks.pop(request_id, None) is None
+            if not gone:
+                sink.on_error(exc)
+            return
+        if collect_key is not None:
+            self._collect[request_id] = collect_key
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Its sink gets no further output."""
@@ -109,7 +169,9 @@ class EngineLoop:
             return
 
         def abort() -> None:
-            if self._sinks.pop(request_id, None) is not None:
+            with self._lock:
+                known = self._sinks.pop(request_id, None) is not None
+            if known:
                 self.engine.abort_request([request_id])
             key = self._collect.pop(request_id, None)
             if key is not None:  # drop the worker-side result nobody will read
@@ -119,25 +181,85 @@ class EngineLoop:
 
     def call(self, fn: Callable[[Any], Any]) -> Future:
         """Run `fn(engine)` on the loop thread between steps; the Future holds its result."""
-        self._check_alive()
         fut: Future = Future()
+        with self._lock:
+            self._check_alive()
+            self._calls.add(fut)
 
         def run() -> None:
+            with self._lock:
+                if fut not in self._calls:  # failed meanwhile (engine death)
+                    return
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(self.engine))
+                    result = fn(self.engine)
                 except BaseException as exc:
-                    fut.set_exception(exc)
+                    self._resolve(fut, exc=exc)
+                else:
+                    self._resolve(fut, result=result)
+            else:
+                with self._lock:
+                    self._calls.discard(fut)
 
         self._commands.put(run)
         return fut
 
+    def _resolve(self, fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            if fut not in self._calls:  # already failed by an engine death
+                return
+            self._calls.discard(fut)
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
     # ---- loop thread -----------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._error is not None:
-            raise EngineDeadError(f"the vLLM engine stopped: {self._error!r}")
+            raise self._dead_error()
         if self._stopping or not self._thread.is_alive():
             raise EngineDeadError("the vLLM engine is shut down")
+
+    def _dead_error(self) -> EngineDeadError:
+        err = self._error
+        return err if isinstance(err, EngineDeadError) else EngineDeadError(f"the vLLM engine stopped: {err!r}")
+
+    def _die(self, error: BaseException) -> None:
+        """The engine is dead for good: record why (the first cause wins), then fail every
+        registered sink and pending call (once each). Any thread."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            sinks, self._sinks = list(self._sinks.values()), {}
+            calls, self._calls = list(self._calls), set()
+        dead = self._dead_error()
+        for sink in sinks:
+            try:
+                sink.on_error(dead)
+            except Exception:
+                logger.exception("sink failed on the engine's death")
+        for fut in calls:
+            if not fut.done():
+                try:
+                    fut.set_exception(dead)
+                except Exception:  # resolved concurrently
+                    pass
+        self._commands.put(lambda: None)  # wake an idle loop thread
+
+    def _watch(self) -> None:
+        """Watchdog: notice an engine-core process that died (the loop thread may be blocked in
+        vLLM waiting for it), fail everything, and unblock the loop thread."""
+        while self._thread.is_alive() and not self._stopping:
+            engine = self.engine
+            if self._error is None and engine is not None and engine_core_dead(engine):
+                logger.error("the vLLM engine-core process died; failing every in-flight request")
+                self._die(EngineDeadError("the vLLM engine stopped: its engine-core process died "
+                                          "(killed or out of memory)"))
+                wake_blocked_calls(engine, self._dead_error())
+            if self._error is not None:
+                return
+            time.sleep(WATCHDOG_INTERVAL_S)
 
     def _run(self) -> None:
         try:
@@ -148,19 +270,16 @@ class EngineLoop:
             return
         self._ready.set()
         try:
-            while not self._stopping:
+            while not self._stopping and self._error is None:
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
-                if self._stopping:
+                if self._stopping or self._error is not None:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
         except BaseException as exc:
-            logger.exception("engine loop failed")
-            self._error = exc
-            dead = EngineDeadError(f"the vLLM engine stopped: {exc!r}")
-            for sink in self._sinks.values():
-                sink.on_error(dead)
-            self._sinks.clear()
+            if self._error is None:
+                logger.exception("engine loop failed")
+            self._die(exc)
         finally:
             self._close_engine()
 
@@ -181,12 +300,12 @@ class EngineLoop:
         keys = [self._collect[o.request_id] for o in outs if o.finished and o.request_id in self._collect]
         results = self._collect_results(keys) if keys else {}
         for out in outs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:  # aborted meanwhile
+            with self._lock:
+                sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            if sink is None:  # aborted (or failed) meanwhile
                 continue
             result = None
             if out.finished:
-                del self._sinks[out.request_id]
                 key = self._collect.pop(out.request_id, None)
                 if key is not None:
                     result = results.get(key, {"status": "unknown", "errors": ["no worker result"]})
@@ -201,9 +320,15 @@ class EngineLoop:
         return self.merge_results(per_rank) if per_rank else {}
 
     def _close_engine(self) -> None:
-        for sink in self._sinks.values():
-            sink.on_error(EngineDeadError("the vLLM engine is shut down"))
-        self._sinks.clear()
+        with self._lock:
+            sinks, self._sinks = list(self._sinks.values()), {}
+            calls, self._calls = list(self._calls), set()
+        shut = self._dead_error() if self._error is not None else EngineDeadError("the vLLM engine is shut down")
+        for sink in sinks:
+            sink.on_error(shut)
+        for fut in calls:
+            if not fut.done():
+                fut.set_exception(shut)
         engine, self.engine = self.engine, None
         if engine is not None:
             try:

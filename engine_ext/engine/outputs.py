@@ -93,7 +93,7 @@ def _intervention_result(res: dict, program_hash: str | None) -> InterventionRes
         errors.append(res["store_error"])
     return InterventionResult(status=res.get("status", "unknown"), errors=errors, captures=caps,
                               stored_as=res.get("stored_as"), evicted=list(res.get("evicted") or []),
-                              program_hash=program_hash)
+                              program_hash=program_hash, dynamic=res.get("dynamic"))
 
 
 @dataclass

@@ -128,8 +128,10 @@ def merge_store_info(infos: list[dict | None], topology: Topology) -> dict | Non
 
 
 def merge_store_usage(usages: list[dict], topology: Topology) -> dict:
-    """The source store as one store: bytes over the stages, runs by id (present on every
-    stage's leader), the largest eviction count of any worker."""
+    """The source store as one store. Every stage charges each run's whole size (all stages'
+    values) against its own budget, so that all stages evict the same runs: the merged budget and
+    use are one stage's (the largest, they agree), a run's `bytes` is summed over the stages (its
+    real size), the eviction count is the largest of any worker."""
     leaders = [usages[i] for i in topology.leaders]
     runs: dict[str, dict] = {}
     for u in leaders:
@@ -138,7 +140,7 @@ def merge_store_usage(usages: list[dict], topology: Topology) -> dict:
             runs[r["run_id"]] = {**r} if cur is None else {**cur, "bytes": cur["bytes"] + r["bytes"],
                                                             "values": cur["values"] + r["values"],
                                                             "leases": min(cur["leases"], r["leases"])}
-    return {"budget_bytes": sum(int(u["budget_bytes"]) for u in leaders), "used_bytes": sum(int(u["used_bytes"]) for u in leaders),
+    return {"budget_bytes": max(int(u["budget_bytes"]) for u in leaders), "used_bytes": max(int(u["used_bytes"]) for u in leaders),
             "evictions": max(int(u["evictions"]) for u in usages), "runs": list(runs.values())}
 
 

@@ -12,8 +12,17 @@ A site is `(layer, hook)` of decoder layer `i` (`model.model.layers[i]`):
 * `pre_attn`   — the stream entering layer i (the layer's input; HF `hidden_states[i]`);
 * `post_attn`  — after the attention add of layer i (the input of `post_attention_layernorm`,
   which HF also keeps as the residual of the MLP add; it is edited in place so both see it);
+* `mlp_in`     — the MLP's input (`layer.mlp`'s argument: the output of
+  `post_attention_layernorm`);
+* `mlp_out`    — the MLP's output (`layer.mlp`'s return value, before the residual add);
 * `post_block` — the stream leaving layer i (the layer's output; HF `hidden_states[i+1]`, but
   for the last layer the value *before* the final norm).
+
+The hooks are generic: any decoder layer that takes the stream as its first input, feeds
+`post_attention_layernorm` the post-attention stream and returns the stream is covered — Llama,
+Qwen2, Qwen3, and Qwen3-Next's gated delta-net and full-attention layers alike (hybrids: compare
+in bf16, tolerance in docs/hybrid-models.md). `run` refuses a layer whose hooks do not fire
+exactly once.
 
 Interventions (exactly the engine's `worker_state._slot_value` / `intervention_op._apply`)
 --------------------------------------------------------------------------------------
@@ -21,9 +30,10 @@ Per site and absolute position `p` (prompt first, then generated tokens fed back
 
 1. patch first — the replace edit covering `p` (the *last* one given wins, as in the engine's
    per-(site, position) table): `a = f32(1 - alpha)`, `c = f32(alpha) * t` (zero-ablation:
-   no `c`);
+   no `c`); with a dimension mask `m` (per-dimension weights), per dimension
+   `a = f32(1 - alpha * m)`, `c = f32(alpha * m) * t` (the products in float64);
 2. then every add (steer / noise) that applies at `p`, in the order given:
-   `c = c + vec * f32(scale)`;
+   `c = c + vec * f32(scale)` (masked: `c = c + f32(vec * m) * f32(scale)`);
 3. `new = c if a == 0 else a * s + c`, all float32, written back in the model dtype.
 
 Captures record the stream after the interventions at that site. The engine applies its adds
@@ -115,6 +125,8 @@ class RefEdit:
 
     `vectors`: one vector `[H]` (or `[1, H]`) for all positions, or `[len(positions), H]`, one
     per position in the order of `positions`. Positions beyond the sequence are ignored.
+    `mask`: per-dimension weights `[H]` in [0, 1] (or None: every dimension fully) — a replace
+    acts only on the masked dimensions, an add adds only there.
     """
 
     layer: int
@@ -126,6 +138,7 @@ class RefEdit:
     scale: float = 1.0
     gen: bool = False
     phase: str = "both"
+    mask: Any = None
 
     def __post_init__(self) -> None:
         self.layer, self.hook = parse_site((self.layer, self.hook))
@@ -141,6 +154,14 @@ class RefEdit:
         self.positions = pos
         self._index = {p: j for j, p in enumerate(pos)}
         self.alpha, self.scale = float(self.alpha), float(self.scale)
+        if self.mask is not None:
+            m = np.asarray(self.mask.detach().cpu().numpy() if hasattr(self.mask, "detach") else self.mask)
+            if m.dtype == bool:
+                m = m.astype(np.float32)
+            m = np.ascontiguousarray(m, np.float32)
+            if m.ndim != 1 or not np.all((m >= 0) & (m <= 1)):
+                raise ValueError("mask must be a 1-D vector of weights in [0, 1]")
+            self.mask = m
         if self.kind == "replace":
             if self.gen or self.phase != "both":
                 raise ValueError("a replace edit takes explicit positions only (no gen / phase)")
@@ -166,19 +187,19 @@ class RefEdit:
     # ---- constructors ---------------------------------------------------------------------
     @classmethod
     def steer(cls, site: Any, vector: Any, *, scale: float = 1.0, positions: Sequence[int] = (),
-              gen: bool = False, phase: str = "both") -> "RefEdit":
+              gen: bool = False, phase: str = "both", mask: Any = None) -> "RefEdit":
         layer, hook = parse_site(site)
-        return cls(layer, hook, positions, "add", vector, scale=scale, gen=gen, phase=phase)
+        return cls(layer, hook, positions, "add", vector, scale=scale, gen=gen, phase=phase, mask=mask)
 
     @classmethod
-    def patch(cls, site: Any, positions: Sequence[int], targets: Any, *, alpha: float = 1.0) -> "RefEdit":
+    def patch(cls, site: Any, positions: Sequence[int], targets: Any, *, alpha: float = 1.0, mask: Any = None) -> "RefEdit":
         layer, hook = parse_site(site)
-        return cls(layer, hook, positions, "replace", targets, alpha=alpha)
+        return cls(layer, hook, positions, "replace", targets, alpha=alpha, mask=mask)
 
     @classmethod
-    def zero(cls, site: Any, positions: Sequence[int], *, alpha: float = 1.0) -> "RefEdit":
+    def zero(cls, site: Any, positions: Sequence[int], *, alpha: float = 1.0, mask: Any = None) -> "RefEdit":
         layer, hook = parse_site(site)
-        return cls(layer, hook, positions, "replace", None, alpha=alpha)
+        return cls(layer, hook, positions, "replace", None, alpha=alpha, mask=mask)
 
     @classmethod
     def noise(cls, positions: Sequence[int], vectors: Any) -> "RefEdit":
@@ -212,9 +233,18 @@ class RefEdit:
         return self._vecs[self._index[position] if self._vecs.shape[0] > 1 else 0]
 
     def add_at(self, position: int) -> np.ndarray:
-        """Add: the float32 vector added at `position`: `vec * f32(scale)`."""
+        """Add: the float32 vector added at `position`: `vec * f32(scale)` (masked: `f32(vec * m) * f32(scale)`)."""
         v = self._vecs[self._index[position] if self._vecs.shape[0] > 1 else 0]
+        if self.mask is not None:
+            v = (v * self.mask).astype(np.float32)
         return v * np.float32(self.scale)
+
+    def coefficients(self, hidden: int) -> tuple[np.ndarray, np.float32 | None]:
+        """Replace: (`a` per dimension, `f32(alpha * m)` per dimension or None without a mask)."""
+        if self.mask is None:
+            return np.full(hidden, np.float32(1.0 - self.alpha), np.float32), None
+        am = np.float64(self.alpha) * self.mask.astype(np.float64)
+        return (1.0 - am).astype(np.float32), am.astype(np.float32)
 
 
 def edits_from_program(program: dict, *, named_vector: Callable[[str], Any] | None = None,
@@ -226,6 +256,7 @@ def edits_from_program(program: dict, *, named_vector: Callable[[str], Any] | No
     with the callbacks (`source_value(run_id, site_index, position)`,
     `source_mean(run_id, site_index)`, site_index as in `engine_ext.sites.site_index`); a missing one
     raises KeyError."""
+    from engine_ext.program import decode_mask
     from engine_ext.specs import decode_vector
 
     def site_of(index: int) -> SiteKey:
@@ -254,7 +285,8 @@ def edits_from_program(program: dict, *, named_vector: Callable[[str], Any] | No
             t = [np.asarray(need(source_mean(src["mean_of"], site), f"mean of run {src['mean_of']!r}"), np.float32)]
         else:
             t = None
-        patches.append(RefEdit(*site_of(site), dst, "replace", None if t is None else np.stack(t), alpha=float(p["alpha"])))
+        patches.append(RefEdit(*site_of(site), dst, "replace", None if t is None else np.stack(t), alpha=float(p["alpha"]),
+                               mask=decode_mask(p.get("mask"))))
     for s in program.get("steer") or []:
         if s["vec"] is not None:
             vec = decode_vector(s["vec"])
@@ -264,7 +296,7 @@ def edits_from_program(program: dict, *, named_vector: Callable[[str], Any] | No
             vec = need(named_vector(s["name"]), f"named vector {s['name']!r}")
         for site in s["sites"]:
             edits.append(RefEdit(*site_of(site), [int(x) for x in s["pos"]], "add", vec, scale=float(s["scale"]),
-                                 gen=bool(s["gen"]), phase=s["phase"]))
+                                 gen=bool(s["gen"]), phase=s["phase"], mask=decode_mask(s.get("mask"))))
     nz = program.get("noise")
     if nz:
         edits.append(RefEdit.noise([int(x) for x in nz["pos"]], np.stack([decode_vector(v) for v in nz["vecs"]])))
@@ -276,7 +308,7 @@ def edits_from_program(program: dict, *, named_vector: Callable[[str], Any] | No
 @dataclass
 class _SitePlan:
     rows: Any  # LongTensor of positions touched
-    a: Any  # float32 [k, 1]
+    a: Any  # float32 [k, H]
     c: Any  # float32 [k, H]
 
 
@@ -365,6 +397,8 @@ class HFReference:
                 raise ValueError(f"edits[{k}]: layer {e.layer} is out of range (the model has layers 0..{self.num_layers - 1})")
             if e.hidden_size is not None and e.hidden_size != self.hidden_size:
                 raise ValueError(f"edits[{k}]: vectors have dimension {e.hidden_size}, the hidden size is {self.hidden_size}")
+            if e.mask is not None and e.mask.shape[0] != self.hidden_size:
+                raise ValueError(f"edits[{k}]: the mask has {e.mask.shape[0]} weights, the hidden size is {self.hidden_size}")
         sites = self.all_sites() if capture == "all" else [parse_site(s) for s in capture]
         for layer, hook in sites:
             if layer >= self.num_layers:
@@ -394,19 +428,22 @@ class HFReference:
                     continue
                 if rep is not None:
                     t = rep.target_at(p)
-                    a = np.float32(1.0 - rep.alpha)
-                    c = None if t is None else np.float32(rep.alpha) * t
+                    a, am = rep.coefficients(H)
+                    if t is None:
+                        c = None
+                    else:
+                        c = np.float32(rep.alpha) * t if am is None else am * t
                 else:
-                    a, c = np.float32(1.0), None
+                    a, c = np.ones(H, np.float32), None
                 for e in here:
                     v = e.add_at(p)
                     c = v.astype(np.float32) if c is None else c + v
                 rows.append(p)
-                a_list.append(float(a))
+                a_list.append(a)
                 c_list.append(np.zeros(H, np.float32) if c is None else np.asarray(c, np.float32))
             if rows:
                 plans[site] = _SitePlan(torch.tensor(rows, dtype=torch.long, device=self.device),
-                                        torch.tensor(a_list, dtype=torch.float32, device=self.device).unsqueeze(1),
+                                        torch.from_numpy(np.stack(a_list)).to(self.device),
                                         torch.from_numpy(np.stack(c_list)).to(self.device))
         return plans
 
@@ -465,6 +502,21 @@ class HFReference:
                 visit((i, "post_attn"), args[0])
             return hook
 
+        def mlp_in_hook(i: int):
+            def hook(_mod, args):
+                h = args[0].clone()
+                visit((i, "mlp_in"), h)
+                return (h, *args[1:])
+            return hook
+
+        def mlp_out_hook(i: int):
+            def hook(_mod, _args, output):
+                out = output[0] if isinstance(output, tuple) else output  # MoE blocks may add router logits
+                h = out.clone()
+                visit((i, "mlp_out"), h)
+                return (h, *output[1:]) if isinstance(output, tuple) else h
+            return hook
+
         def post_block_hook(i: int):
             def hook(_mod, _args, output):
                 out = output[0] if isinstance(output, tuple) else output
@@ -482,6 +534,10 @@ class HFReference:
                     handles.append(mod.register_forward_pre_hook(pre_attn_hook(layer), with_kwargs=True))
                 elif hook == "post_attn":
                     handles.append(mod.post_attention_layernorm.register_forward_pre_hook(post_attn_hook(layer)))
+                elif hook == "mlp_in":
+                    handles.append(mod.mlp.register_forward_pre_hook(mlp_in_hook(layer)))
+                elif hook == "mlp_out":
+                    handles.append(mod.mlp.register_forward_hook(mlp_out_hook(layer)))
                 else:
                     handles.append(mod.register_forward_hook(post_block_hook(layer)))
             with torch.no_grad():

@@ -66,7 +66,11 @@ class ActionChecksum:
 
 def compare_ranks(workers: Sequence[dict]) -> dict:
     """Compare the checksums of ranks that must agree: tensor-parallel ranks of one pipeline
-    stage. `workers` are dicts with `tp_rank`, `pp_rank`, `action_checksum`, `action_count`."""
+    stage. `workers` are dicts with `tp_rank`, `pp_rank`, `action_checksum`, `action_count`.
+
+    Returns `{"consistent": True, "action_count": N, "ranks": R}` or `{"consistent": False,
+    "mismatches": {"pp<k>": {"tp<i>/pp<k>": hex}} (only the disagreeing stages), "checksums":
+    {"tp<i>/pp<k>": hex} (every worker), "ranks": R}`."""
     stages: dict[int, list[dict]] = {}
     for w in workers:
         stages.setdefault(int(w.get("pp_rank", 0)), []).append(w)
@@ -75,6 +79,7 @@ def compare_ranks(workers: Sequence[dict]) -> dict:
         if len({(w["action_checksum"], w["action_count"]) for w in ranks}) > 1:
             mismatches[f"pp{pp}"] = {f"tp{w.get('tp_rank', 0)}/pp{pp}": w["action_checksum"] for w in ranks}
     if mismatches:
-        return {"consistent": False, "mismatches": mismatches, "ranks": len(workers)}
+        checksums = {f"tp{w.get('tp_rank', 0)}/pp{w.get('pp_rank', 0)}": w["action_checksum"] for w in workers}
+        return {"consistent": False, "mismatches": mismatches, "checksums": checksums, "ranks": len(workers)}
     return {"consistent": True, "action_count": max((int(w["action_count"]) for w in workers), default=0),
             "ranks": len(workers)}

@@ -107,3 +107,23 @@ class CausalboardWorkerExtension:
             return st.store.info(run_id)
         raise ValueError(f"unknown store action {action!r}")
 
+    def cb_dynamic(self, action: str, arg: Any = None) -> Any:
+        """Dynamic steering's control plane: `set_probe` (the probe's wire JSON text),
+        `delete_probe` (a name), `status`."""
+        import json
+
+        dyn = self._cb().dynamic
+        if action == "set_probe":
+            return dyn.set_probe(json.loads(arg))
+        if action == "delete_probe":
+            return dyn.delete_probe(str(arg))
+        if action == "status":
+            return dyn.status()
+        raise ValueError(f"unknown dynamic action {action!r}")
+
+    def cb_state_hygiene(self, options: dict) -> dict:
+        """Recurrent-state hygiene on this worker (hybrids; `state_hygiene.set_mode`): `options`
+        may set `mode`, `mask_off`, `sentinel_std`, `sentinel_seed`, `reset`; returns the counters."""
+        from engine_ext.worker import state_hygiene
+
+        return state_hygiene.set_mode(self.model_runner, **dict(options or {}))

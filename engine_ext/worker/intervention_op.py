@@ -10,10 +10,16 @@ vLLM carries the residual stream as a pair (x, r) whose true value is `fp32(x) +
 add is deferred into the next fused add-norm). Per row and site, `row_slot[row, site]` names a
 slot (-1: leave the row bit-identical) and the slot's `SlotMode` says what to do:
 
-* `AFFINE` — `new = a * s + c` in fp32 (`a == 0` means `new = c` exactly), written back as
+* `AFFINE` — `new = a * s + c` in fp32, per dimension (`a == 0` means `new = c` exactly), where
+  `a` is the slot's scalar `slot_a`, or, for a slot with `slot_adim >= 0`, that row of `dim_a`
+  (a per-dimension `a`: dimension-masked patches), written back as
   `r = dt(new)`, `x = dt(new - r)` (two-term split: the next add recovers `new` to ~2^-16 relative
   in bf16; exactly in fp32);
 * `PAIR`   — `x = px`, `r = pr` (a stored source run's own pair: replacement is bit-exact).
+
+Single-tensor sites (`embed_site_op`: layer 0's `pre_attn`, where the stream is the embeddings
+alone, and the MLP-branch sites `mlp_in` / `mlp_out`) have no `r`: the value is `x` itself,
+`AFFINE` writes `x = dt(new)`, `PAIR` writes `x = px`, and captures store `r = 0`.
 
 Captures copy the (post-intervention) pair of rows whose `cap_dst[row, site]` is >= 0 into that
 row of `cap_x` / `cap_r`.
@@ -48,13 +54,17 @@ class SiteBuffers:
     capture; never resized. Row-indexed tables are laid out `[row, site]`."""
 
     def __init__(self, num_sites: int, max_rows: int, max_slots: int, max_capture_rows: int,
-                 hidden: int, device: torch.device, dtype: torch.dtype):
+                 hidden: int, device: torch.device, dtype: torch.dtype, max_dim_rows: int = 256):
         self.num_sites, self.max_rows, self.max_slots = num_sites, max_rows, max_slots
         self.max_capture_rows, self.hidden, self.device, self.dtype = max_capture_rows, hidden, device, dtype
         self.row_slot = torch.full((max_rows, num_sites), -1, dtype=torch.int32, device=device)
         self.cap_dst = torch.full((max_rows, num_sites), -1, dtype=torch.int32, device=device)
         self.slot_mode = torch.zeros(max_slots, dtype=torch.int32, device=device)
         self.slot_a = torch.ones(max_slots, dtype=torch.float32, device=device)
+        #: per slot: the row of `dim_a` holding its per-dimension `a` (-1: the scalar `slot_a`)
+        self.slot_adim = torch.full((max_slots,), -1, dtype=torch.int32, device=device)
+        self.max_dim_rows = max_dim_rows
+        self.dim_a = torch.ones(max_dim_rows, hidden, dtype=torch.float32, device=device)
         self.slot_c = torch.zeros(max_slots, hidden, dtype=torch.float32, device=device)
         self.slot_px = torch.zeros(max_slots, hidden, dtype=dtype, device=device)
         self.slot_pr = torch.zeros(max_slots, hidden, dtype=dtype, device=device)
@@ -66,8 +76,8 @@ class SiteBuffers:
         self.use_triton = device.type == "cuda"
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.row_slot, self.cap_dst, self.slot_mode, self.slot_a, self.slot_c, self.slot_px, self.slot_pr,
-                self.cap_x, self.cap_r)
+        return (self.row_slot, self.cap_dst, self.slot_mode, self.slot_a, self.slot_adim, self.dim_a, self.slot_c,
+                self.slot_px, self.slot_pr, self.cap_x, self.cap_r)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -86,6 +96,9 @@ def _apply_torch(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: 
         xs = x[rows]
         s = xs.float() if r is None else xs.float() + r[rows].float()
         a = b.slot_a[idx].unsqueeze(1)
+        adim = b.slot_adim[idx]
+        if bool((adim >= 0).any()):
+            a = torch.where((adim >= 0).unsqueeze(1), b.dim_a[adim.clamp(min=0).long()], a)
         c = b.slot_c[idx]
         new = torch.where(a == 0, c, a * s + c)
         pair = mode == SlotMode.PAIR
@@ -116,7 +129,8 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def site_kernel(x_ptr, r_ptr, row_slot_ptr, cap_dst_ptr, mode_ptr, a_ptr, c_ptr, px_ptr, pr_ptr, capx_ptr, capr_ptr,
+    def site_kernel(x_ptr, r_ptr, row_slot_ptr, cap_dst_ptr, mode_ptr, a_ptr, adim_ptr, dima_ptr, c_ptr, px_ptr, pr_ptr,
+                    capx_ptr, capr_ptr,
                     site, num_sites, hidden, stride_x, stride_r,
                     HAS_R: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr):
         row = tl.program_id(0)
@@ -141,6 +155,9 @@ def _triton_kernel():
                     r_new = tl.load(pr_ptr + slot * hidden + offs, mask=m)
             else:
                 a = tl.load(a_ptr + slot)
+                adim = tl.load(adim_ptr + slot)
+                a_row = tl.load(dima_ptr + tl.maximum(adim, 0) * hidden + offs, mask=m & (adim >= 0), other=0.0)
+                a = tl.where(adim >= 0, a_row, a)
                 c = tl.load(c_ptr + slot * hidden + offs, mask=m)
                 if HAS_R:
                     s = x.to(tl.float32) + r.to(tl.float32)
@@ -174,8 +191,8 @@ def _apply_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site:
         return
     kernel = _triton_kernel()
     block = triton.next_power_of_2(b.hidden)
-    kernel[(n,)](x, r if r is not None else x, b.row_slot, b.cap_dst, b.slot_mode, b.slot_a, b.slot_c, b.slot_px,
-                 b.slot_pr, b.cap_x, b.cap_r, site, b.num_sites, b.hidden, x.stride(0),
+    kernel[(n,)](x, r if r is not None else x, b.row_slot, b.cap_dst, b.slot_mode, b.slot_a, b.slot_adim, b.dim_a,
+                 b.slot_c, b.slot_px, b.slot_pr, b.cap_x, b.cap_r, site, b.num_sites, b.hidden, x.stride(0),
                  r.stride(0) if r is not None else 0, HAS_R=r is not None, BLOCK=block, PAIR=int(SlotMode.PAIR),
                  num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
 
@@ -188,6 +205,8 @@ def _apply_torch_cuda(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, s
     mode = torch.where(slot >= 0, b.slot_mode[idx], torch.zeros_like(slot)).unsqueeze(1)
     s = x.float() if r is None else x.float() + r.float()
     a = b.slot_a[idx].unsqueeze(1)
+    adim = b.slot_adim[idx]
+    a = torch.where((adim >= 0).unsqueeze(1), b.dim_a[adim.clamp(min=0).long()], a)
     c = b.slot_c[idx]
     new = torch.where(a == 0, c, a * s + c)
     pair, affine = mode == SlotMode.PAIR, mode == SlotMode.AFFINE
@@ -222,7 +241,8 @@ def site_op(x: torch.Tensor, r: torch.Tensor, state_id: int, site: int) -> None:
 
 
 def embed_site_op(x: torch.Tensor, state_id: int, site: int) -> None:
-    """Same, for layer 0's `pre_attn` where the stream is the embeddings alone (no residual)."""
+    """Same, on a single tensor: layer 0's `pre_attn` (the embeddings, no residual yet) and the
+    MLP-branch sites `mlp_in` / `mlp_out`."""
     b = BUFFERS.get(state_id)
     if b is not None:
         _apply(b, x, None, site)

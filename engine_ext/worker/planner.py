@@ -16,7 +16,8 @@ Two stages:
 
 Composition at one (site, position) — exactly what the transformers oracle does
 (`engine_ext.reference.hf`): the patch first (`a = f32(1 - alpha)`, `c = f32(alpha) * target`;
-zero-ablation: no `c`), then every add that applies there, in order (the request's steering
+zero-ablation: no `c`; with a dimension mask `m`, per dimension `a = f32(1 - alpha * m)`,
+`c = f32(alpha * m) * target`, products in float64), then every add that applies there, in order (the request's steering
 entries in spec order, its noise, then the global steering): `c = c + f32(scale * vector)`.
 A replace with alpha 1 from a stored (x, r) pair and nothing added is a `PAIR` slot (bit-exact).
 
@@ -69,19 +70,30 @@ def _op_identity(op: AddOp, pos: int) -> tuple:
     return ident
 
 
-def _rep_identity(rep: tuple[float, Any]) -> tuple:
-    alpha, t = rep
+def _mask_identity(mask: np.ndarray | None) -> str | None:
+    return None if mask is None else _digest(np.asarray(mask, "<f4"))
+
+
+def _rep_identity(rep: tuple[float, Any, np.ndarray | None]) -> tuple:
+    alpha, t, mask = rep
+    m = _mask_identity(mask)
     if t is None:
-        return ("zero", alpha)
+        return ("zero", alpha, m)
     if isinstance(t, StoredPair):
-        return ("pair", alpha, t.ident)
-    return ("vec", alpha, _digest(np.asarray(t, "<f4")))
+        return ("pair", alpha, t.ident, m)
+    return ("vec", alpha, _digest(np.asarray(t, "<f4")), m)
 
 
-def _slot_value(rep: tuple[float, Any] | None, ops: list[AddOp], pos: int) -> SlotValue:
+def _is_pair(rep: tuple[float, Any, np.ndarray | None] | None) -> bool:
+    """A plain replace from a stored pair (written back as is: bit-exact)."""
+    return rep is not None and rep[0] == 1.0 and isinstance(rep[1], StoredPair) and rep[2] is None
+
+
+def _slot_value(rep: tuple[float, Any, np.ndarray | None] | None, ops: list[AddOp], pos: int) -> SlotValue:
+    a_vec, a_key = None, None
     if rep is not None:
-        alpha, t = rep
-        if alpha == 1.0 and isinstance(t, StoredPair) and not ops:
+        alpha, t, mask = rep
+        if _is_pair(rep) and not ops:
             return SlotValue(SlotMode.PAIR, pair=t)
         if t is None:
             tv = None
@@ -90,13 +102,20 @@ def _slot_value(rep: tuple[float, Any] | None, ops: list[AddOp], pos: int) -> Sl
         else:
             tv = np.asarray(t, np.float32)
         a = float(np.float32(1.0 - alpha))
-        c = None if tv is None else np.float32(alpha) * tv
+        if mask is None:
+            c = None if tv is None else np.float32(alpha) * tv
+        else:
+            # per dimension: a = 1 - alpha * m, c = (alpha * m) * t (m = 1: the unmasked values exactly)
+            am = np.float64(alpha) * np.asarray(mask, np.float64)
+            a_vec = (1.0 - am).astype(np.float32)
+            a_key = ("a", alpha, _mask_identity(mask))
+            c = None if tv is None else am.astype(np.float32) * tv
     else:
         a, c = 1.0, None
     for op in ops:
         v = op.vector_at(pos)
         c = v.astype(np.float32) if c is None else c + v
-    return SlotValue(SlotMode.AFFINE, a=a, c=c)
+    return SlotValue(SlotMode.AFFINE, a=a, c=c, a_vec=a_vec, a_key=a_key)
 
 
 def _covers_prompt(op: AddOp, n_prompt: int) -> bool:
@@ -192,7 +211,7 @@ class RequestPlan:
                 for p in sorted(set().union(*(ex for *_, ex in entries), reps)):
                     here = [op for op, cp, cg, ex in entries if p in ex or (cp if p < n_prompt else cg)]
                     rep = reps.get(p)
-                    if rep is not None and rep[0] == 1.0 and isinstance(rep[1], StoredPair) and not here:
+                    if _is_pair(rep) and not here:
                         skey = ("P", _rep_identity(rep))
                     else:
                         skey = ("A", _rep_identity(rep) if rep is not None else None,
@@ -278,10 +297,13 @@ class StepPlanner:
         #: test-only fault (`cb_debug_fault`): skip the next planned request window entirely
         self.skip_next_action = False
 
-    def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow) -> None:
+    def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow, extra=None) -> None:
         """Fill the tables for this step's rows. `plans` maps request id -> RequestPlan (requests
         without one are left untouched); `on_overflow(req_id, message)` is told about a request
-        whose captures do not fit this step (its rows are then left untouched)."""
+        whose captures do not fit this step (its rows are then left untouched). `extra(planner,
+        req_ids, query_start_loc, num_computed, hs, hc, n_cap) -> (max_row, n_cap, actions)`
+        writes more entries on top of the plans' (dynamic steering), before the upload; its
+        actions are folded after the plans'."""
         self.steps += 1
         self.checksum.begin_step()
         if self._pending:
@@ -354,6 +376,10 @@ class StepPlanner:
                 actions.append((plan.digest, p0, p1))
             for plan, rows in groups.values():
                 hs[np.asarray(rows, np.int64)[:, None], plan.gen_sites[None, :]] = plan.gen_slots
+        if extra is not None:
+            more_rows, n_cap, more = extra(self, req_ids, query_start_loc, num_computed, hs, hc, n_cap)
+            max_row = max(max_row, more_rows)
+            actions.extend(more)
         self._blocks = blocks
         if actions:
             self.checksum.fold_step(actions)

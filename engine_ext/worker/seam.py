@@ -19,10 +19,17 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
 * `<model>DecoderLayer.__init__` / `.forward` for Llama, Qwen2 and Qwen3: `__init__` records the
   layer index and the engine's state id (only for engines started with
   `additional_config["causalboard"]`; others get state 0 = inert); `forward` is vLLM's own body
-  with a call to the custom op `vllm::causalboard_site` at each site (pre_attn, post_attn,
-  post_block). Safe under torch.compile and CUDA graphs: the op is opaque to Dynamo, reads
-  persistent buffers allocated before any capture, and per step only the buffer contents change
-  (`intervention_op.py`).
+  with a call to a custom op at each site: `vllm::causalboard_site` on the residual pair
+  (x, r) at pre_attn, post_attn and post_block; `vllm::causalboard_embed_site` on a single
+  tensor at layer 0's pre_attn (the embeddings), at `mlp_in` (the `hidden_states` returned by
+  `post_attention_layernorm(hidden_states, residual)`, right before `self.mlp(...)` reads it)
+  and at `mlp_out` (what `self.mlp` returns, before the next fused add-norm adds it to the
+  residual; post_block then sees the edited branch). Safe under torch.compile and CUDA graphs:
+  the op is opaque to Dynamo, mutates its tensor arguments in place (declared), reads
+  persistent buffers allocated before any capture, and per step only the buffer contents
+  change (`intervention_op.py`). Under tensor parallelism both MLP-branch tensors are
+  replicated on every rank (the norm output before the column-parallel up projection; the
+  down projection's all-reduced output), like the residual pair.
 * `GPUModelRunner.execute_model` of the V1 runner (also the CPU runner's) and of the V2 runner:
   before — register new requests' programs and retire finished ones from the `SchedulerOutput`;
   after — start copying captured rows to the host.
@@ -31,6 +38,17 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   (eager, compiled or graph replay).
 * V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
   `query_start_loc_np`, `num_computed_tokens_np`).
+* `Qwen3NextDecoderLayer.__init__` / `.forward` (hybrid: gated delta-net "linear_attention" and
+  "full_attention" layers): the same five sites, around the token mixer whichever it is and
+  around its (MoE or dense) MLP (`_qwen3_next_site_forward`; forward sha checked like the others).
+* V1 `GPUModelRunner._update_states` (also the CPU runner's), before it: **zero-on-realloc** of
+  recurrent state — every conv/ssm state row of the Mamba-group blocks of each request that starts
+  from position 0 (new, or resumed after preemption) is zeroed (`state_hygiene.on_update_states`).
+  vLLM 0.25.1 reuses freed slots uncleared and relies on `has_initial_state`, which a 1-token prompt
+  (scheduled as a decode) bypasses. Inert for models without Mamba-spec KV groups. The V2 runner
+  is not patched: vLLM 0.25.1 serves hybrids with the V1 runner.
+* `vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder.build`, after it: inert unless
+  the sentinel check's `mask_off` arm is active, then every `has_initial_state` mask is all-true.
 * `vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys` (and `block_pool`'s import of it,
   used for KV-cache events), in the scheduler's process: a request whose
   `extra_args["causalboard_kv"] = [first, salt]` gets `salt` added to the hash of every KV block
@@ -83,10 +101,15 @@ LAYER_FORWARD_SHA = {
     ("vllm.model_executor.models.llama", "LlamaDecoderLayer"): "71daafe15adcfe3d",
     ("vllm.model_executor.models.qwen2", "Qwen2DecoderLayer"): "ed1f90a51dab0fe3",
     ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"): "ed1f90a51dab0fe3",
+    ("vllm.model_executor.models.qwen3_next", "Qwen3NextDecoderLayer"): "1b819a3980e3c824",
 }
 
 #: HF architectures whose decoder layers are patched; anything else is refused at start-up.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM")
+
+#: hybrid architectures (recurrent-state layers besides attention): served with the state-hygiene
+#: guard (`state_hygiene.py`) and without prefix caching (docs/hybrid-models.md)
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 
 #: Every vLLM symbol this module patches or wraps (see the module docstring for why each is safe).
 PATCHED_SYMBOLS: tuple[str, ...] = (
@@ -96,19 +119,24 @@ PATCHED_SYMBOLS: tuple[str, ...] = (
     "vllm.model_executor.models.qwen2.Qwen2DecoderLayer.forward",
     "vllm.model_executor.models.qwen3.Qwen3DecoderLayer.__init__",
     "vllm.model_executor.models.qwen3.Qwen3DecoderLayer.forward",
+    "vllm.model_executor.models.qwen3_next.Qwen3NextDecoderLayer.__init__",
+    "vllm.model_executor.models.qwen3_next.Qwen3NextDecoderLayer.forward",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
     "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model",
     "vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_inputs",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._update_states",
+    "vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder.build",
 )
 
 
 #: Bump when the patches change: part of the compile-cache key (additional_config).
-SEAM_FINGERPRINT = "causalboard-seam-2"
+SEAM_FINGERPRINT = "causalboard-seam-4"
 
 logger = logging.getLogger("causalboard.seam")
 
-_PRE_ATTN, _POST_ATTN, _POST_BLOCK = (HOOK_INDEX[h] for h in ("pre_attn", "post_attn", "post_block"))
+_PRE_ATTN, _POST_ATTN, _MLP_IN, _MLP_OUT, _POST_BLOCK = (
+    HOOK_INDEX[h] for h in ("pre_attn", "post_attn", "mlp_in", "mlp_out", "post_block"))
 
 
 class VllmVersionError(RuntimeError):
@@ -206,7 +234,7 @@ def close_state(state: Any) -> None:
 
 
 def _site_forward(self, positions, hidden_states, residual):
-    """vLLM 0.25.1's Llama/Qwen2/Qwen3 decoder-layer forward, plus the three site ops."""
+    """vLLM 0.25.1's Llama/Qwen2/Qwen3 decoder-layer forward, plus the five site ops."""
     import torch
 
     sid, base = self._cb_state, self._cb_layer * SITES_PER_LAYER
@@ -220,7 +248,9 @@ def _site_forward(self, positions, hidden_states, residual):
     hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_ATTN)
     hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_IN)
     hidden_states = self.mlp(hidden_states)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_OUT)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_BLOCK)
     return hidden_states, residual
 
@@ -228,7 +258,50 @@ def _site_forward(self, positions, hidden_states, residual):
 _site_forward._cb_wrapped = True
 
 
-def _patch_layer_class(expected_sha: str, cls: Any) -> None:
+def _qwen3_next_site_forward(self, hidden_states, residual, positions=None, **kwargs):
+    """vLLM 0.25.1's Qwen3-Next decoder-layer forward (linear-attention and full-attention layers
+    alike), plus the five site ops at the same points as `_site_forward` (`mlp_out`: the branch
+    as written back, after the optional layer scale)."""
+    import torch
+
+    sid, base = self._cb_state, self._cb_layer * SITES_PER_LAYER
+    if residual is None:
+        torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _PRE_ATTN)
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+    else:
+        torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _PRE_ATTN)
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    attn_out = torch.empty_like(hidden_states)
+    if self.layer_type == "linear_attention":
+        self.linear_attn(hidden_states=hidden_states, output=attn_out)
+    elif self.layer_type == "full_attention":
+        self.self_attn(hidden_states=hidden_states, output=attn_out, positions=positions)
+    else:
+        raise ValueError("Invalid layer_type")
+    hidden_states = attn_out
+    if self.layer_scale:
+        scale = self.attn_layer_scale.to(hidden_states.dtype)
+        hidden_states = hidden_states * ((scale[0] if hidden_states.dim() == 2 else scale) + 1)
+    torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_ATTN)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_IN)
+    hidden_states = self.mlp(hidden_states)
+    if self.layer_scale:
+        scale = self.ffn_layer_scale.to(hidden_states.dtype)
+        hidden_states = hidden_states * ((scale[0] if hidden_states.dim() == 2 else scale) + 1)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_OUT)
+    torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_BLOCK)
+    return hidden_states, residual
+
+
+_qwen3_next_site_forward._cb_wrapped = True
+
+#: the patched forward of each decoder-layer class (default: `_site_forward`)
+LAYER_SITE_FORWARD = {("vllm.model_executor.models.qwen3_next", "Qwen3NextDecoderLayer"): _qwen3_next_site_forward}
+
+
+def _patch_layer_class(expected_sha: str, cls: Any, site_forward: Any = _site_forward) -> None:
     """Replace a decoder layer's `__init__` (records layer index and state id) and `forward`
     (vLLM's body plus the site ops), after checking the original `forward` is the one checked."""
     from vllm.model_executor.models.utils import extract_layer_index
@@ -254,7 +327,7 @@ def _patch_layer_class(expected_sha: str, cls: Any) -> None:
 
     __init__._cb_wrapped = True
     cls.__init__ = __init__
-    cls.forward = _site_forward
+    cls.forward = site_forward
     cls._cb_patched = True
 
 
@@ -328,6 +401,33 @@ def _wrap_v2_prepare_inputs(cls: Any) -> None:
     _wrap_method(cls, "prepare_inputs", make)
 
 
+# ---- recurrent-state hygiene (hybrids) ----------------------------------------------------------
+def _wrap_v1_update_states(cls: Any) -> None:
+    """Before V1 `_update_states` registers this step's requests: zero the recurrent-state slots of
+    every request that starts from position 0 (`state_hygiene.on_update_states`)."""
+    from engine_ext.worker import state_hygiene
+
+    def make(orig):
+        def _update_states(self, scheduler_output, *args, **kwargs):
+            state_hygiene.on_update_states(self, scheduler_output)
+            return orig(self, scheduler_output, *args, **kwargs)
+        return _update_states
+
+    _wrap_method(cls, "_update_states", make)
+
+
+def _wrap_gdn_metadata_build(cls: Any) -> None:
+    """After the GDN metadata builder: the sentinel check's `mask_off` arm (inert otherwise)."""
+    from engine_ext.worker import state_hygiene
+
+    def make(orig):
+        def build(self, *args, **kwargs):
+            return state_hygiene.on_gdn_metadata(orig(self, *args, **kwargs))
+        return build
+
+    _wrap_method(cls, "build", make)
+
+
 # ---- the patch table ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Patch:
@@ -349,7 +449,9 @@ class Patch:
 
 
 def _layer_patch(module: str, cls: str) -> Patch:
-    return Patch(module, cls, ("__init__", "forward"), functools.partial(_patch_layer_class, LAYER_FORWARD_SHA[(module, cls)]))
+    forward = LAYER_SITE_FORWARD.get((module, cls), _site_forward)
+    return Patch(module, cls, ("__init__", "forward"),
+                 functools.partial(_patch_layer_class, LAYER_FORWARD_SHA[(module, cls)], site_forward=forward))
 
 
 def _wrap_block_hash_extra_keys(module: Any) -> None:
@@ -386,6 +488,13 @@ KV_SALT_PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.core.block_pool", None, ("generate_block_hash_extra_keys",), _rebind_block_hash_extra_keys),
 )
 
+#: recurrent-state hygiene for hybrids (`state_hygiene.py`): zero-on-realloc, and the sentinel
+#: check's mask override
+STATE_HYGIENE_PATCHES: tuple[Patch, ...] = (
+    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("_update_states",), _wrap_v1_update_states),
+    Patch("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder", ("build",), _wrap_gdn_metadata_build),
+)
+
 PATCHES: tuple[Patch, ...] = (
     *(_layer_patch(module, cls) for module, cls in LAYER_FORWARD_SHA),
     Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("execute_model", "_model_forward"),
@@ -393,6 +502,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("execute_model", "prepare_inputs"),
           lambda c: (_wrap_execute_model(c), _wrap_v2_prepare_inputs(c)), optional=True),
     *KV_SALT_PATCHES,
+    *STATE_HYGIENE_PATCHES,
 )
 
 #: every vLLM symbol this module replaces (derived from `PATCHES`; see the module docstring)

@@ -2,6 +2,9 @@
 
 A slot holds one composed value that rows can point at (`row_slot[row, site] = slot`): an
 `AFFINE` edit `new = a * s + c` or a stored `PAIR` written back as is (see `intervention_op`).
+A dimension-masked patch has a per-dimension `a`: it lives in a second, smaller content-addressed
+table (`dim_a` rows, shared by every slot with the same `a` vector — a sweep's cells all share
+one), referenced by the slot and released with it.
 Slots are content-addressed: requests that need the same value (the same steering vector at the
 same scale, say) share one slot, uploaded once. A request holds references to its slots from
 registration until it finishes; a slot whose last reference is released is free for reuse.
@@ -27,12 +30,15 @@ from engine_ext.worker.source_store import StoredPair
 @dataclass(frozen=True)
 class SlotValue:
     """What one slot does: `AFFINE` with `a` and `c` (fp32 vector; None = zeros), or `PAIR` with
-    a stored (x, r) pair (model dtype) written back as is."""
+    a stored (x, r) pair (model dtype) written back as is. `a_vec` (fp32 vector, with its content
+    key `a_key`) replaces the scalar `a` per dimension."""
 
     mode: SlotMode
     a: float = 1.0
     c: np.ndarray | None = None
     pair: StoredPair | None = None
+    a_vec: np.ndarray | None = None
+    a_key: Hashable = None
 
 
 class SlotCapacityError(RuntimeError):
@@ -45,9 +51,18 @@ class SlotTable:
         self.capacity = buffers.max_slots
         self._by_key: dict[Hashable, int] = {}
         self._key_of: list[Hashable | None] = [None] * self.capacity
+        self._value_of: list[SlotValue | None] = [None] * self.capacity
         self._refs = np.zeros(self.capacity, np.int64)
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out low ids first
         self._pending: list[tuple[int, SlotValue]] = []
+        # per-dimension `a` rows: content-addressed, reference-counted by the slots using them
+        self.dim_capacity = buffers.max_dim_rows
+        self._dim_by_key: dict[Hashable, int] = {}
+        self._dim_key_of: list[Hashable | None] = [None] * self.dim_capacity
+        self._dim_refs = np.zeros(self.dim_capacity, np.int64)
+        self._dim_free = list(range(self.dim_capacity - 1, -1, -1))
+        self._dim_of_slot = np.full(self.capacity, -1, np.int64)
+        self._dim_pending: list[tuple[int, np.ndarray]] = []
 
     def __len__(self) -> int:
         return self.capacity - len(self._free)
@@ -60,10 +75,25 @@ class SlotTable:
             if not self._free:
                 raise SlotCapacityError(f"all {self.capacity} intervention slots are in use; raise max_slots "
                                         "or send fewer distinct intervention values at once")
+            value = make()
+            dim = -1
+            if value.a_vec is not None:
+                dim = self._dim_by_key.get(value.a_key, -1)
+                if dim < 0:
+                    if not self._dim_free:
+                        raise SlotCapacityError(f"all {self.dim_capacity} per-dimension rows (distinct dimension masks x "
+                                                "alpha in use) are taken; raise max_dim_rows or use fewer distinct masks at once")
+                    dim = self._dim_free.pop()
+                    self._dim_by_key[value.a_key] = dim
+                    self._dim_key_of[dim] = value.a_key
+                    self._dim_pending.append((dim, value.a_vec))
+                self._dim_refs[dim] += 1
             slot = self._free.pop()
             self._by_key[key] = slot
             self._key_of[slot] = key
-            self._pending.append((slot, make()))
+            self._dim_of_slot[slot] = dim
+            self._value_of[slot] = value
+            self._pending.append((slot, value))
         self._refs[slot] += 1
         return slot
 
@@ -73,7 +103,24 @@ class SlotTable:
             if self._refs[slot] == 0:
                 del self._by_key[self._key_of[slot]]
                 self._key_of[slot] = None
+                self._value_of[slot] = None
                 self._free.append(slot)
+                dim = int(self._dim_of_slot[slot])
+                if dim >= 0:
+                    self._dim_of_slot[slot] = -1
+                    self._dim_refs[dim] -= 1
+                    if self._dim_refs[dim] == 0:
+                        del self._dim_by_key[self._dim_key_of[dim]]
+                        self._dim_key_of[dim] = None
+                        self._dim_free.append(dim)
+
+    def key_of(self, slot: int) -> Hashable | None:
+        """The content key a slot in use holds (None for a free slot)."""
+        return self._key_of[slot]
+
+    def value_of(self, slot: int) -> SlotValue | None:
+        """The value a slot in use holds (to compose another value on top of it)."""
+        return self._value_of[slot]
 
     def flush(self) -> None:
         """Copy this step's new slot values to the device (before the forward reads them)."""
@@ -87,6 +134,13 @@ class SlotTable:
         idx = _to_device(torch.tensor(slots, dtype=torch.long, device="cpu"), b.device)
         b.slot_mode.index_copy_(0, idx, _to_device(torch.from_numpy(modes), b.device))
         b.slot_a.index_copy_(0, idx, _to_device(torch.from_numpy(a), b.device))
+        adim = self._dim_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
+        b.slot_adim.index_copy_(0, idx, _to_device(torch.from_numpy(adim), b.device))
+        if self._dim_pending:
+            dims, self._dim_pending = self._dim_pending, []
+            didx = _to_device(torch.tensor([d for d, _ in dims], dtype=torch.long, device="cpu"), b.device)
+            rows = np.stack([np.asarray(v, np.float32) for _, v in dims])
+            b.dim_a.index_copy_(0, didx, _to_device(torch.from_numpy(rows), b.device))
         affine = [(s, v) for s, v in pending if v.mode == SlotMode.AFFINE]  # PAIR slots never read c
         if affine:
             c = np.zeros((len(affine), b.hidden), np.float32)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_ext.dynamic.worker import DYNAMIC_ARGS_KEY, DynamicWorker
 from engine_ext.program import EXTRA_ARGS_KEY, AddOp, WorkerProgram
 from engine_ext.sites import SITES_PER_LAYER
 from engine_ext.worker.checksum import ActionChecksum
@@ -39,6 +40,8 @@ MAX_UNCOLLECTED = 4096
 @dataclass
 class WorkerConfig:
     max_slots: int = 4096
+    #: distinct per-dimension `a` vectors (dimension-masked patches: one per mask x alpha) in use at once
+    max_dim_rows: int = 256
     #: captured (site, position) rows one step can hold; None: as many as `capture_buffer_bytes`
     #: holds (two rows of `hidden` values in the model dtype each), at most MAX_CAPTURE_ROWS
     max_capture_rows: int | None = None
@@ -111,7 +114,7 @@ class WorkerState:
         self.num_sites = num_layers * SITES_PER_LAYER
         self.config = config
         self.buffers = SiteBuffers(self.num_sites, max_rows, config.max_slots, config.capture_rows(hidden, dtype),
-                                   hidden, device, dtype)
+                                   hidden, device, dtype, max_dim_rows=config.max_dim_rows)
         BUFFERS[self.state_id] = self.buffers
         self.slots = SlotTable(self.buffers)
         self.checksum = ActionChecksum()
@@ -131,6 +134,8 @@ class WorkerState:
         self.pp_rank = 0
         #: decoder layers built on this worker (all of them, or one pipeline stage's)
         self.own_layers: set[int] = set()
+        #: dynamic steering: probes, per-request policy states, conversation latches
+        self.dynamic = DynamicWorker(self)
         self._value_bytes = 2 * hidden * torch.empty((), dtype=dtype, device="cpu").element_size()
 
     def owns_site(self, site: int) -> bool:
@@ -181,6 +186,8 @@ class WorkerState:
                 st.leased.append(run)
         self.requests[req_id] = st
         self.by_key[prog.key] = st
+        if DYNAMIC_ARGS_KEY in extra_args:
+            self.dynamic.register(req_id, prog.key, prog.n_prompt, extra_args[DYNAMIC_ARGS_KEY], prog.errors)
         self._compose(req_id)
 
     def _compose(self, req_id: str) -> None:
@@ -228,6 +235,7 @@ class WorkerState:
             if len(self.results) > MAX_UNCOLLECTED:
                 for k in list(self.results)[: len(self.results) - MAX_UNCOLLECTED]:
                     del self.results[k]
+        self.dynamic.finish(req_id)
 
     # ---- per step -------------------------------------------------------------------------
     def plan_step(self, req_ids: Any, query_start_loc: Any, num_computed: Any) -> None:
@@ -240,7 +248,10 @@ class WorkerState:
                         self._compose(rid)
                     else:
                         self._plan_global_only(rid)
-        self.planner.plan_step(req_ids, query_start_loc, num_computed, self.plans, self._overflow)
+        if not self.dynamic.requests:
+            self.dynamic.idle()
+        self.planner.plan_step(req_ids, query_start_loc, num_computed, self.plans, self._overflow,
+                               self.dynamic.plan_rows if self.dynamic.requests else None)
 
     def _overflow(self, req_id: str, message: str) -> None:
         st = self.requests.get(req_id)
@@ -251,6 +262,7 @@ class WorkerState:
             self.slots.release(plan.held)
 
     def after_forward(self) -> None:
+        self.dynamic.after_forward()
         self.planner.after_forward()
 
     def _file_capture(self, req_id: str, positions: np.ndarray, sites: np.ndarray, xs: torch.Tensor, rs: torch.Tensor) -> None:
@@ -275,6 +287,12 @@ class WorkerState:
                     out["store_error"] = str(exc)
             if prog.return_captures:
                 out["captures"] = st.capture_values()
+        dyn = self.dynamic.result(st.req_id)
+        if dyn is not None:
+            out["dynamic"] = dyn
+            if dyn["errors"]:  # a decision not taken or an action not applied: the output is not the policy's
+                out["status"] = "voided"
+                out["errors"] += [e for e in dyn["errors"] if e not in out["errors"]]
         return out
 
     def collect(self, keys: list[str]) -> dict[str, dict]:
@@ -297,12 +315,14 @@ class WorkerState:
     # ---- control plane ----------------------------------------------------------------------
     def set_global_steer(self, entries: list[dict]) -> int:
         """Replace the global steering set. Entries: {site, vec (fp32 bytes) | name, scale, phase,
-        pos (list), gen (bool), every (bool)}. Plans are recomposed before the next step."""
+        pos (list), gen (bool), every (bool), mask (fp32 bytes | None)}. Plans are recomposed before the next step."""
         adds = []
         for k, e in enumerate(entries):
             vec = np.frombuffer(e["vec"], dtype="<f4").copy() if e.get("vec") is not None else self.named.get(e["name"])
             if vec is None:
                 raise KeyError(f"no registered vector named {e['name']!r}")
+            if e.get("mask") is not None:
+                vec = (vec * np.frombuffer(e["mask"], dtype="<f4")).astype(np.float32)
             adds.append(AddOp(k, "global", int(e["site"]), np.asarray(e.get("pos", []), np.int64),
                               bool(e.get("gen", True)), e.get("phase", "both"), vec, float(e["scale"]), name=e.get("name"),
                               every=bool(e.get("every", False))))
@@ -323,5 +343,5 @@ class WorkerState:
                 "registered_requests": len(self.requests), "global_steer_entries": len(self.global_adds),
                 "named_vectors": sorted(self.named), "store": self.store.usage(), "steps": self.planner.steps,
                 "steps_with_interventions": self.planner.applied_steps, "slots_in_use": len(self.slots),
-                "buffer_bytes": self.buffers.nbytes()}
+                "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status()}
 

@@ -12,8 +12,9 @@ Two shapes carry steering vectors (`/v1/steering/set`, steering modules, and the
 `layer_indices`. dtypes: float32, float16, bfloat16 (and float64). Every problem is a
 `SpecError` naming the field as the client wrote it (`vectors.post_block.3`).
 
-The fork's `mlp_in` / `mlp_out` hooks have no counterpart here (causalboard intervenes on the
-residual stream only) and are refused as not supported, never silently ignored.
+Hooks are causalboard's (`engine_ext.sites.HOOKS`: the fork's five, `mlp_in` and `mlp_out`
+included). The fork controller's `post_mlp` alias has no counterpart here and is refused as not
+supported, never silently ignored.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from engine_ext.specs import Steer, as_vector
 from engine_ext.sites import HOOKS, Site
 
 #: fork hooks causalboard cannot honour
-UNSUPPORTED_HOOKS = ("mlp_in", "mlp_out", "post_mlp")
+UNSUPPORTED_HOOKS = ("post_mlp",)
 PACKED_DTYPES = ("float32", "float16", "bfloat16", "float64")
 #: fork vector tiers -> the `phase` of the Steer entries they become
 TIER_PHASES = {"vectors": "both", "prefill_vectors": "prefill", "decode_vectors": "decode"}
@@ -58,7 +59,7 @@ VECTOR_SPEC_SCHEMA: dict = {
 
 def check_hook(hook: Any, field: str) -> str:
     if hook in UNSUPPORTED_HOOKS:
-        raise SpecError(field, f"hook {hook!r} is not supported by causalboard (residual-stream hooks only: {', '.join(HOOKS)})")
+        raise SpecError(field, f"hook {hook!r} is not supported by causalboard (hooks: {', '.join(HOOKS)})")
     if hook not in HOOKS:
         raise SpecError(field, f"unknown hook {hook!r}; expected one of {', '.join(HOOKS)}")
     return hook

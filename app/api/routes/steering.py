@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 
 from engine_ext import Engine
 from engine_ext.errors import SpecError
-from engine_ext.specs import Steer
+from engine_ext.specs import Steer, check_safe_name
 from engine_ext.sites import HOOKS
 
 from app.api.compat import steering_modules
@@ -147,8 +147,11 @@ def get_steering_layers(eng: Engine = Depends(get_engine)) -> SteeringLayersResp
 
 # ---- named vectors ----------------------------------------------------------------------------------
 def _check_user_name(name: str) -> None:
+    """A user's vector name: the safe name set of `keep_as` (no '/': it must read back as one
+    path segment of `GET /v1/steering/vectors/{name}`); `module/...` is the modules' own."""
     if name.startswith(steering_modules.PREFIX):
         raise SpecError("name", f"names starting with {steering_modules.PREFIX!r} are reserved for steering modules")
+    check_safe_name(name, "name")
 
 
 @router.post("/v1/steering/vectors", response_model=VectorInfo, responses=GUARDED,
@@ -177,6 +180,7 @@ async def upload_vector(name: str, request: Request, eng: Engine = Depends(get_e
     BF16 or F64), told apart by magic bytes. At most 1 MiB."""
     from starlette.concurrency import run_in_threadpool
 
+    _check_user_name(name)  # before reading the body: a bad name is refused whatever the file
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_VECTOR_FILE_BYTES:
         return error_response(413, f"body: a vector file may have at most {MAX_VECTOR_FILE_BYTES} bytes", "body")
@@ -189,9 +193,6 @@ async def upload_vector(name: str, request: Request, eng: Engine = Depends(get_e
         vec = decode_vector_file(bytes(data))
     except VectorFileError as exc:
         return error_response(exc.status, f"body: {exc.message}", "body")
-    if not name or len(name) > 128:
-        raise SpecError("name", "must be a non-empty string of at most 128 characters")
-    _check_user_name(name)
     check_vector(vec, "body", eng.info.hidden_size)
 
     def register() -> VectorInfo:
@@ -203,10 +204,16 @@ async def upload_vector(name: str, request: Request, eng: Engine = Depends(get_e
 
 
 @router.get("/v1/steering/vectors", response_model=VectorList, responses=BAD, summary="List named vectors")
-def list_vectors(eng: Engine = Depends(get_engine)) -> VectorList:
-    """Names, dimensions and norms of every registered vector (module vectors included)."""
+def list_vectors(request: Request, eng: Engine = Depends(get_engine)) -> VectorList:
+    """The fork's listing of its probe/steer registry (`vectors`: {"probe": [names], "steer":
+    [names]}, `count`), plus causalboard's named vectors (`named`: names, dimensions and norms,
+    module vectors included; `named_count`, `max_count`)."""
+    from app.api.routes.fork_registry import registry_of
+
+    reg = registry_of(request)
     infos = [i for i in (_vector_info(eng, n) for n in sorted(eng.list_vectors())) if i is not None]
-    return VectorList(vectors=infos, count=len(infos), max_count=eng.config.limits.max_named_vectors)
+    return VectorList(vectors=reg.listing(), count=reg.count(), named=infos, named_count=len(infos),
+                      max_count=eng.config.limits.max_named_vectors)
 
 
 @router.get("/v1/steering/vectors/{name:path}", response_model=VectorValues, responses={**BAD, **NOT_FOUND},

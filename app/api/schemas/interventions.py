@@ -48,6 +48,11 @@ Positions = Annotated[
                       "end of the prompt) | {'span': text, 'occurrence': n} | a list mixing indices and spans"),
 ]
 Sites = Annotated[str | list[str | SiteSpec], Field(description="Sites written 'L3.post_block' (or {'layer', 'hook'}).")]
+DimMask = Annotated[
+    dict[str, Any] | list[int] | list[bool] | None,
+    Field(None, description="Dimension mask: {'indices': [dims]} (the reference fork's form) | a list of dimension indices | "
+                            "a list of booleans (one per dimension) | {'weights': [values in [0, 1]]} (graded)."),
+]
 
 
 def engine_positions(value: str | int | SpanSpec | list[int | SpanSpec]) -> Any:
@@ -65,8 +70,8 @@ def engine_sites(value: str | list[str | SiteSpec]) -> Any:
 
 
 class SteerSpec(StrictModel):
-    """Add `scale * vector` at `sites` and `positions` during `phase`. Exactly one of an inline
-    `vector` and a registered `name`."""
+    """Add `scale * vector` at `sites` and `positions` during `phase` (with a `mask`, only on the
+    masked dimensions: `scale * m * vector`). Exactly one of an inline `vector` and a registered `name`."""
 
     sites: Sites
     vector: list[float] | None = Field(None, description="Inline vector (length = hidden size).")
@@ -74,25 +79,30 @@ class SteerSpec(StrictModel):
     scale: float = 1.0
     positions: Positions = "all"
     phase: Literal["both", "prefill", "decode"] = Field("both", description="prefill = prompt positions, decode = generated ones.")
+    mask: DimMask = None
 
     def to_steer(self, field_name: str) -> Steer:
         """The engine's `Steer`; `SpecError`s name `field_name.<field>`."""
         return Steer.make(engine_sites(self.sites), self.vector, name=self.name, scale=self.scale,
-                          positions=engine_positions(self.positions), phase=self.phase, field_name=field_name)
+                          positions=engine_positions(self.positions), phase=self.phase, mask=self.mask,
+                          field_name=field_name)
 
 
 class PatchSpec(StrictModel):
-    """At one `site` and destination `positions`: `(1 - alpha) * h + alpha * t`, `t` from `source`."""
+    """At one `site` and destination `positions`: `(1 - alpha) * h + alpha * t`, `t` from `source`
+    (with a `mask`, per dimension `(1 - alpha * m) * h + alpha * m * t`: other dimensions are kept)."""
 
     site: str | SiteSpec
     positions: Positions = "all_prompt"
     source: str | dict[str, Any] = Field(
         ..., description="'zeros' | {'run': id, 'positions': [...]} (a stored source run) | {'vectors': [[...]]} | {'mean_of': run_id}")
     alpha: float = 1.0
+    mask: DimMask = None
 
     def to_patch(self, field_name: str) -> Patch:
         site = self.site.to_site() if isinstance(self.site, SiteSpec) else self.site
-        return Patch.make(site, engine_positions(self.positions), self.source, alpha=self.alpha, field_name=field_name)
+        return Patch.make(site, engine_positions(self.positions), self.source, alpha=self.alpha, mask=self.mask,
+                          field_name=field_name)
 
 
 class CaptureSpec(StrictModel):
@@ -166,6 +176,8 @@ class InterventionResultBody(BaseModel):
     evicted: list[str] = Field(default_factory=list)
     program_hash: str | None = None
     captures: list[CaptureValue] = Field(default_factory=list)
+    dynamic: dict | None = Field(None, description="Dynamic steering: policies, per-token trace (per policy: position, score, "
+                                                   "threshold, engaged, scale), actions, latched, conversation_id.")
 
 
 # ---- the fork's vector tiers and per-request extras -------------------------------------------------
@@ -194,7 +206,8 @@ class ForkPatchEntry(StrictModel):
     source_module: str | None = None
     source_inline: int | None = Field(None, ge=0)
     alpha: float = 1.0
-    mask: Any = unsupported()
+    mask: Any = Field(None, description="Dimension mask: {'indices': [dims]} or {'inline': row of patch_vectors} (graded "
+                                        "weights in [0, 1]); only these dimensions take the source value.")
 
 
 # ---- steering ------------------------------------------------------------------------------------
@@ -236,8 +249,8 @@ class ActiveSteer(BaseModel):
 
 class SteeringStatusResponse(BaseModel):
     active_layers: dict[str, dict[str, dict[str, float]]] = Field(
-        description="Fork shape: layer -> hook -> {'norm': |sum of both-phase vectors|, plus 'prefill_norm' / "
-                    "'decode_norm' when phase-specific entries exist}.")
+        description="Fork shape: layer -> hook -> {'norm': |sum of both-phase vectors|, 'prefill_norm', "
+                    "'decode_norm'}, each rounded to 6 decimals and left out when zero.")
     steer: list[ActiveSteer]
 
 
@@ -254,7 +267,7 @@ class StatusOk(BaseModel):
 
 
 class VectorRegisterRequest(StrictModel):
-    name: str = Field(..., min_length=1, max_length=128, description="Names starting with 'module/' are reserved.")
+    name: str = Field(..., min_length=1, max_length=128, description="1-128 characters of letters, digits, '_', '-', '.', ':' (the set of `keep_as`); names starting with 'module/' are reserved.")
     vector: list[float] = Field(..., min_length=1, description="Length = the model's hidden size; finite values.")
 
 
@@ -269,9 +282,11 @@ class VectorValues(VectorInfo):
 
 
 class VectorList(BaseModel):
-    vectors: list[VectorInfo]
-    count: int
-    max_count: int
+    vectors: dict[str, list[str]] = Field(description="The fork's probe/steer registry: {'probe': [names], 'steer': [names]}.")
+    count: int = Field(description="Names in the probe/steer registry (the fork's count).")
+    named: list[VectorInfo] = Field(description="causalboard's named vectors (module vectors included).")
+    named_count: int = Field(description="Number of named vectors.")
+    max_count: int = Field(description="Most named vectors the engine holds.")
 
 
 class VectorDeleted(BaseModel):

@@ -64,7 +64,7 @@ class VectorControl(param.Parameterized):
 
     scale = param.Number(default=0.0, doc="multiplier of the vector (0 = not steering)")
     layer = param.Selector(default=0, objects=[0], doc="decoder layer the vector is added at")
-    hook = param.Selector(default="post_block", objects=list(HOOKS), doc="residual-stream hook (see docs/concepts.md)")
+    hook = param.Selector(default="post_block", objects=list(HOOKS), doc="hook: residual stream or MLP branch (see docs/concepts.md)")
 
     def __init__(self, vector_name: str, *, dim: int | None, norm: float | None, layers: list[int], layer: int,
                  hook: str, scale_limit: float, **params: Any):
@@ -490,9 +490,9 @@ class SteeringView(pn.viewable.Viewer):
 
 # ---- helpers --------------------------------------------------------------------------------------
 def _vector_infos(payload: Any) -> dict[str, dict]:
-    """`GET /v1/steering/vectors` (`{"vectors": [{"name", "dim", "norm"}], ...}`) as
+    """`GET /v1/steering/vectors` (`{"named": [{"name", "dim", "norm"}], ...}`) as
     `{name: {"dim", "norm"}}`."""
-    items = payload.get("vectors", []) if isinstance(payload, dict) else payload
+    items = payload.get("named", []) if isinstance(payload, dict) else payload
     out: dict[str, dict] = {}
     for item in items or []:
         if isinstance(item, dict) and "name" in item:

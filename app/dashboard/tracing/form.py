@@ -94,15 +94,18 @@ def zoom_request(base: dict, layers: list[int], positions: list[int], source_run
     return out
 
 
-def default_form(tasks_path: str | Path | None = None) -> SweepForm:
-    """A form filled with the first fact pair of `tasks_path` (default: the bundled model's
-    tasks.json) whose clean and corrupt prompts have equal length and that the model gets
+def default_form(tasks_path: str | Path | dict | None = None) -> SweepForm:
+    """A form filled with the first fact pair of `tasks_path` (a tasks.json file or its parsed
+    content, as `GET /v1/model/tasks` serves it; default: the bundled model's tasks.json) whose clean and corrupt prompts have equal length and that the model gets
     right; plain `SweepForm()` when the file is missing or has no pairs."""
-    path = Path(tasks_path) if tasks_path is not None else BUNDLED_TASKS
-    try:
-        pairs = json.loads(path.read_text()).get("pairs") or []
-    except (OSError, ValueError):
-        return SweepForm()
+    if isinstance(tasks_path, dict):
+        pairs = tasks_path.get("pairs") or []
+    else:
+        path = Path(tasks_path) if tasks_path is not None else BUNDLED_TASKS
+        try:
+            pairs = json.loads(path.read_text()).get("pairs") or []
+        except (OSError, ValueError, AttributeError):
+            return SweepForm()
     good = [p for p in pairs if p.get("equal_length") and p.get("hf_top1", True)] or pairs
     if not good:
         return SweepForm()

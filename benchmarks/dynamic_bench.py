@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Cost of dynamic steering in decode (issue 15): batch-32 decode with one probe and one policy on
+every request against no dynamic steering, in the same process, interleaved per repetition.
+
+    PYTHONPATH=. python3 benchmarks/dynamic_bench.py --model DIR --device cuda   # the lead's GPU run
+    PYTHONPATH=. python3 benchmarks/dynamic_bench.py --device cpu --tokens 8     # CPU smoke (bundled model)
+
+Variants (distinct random 16-token prompts, seed 132, ignore_eos, greedy):
+  vanilla          no dynamic steering (no program at all);
+  monitor_only     a threshold policy that never fires: the probe is read and scored every step,
+                   no action is ever applied (the monitor's cost alone);
+  threshold_on     a threshold policy engaged from the first generated token: monitor + one
+                   action per request and step (one shared slot: the payload never changes);
+  proportional     proportional control: monitor + an action whose scale changes every step
+                   (a new slot value per request and step: the worst case for uploads).
+The probe reads L{L/2}.post_block; the action steers L{L/2 - 1}.post_attn with a small vector
+(norm 0.01 x sqrt(H)) so the generated text stays ordinary. One line of JSON per variant:
+{"bench": "dyn_decode", "variant", "batch", "tokens", "tok_s", "ratio_vs_vanilla", "reps_s"}.
+Goal (issue 15): ratio_vs_vanilla >= 0.95 for threshold_on on the GPU.
+"""
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def emit(tag, **kw):
+    print(json.dumps({"bench": tag, **kw}, default=str), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="model folder (default: the bundled model)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+
+    import numpy as np
+
+    from engine_ext import Engine, GenerationParams
+    from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
+
+    t0 = time.perf_counter()
+    kw = {"model": args.model} if args.model else {}
+    if args.device == "cuda":
+        eng = Engine(device="cuda", enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8, **kw).start()
+    else:
+        eng = Engine(device=args.device, **kw).start()
+    info = eng.info
+    emit("dyn_start", seconds=round(time.perf_counter() - t0, 1), info=str(info))
+    L, H = info.num_layers, info.hidden_size
+    rng = np.random.default_rng(0)
+    eng.register_probe(Probe.make("bench-probe", f"L{L // 2}.post_block", direction=rng.standard_normal(H)))
+    v = (rng.standard_normal(H) * 0.01).astype(np.float32)
+    steer = [f"L{max(L // 2 - 1, 0)}.post_attn"]
+    variants = {
+        "vanilla": None,
+        "monitor_only": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=1e30)]),
+        "threshold_on": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=-1e30)]),
+        "proportional": DynamicRequest.make([Policy.make(probe="bench-probe", mode="proportional", sites=steer, vector=v,
+                                                         target=0.0, gain=1e-3, min_scale=-5.0, max_scale=5.0,
+                                                         initial_scale=0.5)]),
+    }
+    prng = random.Random(100 + args.batch)
+    lo, hi = (1000, min(info.vocab_size - 1, 128000)) if info.vocab_size > 2000 else (4, info.vocab_size - 1)
+    prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(args.batch)]
+    params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
+    for dyn in variants.values():  # warm-up
+        eng.generate(prompts, GenerationParams(max_tokens=8, ignore_eos=True), dynamic=dyn)
+    times = {k: [] for k in variants}
+    for _ in range(args.reps):
+        for k, dyn in variants.items():
+            t = time.perf_counter()
+            gens = eng.generate(prompts, params, dynamic=dyn)
+            times[k].append(time.perf_counter() - t)
+            assert sum(len(g.token_ids) for g in gens) == args.batch * args.tokens
+            if dyn is not None:
+                assert all(g.intervention.status == "ok" for g in gens), gens[0].intervention.errors
+    base = statistics.median(times["vanilla"])
+    for k, ts in times.items():
+        m = statistics.median(ts)
+        emit("dyn_decode", variant=k, batch=args.batch, tokens=args.tokens, tok_s=round(args.batch * args.tokens / m, 1),
+             ratio_vs_vanilla=round(base / m, 4), reps_s=[round(x, 4) for x in ts])
+    emit("dyn_status", determinism=eng.dynamic_status()["determinism"])
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""Dynamic steering on the worker: monitor -> policy -> action, one step apart.
+
+Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
+
+* **actions** — for every generated position `p` of a dynamic request's window whose decision is
+  already made (`decided[p]`: one scale per policy), the engaged policies' `scale * vector` are
+  composed at their sites on top of whatever slot the static plan put there (static steering,
+  then global steering, then the dynamic policies in order: the oracle's order), through the
+  content-addressed `SlotTable`. Each applied (request, position) is one checksum action whose
+  identity is the crc32 of the request key, the sites and the exact fp32 bytes of every payload.
+  An action that cannot be applied (no slot left) is rejected: not applied, not folded, and the
+  request is voided with the reason.
+* **monitors** — the window's last position, if it is the last prompt position or a generated one
+  and was never scored, gets a capture row at each of its probes' sites (the capture path the op
+  already has: graph-safe, no eager forcing).
+
+After the forward (`after_forward`): the monitored rows are read from the capture buffer on the
+device, each probe's `W @ s + b` is computed there, and only those score floats are copied to the
+host (one non-blocking copy per step). At the start of the next step's planning
+(`decide_pending`, which waits for that copy) the policies decide (`policy.PolicyState.decide`)
+and the scales for position `p + 1` are recorded in `decided`: that step applies them, exactly. Positions
+recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
+
+Every tensor-parallel rank holds the same registrations, sees the same post-all-reduce stream and
+runs the same code, so all ranks take the same decisions; the applied-action checksum proves it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine_ext.dynamic.policy import PolicyState
+from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, Policy, Probe, policy_from_wire  # noqa: F401 (re-export)
+from engine_ext.specs import spec_hash
+from engine_ext.worker.intervention_op import SlotMode
+from engine_ext.worker.slots import SlotCapacityError, SlotValue
+
+logger = logging.getLogger("causalboard.dynamic")
+
+#: conversations whose latches are remembered (least recently used dropped beyond)
+MAX_CONVERSATIONS = 4096
+
+
+@dataclass
+class _Probe:
+    spec: Probe
+    w: torch.Tensor  # [k, H] fp32 on the device
+    b: torch.Tensor  # [k]
+
+
+@dataclass
+class _Policy:
+    spec: Policy
+    ident: str
+    vec: np.ndarray  # fp32
+    sites: list[int]
+    _payloads: dict = field(default_factory=dict)
+
+    def payload(self, scale: float) -> tuple[np.ndarray, int]:
+        """(`vec * f32(scale)`, crc32 of its bytes), cached per scale."""
+        got = self._payloads.get(scale)
+        if got is None:
+            v = (self.vec * np.float32(scale)).astype(np.float32)
+            if len(self._payloads) > 64:
+                self._payloads.clear()
+            got = self._payloads[scale] = (v, zlib.crc32(v.astype("<f4").tobytes()))
+        return got
+
+
+@dataclass
+class DynRequest:
+    req_id: str
+    key: str
+    n_prompt: int
+    conversation_id: str | None
+    policies: list[_Policy]
+    states: list[PolicyState]
+    #: position -> scale of each policy there (decided after the forward at position - 1)
+    decided: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    #: per policy, one entry per scored position
+    trace: list[list[dict]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    actions: int = 0
+    last_scored: int = -1
+
+    def engaged(self) -> bool:
+        return any(s.current_scale() != 0.0 for s in self.states)
+
+
+class DynamicWorker:
+    """One engine's dynamic-steering state on one worker (held by `WorkerState.dynamic`)."""
+
+    def __init__(self, state: Any):
+        self.st = state
+        self.probes: dict[str, _Probe] = {}
+        self.requests: dict[str, DynRequest] = {}
+        self.latches: OrderedDict[str, set[str]] = OrderedDict()
+        #: slots the dynamic actions of the previous step hold (released after this step's acquire)
+        self._held: list[int] = []
+        self._monitors: list[tuple[DynRequest, int, int, int]] = []  # (request, position, site index, capture row)
+        #: scores of the last step not yet decided on: (work, host scores, copy event or None)
+        self._pending: tuple | None = None
+        self.actions = 0
+        self.rejected = 0
+        self.results: dict[str, dict] = {}
+
+    # ---- registry -------------------------------------------------------------------------
+    def set_probe(self, data: dict) -> int:
+        probe = Probe.from_wire(data)
+        dev = self.st.device
+        self.probes[probe.name] = _Probe(probe, torch.from_numpy(probe.weights.copy()).to(dev),
+                                         torch.from_numpy(probe.bias.copy()).to(dev))
+        return probe.size
+
+    def delete_probe(self, name: str) -> bool:
+        return self.probes.pop(name, None) is not None
+
+    # ---- requests ---------------------------------------------------------------------------
+    def register(self, req_id: str, key: str, n_prompt: int, text: str, errors: list[str]) -> None:
+        data = json.loads(text)
+        conv = data.get("conversation_id")
+        pols, states = [], []
+        for k, pj in enumerate(data.get("policies") or []):
+            pol = policy_from_wire(pj)
+            if pol.probe not in self.probes:
+                errors.append(f"dynamic policy {k}: probe {pol.probe!r} is no longer registered")
+                continue
+            vec = pol.vector if pol.vector is not None else self.st.named.get(pol.vector_name)
+            if vec is None:
+                errors.append(f"dynamic policy {k}: steering vector {pol.vector_name!r} is no longer registered")
+                continue
+            ident = spec_hash(pj)
+            latched = conv is not None and pol.latch == "conversation" and ident in self.latches.get(conv, ())
+            pols.append(_Policy(pol, ident, np.asarray(vec, np.float32), [s.index() for s in pol.sites]))
+            states.append(PolicyState.start(pol, latched=latched))
+        if conv is not None and conv in self.latches:
+            self.latches.move_to_end(conv)
+        dr = DynRequest(req_id, key, n_prompt, conv, pols, states, trace=[[] for _ in pols])
+        if any(s.current_scale() != 0.0 for s in states):
+            dr.decided[n_prompt] = tuple(s.current_scale() for s in states)
+        self.requests[req_id] = dr
+
+    def finish(self, req_id: str) -> None:
+        self.decide_pending()
+        self.requests.pop(req_id, None)
+
+    def result(self, req_id: str) -> dict | None:
+        self.decide_pending()
+        dr = self.requests.get(req_id)
+        if dr is None:
+            return None
+        return {"policies": [p.spec.to_api() for p in dr.policies], "trace": dr.trace, "actions": dr.actions,
+                "conversation_id": dr.conversation_id, "latched": [s.latched for s in dr.states], "errors": list(dr.errors)}
+
+    # ---- per step ---------------------------------------------------------------------------
+    def idle(self) -> None:
+        """No dynamic request left: release the slots the last dynamic step held."""
+        self.decide_pending()
+        if self._held:
+            held, self._held = self._held, []
+            self.st.slots.release(held)
+        self._monitors = []
+
+    def plan_rows(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
+        """Write this step's dynamic actions and monitor rows (see the module docstring).
+        Returns (max row written + 1, capture rows used, checksum actions)."""
+        self.decide_pending()  # the previous step's decisions apply from this step
+        held_before, self._held = self._held, []
+        self._monitors = []
+        max_row = 0
+        actions: list[tuple[int, int, int]] = []
+        if self.requests:
+            for i, rid in enumerate(req_ids):
+                dr = self.requests.get(rid)
+                if dr is None or not dr.policies:
+                    continue
+                row0, p0 = int(qsl[i]), int(num_computed[i])
+                n = int(qsl[i + 1]) - row0
+                if n <= 0:
+                    continue
+                p1 = p0 + n
+                if p1 > dr.n_prompt and dr.decided:
+                    for p in range(max(p0, dr.n_prompt), p1):
+                        scales = dr.decided.get(p)
+                        if scales is None or not any(scales):
+                            continue
+                        if planner.skip_next_action:  # test-only fault: this rank skips one action
+                            planner.skip_next_action = False
+                            continue
+                        crc = self._apply(dr, row0 + p - p0, scales, hs)
+                        if crc is None:
+                            continue
+                        actions.append((crc, p, p + 1))
+                        dr.actions += 1
+                        max_row = max(max_row, row0 + p - p0 + 1)
+                last = p1 - 1
+                if last >= dr.n_prompt - 1 and last > dr.last_scored:
+                    row = row0 + n - 1
+                    for site in sorted({self.probes[p.spec.probe].spec.site.index() for p in dr.policies}):
+                        if not self.st.owns_site(site):
+                            continue
+                        idx = int(hc[row, site])
+                        if idx < 0:
+                            if n_cap >= planner.b.max_capture_rows:
+                                dr.errors.append(f"position {last}: no capture row left for the probe; not scored")
+                                continue
+                            idx = hc[row, site] = n_cap
+                            n_cap += 1
+                        self._monitors.append((dr, last, site, idx))
+                    max_row = max(max_row, row + 1)
+        self.st.slots.release(held_before)
+        self.actions += len(actions)
+        return max_row, n_cap, actions
+
+    def _apply(self, dr: DynRequest, row: int, scales: tuple[float, ...], hs: np.ndarray) -> int | None:
+        """Compose the engaged policies at their sites on `row`; the action's crc, or None when
+        rejected."""
+        slots = self.st.slots
+        by_site: dict[int, list[tuple[np.ndarray, int]]] = {}
+        for pol, scale in zip(dr.policies, scales):
+            if scale == 0.0:
+                continue
+            vec, crc = pol.payload(scale)
+            for site in pol.sites:
+                if self.st.owns_site(site):
+                    by_site.setdefault(site, []).append((vec, crc))
+        desc = [dr.key]
+        acquired: list[tuple[int, int]] = []
+        try:
+            for site, parts in sorted(by_site.items()):
+                base = int(hs[row, site])
+                base_val = slots.value_of(base) if base >= 0 else None
+                if base_val is not None and base_val.mode != SlotMode.AFFINE:
+                    raise SlotCapacityError(f"position has a stored-pair patch at site {site}; dynamic steering cannot compose with it")
+                key = ("dyn", slots.key_of(base) if base >= 0 else None, tuple(c for _, c in parts))
+
+                def make(base_val=base_val, parts=parts):
+                    c = None if base_val is None or base_val.c is None else base_val.c.astype(np.float32)
+                    for v, _ in parts:
+                        c = v.copy() if c is None else c + v
+                    if base_val is None:
+                        return SlotValue(SlotMode.AFFINE, a=1.0, c=c)
+                    # keep the base's per-dimension a (a dimension-masked patch) with its content key
+                    return SlotValue(SlotMode.AFFINE, a=base_val.a, c=c, a_vec=base_val.a_vec, a_key=base_val.a_key)
+
+                acquired.append((site, slots.acquire(key, make)))
+                desc.append(f"{site}:{','.join(f'{c:08x}' for _, c in parts)}")
+        except SlotCapacityError as exc:
+            slots.release([s for _, s in acquired])
+            self.rejected += 1
+            msg = f"dynamic action rejected: {exc}"
+            if msg not in dr.errors:
+                dr.errors.append(msg)
+            return None
+        for site, slot in acquired:
+            hs[row, site] = slot
+            self._held.append(slot)
+        return zlib.crc32("|".join(desc).encode())
+
+    def after_forward(self) -> None:
+        """Score the monitored rows on the device and start copying the scores to the host. The
+        copy is not waited for here: the decisions are taken when they are first needed
+        (`decide_pending`: at the start of the next step's planning, or before a result or the
+        status is read), so on a GPU the host keeps running ahead of the forward until the next
+        step's plan needs them."""
+        if not self._monitors:
+            return
+        self.decide_pending()
+        monitors, self._monitors = self._monitors, []
+        b = self.st.buffers
+        idx = torch.tensor([m[3] for m in monitors], dtype=torch.long, device="cpu").to(b.device)
+        vals = b.cap_x.index_select(0, idx).float() + b.cap_r.index_select(0, idx).float()  # [m, H]
+        # one score block per (monitor row, probe); probes grouped so each is one matmul
+        wanted: dict[str, list[int]] = {}
+        row_of: dict[tuple[int, int], int] = {}  # (id(request), site) -> row in vals
+        for j, (dr, _, site, _) in enumerate(monitors):
+            row_of[(id(dr), site)] = j
+            for pol in dr.policies:
+                pr = self.probes.get(pol.spec.probe)
+                if pr is not None and pr.spec.site.index() == site:
+                    rows = wanted.setdefault(pr.spec.name, [])
+                    if j not in rows:
+                        rows.append(j)
+        blocks, layout = [], {}
+        offset = 0
+        for name, rows in wanted.items():
+            pr = self.probes[name]
+            sel = vals.index_select(0, torch.tensor(rows, dtype=torch.long, device="cpu").to(b.device))
+            blocks.append((sel @ pr.w.T + pr.b).flatten())
+            for r_i, j in enumerate(rows):
+                layout[(name, j)] = offset + r_i * pr.spec.size
+            offset += len(rows) * pr.spec.size
+        # per monitored request: the flat index of each policy's score (None: its probe is gone)
+        work: list[tuple[DynRequest, int, list[int | None]]] = []
+        done: set[int] = set()
+        for dr, pos, _, _ in monitors:
+            if id(dr) in done:
+                continue
+            done.add(id(dr))
+            picks: list[int | None] = []
+            for pol in dr.policies:
+                pr = self.probes.get(pol.spec.probe)
+                j = row_of.get((id(dr), pr.spec.site.index())) if pr is not None else None
+                picks.append(None if j is None else layout[(pr.spec.name, j)] + pol.spec.component)
+            work.append((dr, pos, picks))
+        flat = torch.cat(blocks) if blocks else torch.zeros(0, device=b.device)
+        if b.device.type == "cuda":  # the step's one small device-to-host copy, not waited for
+            host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (work, host, event)
+        else:  # CPU: the scores are computed already; the decisions are still taken when needed (same path)
+            self._pending = (work, flat, None)
+
+    def decide_pending(self) -> None:
+        """Take the decisions of the last scored step (waits for its scores' copy)."""
+        if self._pending is None:
+            return
+        work, host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        flat = host.tolist()
+        for dr, pos, picks in work:
+            dr.last_scored = max(dr.last_scored, pos)
+            applied = dr.decided.get(pos)
+            nxt = []
+            for k, (pol, state, pick) in enumerate(zip(dr.policies, dr.states, picks)):
+                if pick is None:
+                    msg = f"dynamic policy {k}: probe {pol.spec.probe!r} was deleted while the request ran"
+                    if msg not in dr.errors:
+                        dr.errors.append(msg)
+                    nxt.append(state.current_scale())
+                    continue
+                score = flat[pick]
+                threshold = state.threshold()
+                scale_here = applied[k] if applied is not None else 0.0
+                new = state.decide(score)
+                nxt.append(new)
+                dr.trace[k].append({"position": pos, "score": score, "threshold": threshold,
+                                    "engaged": scale_here != 0.0, "scale": scale_here})
+                if state.latched and pol.spec.latch == "conversation" and dr.conversation_id is not None:
+                    self._latch(dr.conversation_id, pol.ident)
+            dr.decided[pos + 1] = tuple(nxt)
+
+    def _latch(self, conv: str, ident: str) -> None:
+        self.latches.setdefault(conv, set()).add(ident)
+        self.latches.move_to_end(conv)
+        while len(self.latches) > MAX_CONVERSATIONS:
+            self.latches.popitem(last=False)
+
+    # ---- status -----------------------------------------------------------------------------
+    def status(self) -> dict:
+        self.decide_pending()
+        return {"probes": sorted(self.probes), "requests": len(self.requests),
+                "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
+                "latched_conversations": len(self.latches), "dynamic_actions": self.actions,
+                "rejected_actions": self.rejected}

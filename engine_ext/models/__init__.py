@@ -1,0 +1,1 @@
+"""Small models built on the fly (random weights, no download) for tests, demos and checks."""
