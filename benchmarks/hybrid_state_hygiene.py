@@ -6,8 +6,9 @@ Serves the model (default: the tiny random Qwen3-Next, built into a temporary fo
 for each round, the same burst of short requests (every one a new request, so every one gets a
 reallocated state slot) with the guard on (`zero`) and off (stock vLLM), alternating which goes
 first. Prints one JSON line per burst (mode, requests/s) and a summary with the guard's own time
-per zeroed slot (the worker's `seconds / slots_zeroed` counter: the `index_fill_` calls, plus a
-device sync on CUDA). No timed assertions anywhere: this is the measurement the docs quote.
+per zeroed slot (the worker's `seconds / slots_zeroed` counter: host time of the zeroing; on CUDA
+that is the time to enqueue it, including the small host-to-device copy of the block index).
+No timed assertions anywhere: this is the measurement the docs quote.
 """
 
 from __future__ import annotations

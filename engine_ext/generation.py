@@ -31,6 +31,8 @@ class GenerationParams:
     logprobs: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    #: vLLM's `cache_salt`: prefix-cache blocks are shared only among requests with the same salt
+    cache_salt: str | None = None
 
     def validate(self, prefix: str = "") -> None:
         """Raise `SpecError` naming the first bad field."""
@@ -51,6 +53,8 @@ class GenerationParams:
             raise bad("logprobs", f"must be null or an integer between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", "must be a non-empty string if provided")
 
 
 @dataclass

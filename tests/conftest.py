@@ -29,7 +29,8 @@ def pytest_collection_modifyitems(config, items):
         names = set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("browser") is None and names & BROWSER_FIXTURES:
             item.add_marker(pytest.mark.browser)
-        if item.get_closest_marker("engine") is None and (names & ENGINE_FIXTURES or item.get_closest_marker("browser")):
+        if item.get_closest_marker("engine") is None and (names & ENGINE_FIXTURES or item.get_closest_marker("browser")
+                                                           or item.get_closest_marker("multirank")):
             item.add_marker(pytest.mark.engine)
         if item.get_closest_marker("engine") is None and item.get_closest_marker("browser") is None:
             item.add_marker(pytest.mark.fast)

@@ -20,6 +20,7 @@ which registers the fixture
 and, for a test, `lab.open(page, name)` -> `LabNotebook`, with `run_all()` (the "Run" menu's
 "Run All Cells", then waits until no cell is queued or running and the kernel is idle),
 `prompts()`, `cell(source_text)`, `output(i)` (the output area of code cell i), `menu(top, item)`,
+`kernel_exec(code)` (runs code in the notebook's kernel as a second client, returns its stdout),
 `save()` (File > Save Notebook, then the saved file read back with nbformat), `error_outputs(nb)`
 and `shutdown()`, plus `stdout_of(nb)`. `screenshot`, `bokeh_figures` and `bokeh_columns` of
 `tests.browser` work inside JupyterLab too (Playwright locators reach into Bokeh's shadow DOM;
@@ -204,6 +205,26 @@ class LabNotebook:
     def kernel_state(self) -> str | None:
         s = self.session()
         return s["kernel"]["execution_state"] if s and s.get("kernel") else None
+
+    def kernel_exec(self, code: str, timeout: float = 60.0) -> str:
+        """Run `code` in the notebook's kernel as a second client (jupyter_client, through the
+        kernel's connection file; nothing is added to the notebook) and return its stdout. For
+        asserting on the kernel's side of what the browser shows."""
+        from jupyter_client import BlockingKernelClient
+
+        kernel_id = self.session()["kernel"]["id"]
+        client = BlockingKernelClient(connection_file=str(self.lab.work / "runtime" / f"kernel-{kernel_id}.json"))
+        client.load_connection_file()
+        client.start_channels()
+        try:
+            out: list[str] = []
+            reply = client.execute_interactive(code, timeout=timeout, store_history=False,
+                                               output_hook=lambda msg: out.append(msg["content"].get("text", ""))
+                                               if msg["msg_type"] == "stream" else None)
+            assert reply["content"]["status"] == "ok", reply["content"]
+            return "".join(out)
+        finally:
+            client.stop_channels()
 
     def shutdown(self) -> None:
         s = self.session()

@@ -131,7 +131,7 @@ def test_completions_fork_patch_and_logprob_token_ids_match_native(http, engine,
         assert sorted(tops.values()) == sorted(want.values())
         assert fork["intervention"]["status"] == "ok"
         # source_position defaults to the destination
-        fork2 = _post(http, "/v1/completions", {"prompt": corrupt, "max_tokens": 1, "logprob_token_ids": ids,
+        fork2 = _post(http, "/v1/completions", {"prompt": corrupt, "max_tokens": 1, "logprob_token_ids": ids, "logprobs": len(ids),
                                                 "patch": [{"layer": 2, "hook": "post_block", "dest_position": p,
                                                            "source_run": "api-fork-clean"} for p in range(a, b)]})
         assert fork2["choices"][0]["scores"] == choice["scores"]
@@ -150,10 +150,10 @@ def test_completions_source_module_and_inline_match_native(http, engine, tasks):
         return _post(http, "/v1/generate", {"prompt": prompt, "max_tokens": 1, "interventions": {
             "patch": [{"site": "L3.post_attn", "positions": [n - 1], "source": source, "alpha": 0.5}], "score_token_ids": ids}})["scores"]
 
-    zeros = _post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids,
+    zeros = _post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids, "logprobs": len(ids),
                                             "patch": patches({"source_module": "zeros"})})
     assert zeros["choices"][0]["scores"] == native("zeros")
-    inline = _post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids,
+    inline = _post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids, "logprobs": len(ids),
                                              "patch_vectors": pack_vectors(np.stack([np.zeros_like(v), v])),
                                              "patch": patches({"source_inline": 1})})
     assert inline["choices"][0]["scores"] == native({"vectors": [v.tolist()]})
@@ -161,7 +161,7 @@ def test_completions_source_module_and_inline_match_native(http, engine, tasks):
     http.post("/v1/steering/modules/register", json={"name": "api-mod", "vectors": {"post_attn": {"3": v.tolist()}}})
     try:
         for name in ("api-src", "api-mod"):
-            body = _post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids,
+            body = _post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids, "logprobs": len(ids),
                                                    "patch": patches({"source_module": name})})
             assert body["choices"][0]["scores"] == inline["choices"][0]["scores"], name
     finally:
@@ -192,7 +192,11 @@ def test_completions_patch_source_capture_stores_a_run(http, engine, tasks):
                                            "capture": {"patch_source": {"run": "api-ps-run", "hooks": {"post_block": [1, 3], "pre_attn": "all"},
                                                                         "positions": "all_prompt"}}})
     try:
-        assert body["capture_results"] == {"patch_source": {"status": "ok", "error": None}}
+        n_sites = 2 + engine.info.num_layers
+        assert body["capture_results"] == {"patch_source": {"status": "ok", "error": None, "payload": {
+            "run": "api-ps-run", "sites": body["capture_results"]["patch_source"]["payload"]["sites"],
+            "num_prompt_tokens": len(engine.tokenize(prompt))}}}
+        assert len(body["capture_results"]["patch_source"]["payload"]["sites"]) == n_sites
         assert body["intervention"]["stored_as"] == "api-ps-run" and body["intervention"]["captures"] == []
         run = next(r for r in http.get("/v1/patch_source").json()["runs"] if r["run_id"] == "api-ps-run")
         n = len(engine.tokenize(prompt))
@@ -204,7 +208,7 @@ def test_completions_patch_source_capture_stores_a_run(http, engine, tasks):
 def test_completions_stream_with_scores(http, engine, tasks):
     prompt = tasks["facts"][13]["prompt"]
     ids = [tasks["facts"][13]["answer_id"]]
-    req = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "logprob_token_ids": ids,
+    req = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "logprob_token_ids": ids, "logprobs": len(ids),
            "steering_vectors": {"post_block": {"0": _vec(engine, 28, 3.0).tolist()}}}
     with http.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
         events = sse_data(r.read().decode())
@@ -238,7 +242,6 @@ def _bad(engine) -> list:
         (cmp, {"prefill_steering_vectors": {"post_block": {str(n): ok}}}, f"prefill_steering_vectors.post_block.{n}"),
         (cmp, {"steering_clamps": {"post_block": {}}}, "steering_clamps"),
         (cmp, {"steering": [{"when": {}, "apply": {}}]}, "steering"),
-        (cmp, {"conversation_id": "c1"}, "conversation_id"),
         (cmp, {"steering_name": "no-such-module"}, "steering_name"),
         (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_module": "zeros", "mask": {"indices": [h]}}]}, "patch[0].mask.indices[0]"),
         (cmp, {"patch": [{"layer": 1, "hook": "post_mlp", "dest_position": 1, "source_module": "zeros"}]}, "patch[0].hook"),
@@ -250,18 +253,22 @@ def _bad(engine) -> list:
         (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_inline": 3}], "patch_vectors": pack_vectors(np.ones((2, h)))}, "patch[0].source_inline"),
         (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_module": "no-such"}]}, "patch[0].source_module"),
         (cmp, {"patch_vectors": {"dtype": "int8", "shape": [1, h], "data": ""}}, "patch_vectors.dtype"),
-        (cmp, {"logprob_token_ids": [1, 2], "logprobs": 1}, "logprobs"),
-        (cmp, {"logprob_token_ids": [1], "interventions": {"score_token_ids": [2]}}, "logprob_token_ids"),
+        (cmp, {"logprob_token_ids": [1, 2]}, "logprob_token_ids"),
+        (cmp, {"logprob_token_ids": list(range(129)), "logprobs": 1}, "logprob_token_ids"),
+        (cmp, {"cache_salt": ""}, "cache_salt"),
+        (cmp, {"prompt": [1, 10_000]}, "prompt"),
+        (cmp, {"prompt": [[1, 5], [1, 10_000]]}, "prompt[1]"),
+        (cmp, {"logprob_token_ids": [1], "logprobs": 1, "interventions": {"score_token_ids": [2]}}, "logprob_token_ids"),
         (cmp, {"capture": {"filesystem": {}}}, "capture.filesystem"),
-        (cmp, {"capture": {"patch_source": {"run": "r", "hooks": {"post_block": {"ranges": [[0, 2]]}}}}}, "capture.patch_source.hooks.post_block.ranges"),
+        (cmp, {"capture": {"patch_source": {"run": "r", "hooks": {"post_block": {"ranges": [[0, n]]}}}}}, "capture.patch_source.hooks.post_block.ranges[0]"),
+        (cmp, {"capture": {"patch_source": {"run": "r", "hooks": {"post_block": {"ranges": [[2, 1]]}}}}}, "capture.patch_source.hooks.post_block.ranges[0]"),
         (cmp, {"capture": {"patch_source": {"run": "r", "hooks": {"post_block": [9]}}}}, "capture.patch_source.hooks.post_block[0]"),
         (cmp, {"capture": {"patch_source": {"run": "r", "hooks": {"post_block": "all"}, "positions": [77]}}}, "capture.patch_source.positions[0]"),
         (cmp, {"interventions": {"steer": [{"sites": "L1.post_block", "vector": ok[:3]}]}}, "interventions.steer[0].vector"),
     ]
 
 
-NOT_SUPPORTED = {"steering_vectors.post_mlp", "steering_clamps", "steering", "conversation_id", "patch[0].hook",
-                 "capture.filesystem", "capture.patch_source.hooks.post_block.ranges"}
+NOT_SUPPORTED = {"steering_vectors.post_mlp", "steering_clamps", "steering", "patch[0].hook"}
 
 
 def test_bad_interventions_name_the_field_and_leave_the_engine_untouched(http, engine, tasks):
@@ -311,8 +318,9 @@ def test_structural_and_semantic_errors_name_a_list_field_the_same_way(http, eng
     assert refused("/v1/generate", sites % (prompt, '"L1.resid"'))["field"] == "interventions.capture.sites[1]"
 
 
-@pytest.mark.parametrize("fields", [{"logprobs": 2}, {}])
+@pytest.mark.parametrize("fields", [{"logprobs": 2}, {"logprobs": 0}, {"logprobs": 5}])
 def test_logprob_token_ids_accepts_the_fork_rule(http, tasks, fields):
+    """The fork's HTTP rule: `logprobs` must be set (any value; the ids replace the top-k)."""
     item = tasks["facts"][14]
     ids = [item["answer_id"], item["foil_id"]]
     body = _post(http, "/v1/completions", {"prompt": item["prompt"], "max_tokens": 1, "logprob_token_ids": ids, **fields})

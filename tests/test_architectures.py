@@ -52,11 +52,11 @@ def test_qwen_sites_match_the_reference(tmp_path, arch, engine):
     with Engine(model=str(path), device="cpu", multiprocess=True) as eng:
         assert eng.info.architecture.lower().startswith(arch)
         ids = eng.tokenize(prompt)
-        gen = eng.capture(prompt, ["L0.pre_attn", "L1.post_attn", "L1.post_block"], "all_prompt")
-        run = ref.run(ids, capture=[(0, "pre_attn"), (1, "post_attn"), (1, "post_block")])
+        sites = [(0, "pre_attn"), (0, "mlp_in"), (1, "post_attn"), (1, "mlp_out"), (1, "post_block")]
+        gen = eng.capture(prompt, [f"L{l}.{h}" for l, h in sites], "all_prompt")
+        run = ref.run(ids, capture=sites)
         # every site x position arrives (the engine core runs in its own process here)
-        assert set(gen.captures) == {(l, h, p) for l, h in [(0, "pre_attn"), (1, "post_attn"), (1, "post_block")]
-                                     for p in range(len(ids))}
+        assert set(gen.captures) == {(l, h, p) for l, h in sites for p in range(len(ids))}
         for (layer, hook, pos), v in gen.captures.items():
             assert np.allclose(v, run.captures[(layer, hook)][pos].numpy(), atol=2e-4, rtol=2e-4)
         v = np.random.default_rng(0).standard_normal(128).astype(np.float32) * 4
@@ -65,9 +65,10 @@ def test_qwen_sites_match_the_reference(tmp_path, arch, engine):
         r = ref.generate(ids, 3, edits=[RefEdit.steer((0, "post_attn"), v, positions=range(len(ids)), gen=True)], stop_at_eos=False)
         assert steered.token_ids == r.token_ids
         assert np.allclose(steered.logprobs, r.logprobs, atol=2e-3)
-        eng.capture(prompt, ["L1.pre_attn"], "all_prompt", keep_as="q", return_values=False)
+        eng.capture(prompt, ["L1.pre_attn", "L0.mlp_out"], "all_prompt", keep_as="q", return_values=False)
         plain = eng.generate(prompt, GenerationParams(max_tokens=3, logprobs=0))
-        patched = eng.generate(prompt, GenerationParams(max_tokens=3, logprobs=0), Interventions(patch=(Patch.make("L1.pre_attn", "all_prompt", {"run": "q"}),)))
+        patched = eng.generate(prompt, GenerationParams(max_tokens=3, logprobs=0), Interventions(patch=tuple(
+            Patch.make(site, "all_prompt", {"run": "q"}) for site in ("L1.pre_attn", "L0.mlp_out"))))
         assert patched.intervention.status == "ok", patched.intervention.errors
         assert patched.logprobs == plain.logprobs  # bit-exact
 

@@ -107,7 +107,7 @@ CASES = {
     "cmpl-wrong-model": C({"prompt": PROMPT, "model": "gpt-17"}, "model", 404),
     "cmpl-n-two": C({"prompt": PROMPT, "n": 2}, "n"),
     "cmpl-echo": C({"prompt": PROMPT, "echo": True}, "echo"),
-    "cmpl-prompt-list": C({"prompt": ["a", "b"]}, "prompt"),
+    "cmpl-prompt-object": C({"prompt": {"text": "a"}}, "prompt"),  # text, ids or lists of them (vLLM's forms)
     "cmpl-clamps-unsupported": C({"prompt": PROMPT, "steering_clamps": {"x": 1}}, "steering_clamps"),
     "cmpl-steering-layer-out-of-range": C({"prompt": PROMPT, "steering_vectors": {"post_block": {"99": OK_VEC}}},
                                           "steering_vectors.post_block.99"),
@@ -122,7 +122,7 @@ CASES = {
     "sweep-positions-out-of-range": S({"positions": [0, 500]}, "positions"),
     "sweep-unknown-hook": S({"hooks": ["post_mlp"]}, "hooks"),
     "sweep-answer-two-tokens": S({"answer_token": " Hadrian the Great"}, "answer_token"),
-    "sweep-alpha-out-of-range": S({"alpha": 2.5}, "alpha"),
+    "sweep-alpha-not-a-number": S({"alpha": "big"}, "alpha"),  # any finite value is valid (the fork's extrapolation)
     "sweep-metric-unknown": S({"metric": "accuracy"}, "metric"),
     "sweep-unknown-source-run": J("POST", "/v1/patch_sweep", {"prompt": SWEEP["prompt"], "source_run": "no-such-run",
                                                               "answer_token": " Hadrian"}, 404, "source_run"),

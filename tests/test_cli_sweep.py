@@ -106,15 +106,18 @@ def test_option_parsing_builds_the_request():
 
     # the selector grammar itself is tested in tests/test_sites.py; here: errors name the field
     for opt, bad, field in (("--layers", "1,,2", "layers"), ("--positions", "span:", "positions"),
-                            ("--subject", "#1", "subject"), ("--noise-positions", "span:x", "noise.positions")):
+                            ("--subject", "#1", "subject"), ("--noise-positions", "span:x", "noise.positions"),
+                            ("--mask", "all", "mask"), ("--mask", "1-x", "mask")):
         with pytest.raises(OptionError) as info:
             build_request(build_parser().parse_args(["sweep", "--prompt", "P", opt, bad]))
         assert info.value.field == field
     args = build_parser().parse_args([
         "sweep", "--prompt", "P", "--answer", " A", "--foil-id", "7", "--hooks", "pre_attn, post_block", "--layers", "0:4",
-        "--positions", "span:Garrow", "--positions", "5-6", "--noise-span", "Garrow#0", "--noise-scale", "2.5", "--alpha", "0.5", "--keep-source"])
+        "--positions", "span:Garrow", "--positions", "5-6", "--noise-span", "Garrow#0", "--noise-scale", "2.5", "--alpha", "0.5", "--keep-source",
+        "--mask", "3,0-1"])
     assert build_request(args) == {
         "prompt": "P", "answer_token": " A", "foil_token_id": 7, "alpha": 0.5, "hooks": ["pre_attn", "post_block"],
+        "mask": {"indices": [0, 1, 3]},
         "layers": [0, 1, 2, 3], "positions": [{"span": "Garrow", "occurrence": 0}, 5, 6],
         "noise": {"span": "Garrow", "occurrence": 0, "scale": 2.5}, "keep_source": True}
     with pytest.raises(OptionError) as info:

@@ -199,12 +199,12 @@ def test_vectors_and_steering_round_trip(cb, engine, tasks):
     prompt = tasks["facts"][0]["prompt"]
     hidden = engine.info.hidden_size
     vec = np.random.default_rng(7).standard_normal(hidden).astype(np.float32)
-    name = "client-tests/direction"
+    name = "client-tests.direction"
     steer = [{"sites": ["L2.post_block"], "name": name, "scale": 6.0}]
     try:
         info = cb.register_vector(name, vec)
         assert info["dim"] == hidden and info["norm"] == pytest.approx(float(np.linalg.norm(vec)), rel=1e-5)
-        assert name in [v["name"] for v in cb.list_vectors()["vectors"]]
+        assert name in [v["name"] for v in cb.list_vectors()["named"]]
         np.testing.assert_array_equal(np.asarray(cb.get_vector(name)["vector"], np.float32), vec)
 
         import io as _io
@@ -240,15 +240,15 @@ def test_async_capture_and_vectors(server_url, engine, tasks):
     async def main():
         async with AsyncCausalboardClient(server_url, timeout=300) as acb:
             cap = await acb.capture(prompt, ["L0.pre_attn"], "all_prompt")
-            await acb.register_vector("client-tests/async", np.ones(engine.info.hidden_size))
+            await acb.register_vector("client-tests.async", np.ones(engine.info.hidden_size))
             listed = await acb.list_vectors()
-            deleted = await acb.delete_vector("client-tests/async"), await acb.delete_vector("client-tests/async")
+            deleted = await acb.delete_vector("client-tests.async"), await acb.delete_vector("client-tests.async")
             return cap, listed, deleted
 
     cap, listed, deleted = asyncio.run(main())
     direct = engine.capture(prompt, ["L0.pre_attn"], "all_prompt")
     np.testing.assert_array_equal(cap["L0.pre_attn"], np.stack([direct.captures[(0, "pre_attn", p)] for p in cap.positions]))
-    assert "client-tests/async" in [v["name"] for v in listed["vectors"]]
+    assert "client-tests.async" in [v["name"] for v in listed["named"]]
     assert deleted == (True, False)
 
 
@@ -314,16 +314,16 @@ def test_api_key_is_sent_as_bearer_token(engine):
         async with AsyncCausalboardClient("http://cb.test", transport=httpx.ASGITransport(app=app)) as anon:
             out["read"] = (await anon.status())["model"]  # reads stay open
             try:
-                await anon.register_vector("client-tests/key", np.ones(engine.info.hidden_size))
+                await anon.register_vector("client-tests.key", np.ones(engine.info.hidden_size))
             except CausalboardError as exc:
                 out["refused"] = exc
         async with AsyncCausalboardClient("http://cb.test", api_key="client-secret",
                                           transport=httpx.ASGITransport(app=app)) as keyed:
-            out["registered"] = await keyed.register_vector("client-tests/key", np.ones(engine.info.hidden_size))
-            out["deleted"] = await keyed.delete_vector("client-tests/key")
+            out["registered"] = await keyed.register_vector("client-tests.key", np.ones(engine.info.hidden_size))
+            out["deleted"] = await keyed.delete_vector("client-tests.key")
         return out
 
     out = asyncio.run(main())
     assert out["read"] == "causalboard-tiny"
     assert out["refused"].status == 401 and out["refused"].field == "authorization"
-    assert out["registered"]["name"] == "client-tests/key" and out["deleted"] is True
+    assert out["registered"]["name"] == "client-tests.key" and out["deleted"] is True

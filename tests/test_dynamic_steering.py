@@ -16,6 +16,7 @@ from engine_ext import GenerationParams, SpecError
 from engine_ext.dynamic.policy import PolicyState
 from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
 from engine_ext.reference.hf import RefEdit
+from engine_ext.specs import Interventions, Steer
 
 SCORE_RTOL, SCORE_ATOL = 1e-3, 1e-2
 #: margin kept between any score and a threshold the tests place (in score units)
@@ -278,3 +279,60 @@ def test_fit_probe_from_two_prompt_sets(engine, tasks):
             assert any(x["name"] == p.name for x in engine.list_probes())
         finally:
             engine.delete_probe(f"fit-{method}")
+
+
+def test_a_dynamic_request_salts_its_kv_from_its_first_generated_position(engine, probe, steer_vec):
+    """The request carries the seam's KV salt from position n_prompt on (tests/test_seam.py checks
+    that the salt covers exactly the blocks ending after that position): its prompt blocks stay
+    shareable, no block holding a generated position is ever reused by another request. (On the
+    bundled CPU engine a KV block is larger than the model's context, so reuse itself cannot be
+    observed here.)"""
+    from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY
+    from engine_ext.program import KV_SALT_KEY
+
+    pol = Policy.make(probe=probe.name, sites=[STEER_SITE], vector=steer_vec, on=1.0)
+    prep = engine._prepare(PROMPT, PARAMS, None, dynamic=DynamicRequest.make([pol]))
+    extra = prep.sampling.extra_args
+    first, salt = extra[KV_SALT_KEY]
+    assert first == len(prep.ids) and salt.endswith(prep.key)
+    assert DYNAMIC_ARGS_KEY in extra
+    other = engine._prepare(PROMPT, PARAMS, None, dynamic=DynamicRequest.make([pol]))
+    assert other.sampling.extra_args[KV_SALT_KEY][1] != salt  # never shared between two dynamic requests
+    static = Interventions(steer=(Steer.make([STEER_SITE], steer_vec, positions=[2]),))
+    both = engine._prepare(PROMPT, PARAMS, static, dynamic=DynamicRequest.make([pol]))
+    assert both.sampling.extra_args[KV_SALT_KEY][0] == 2  # the earlier of the static and the dynamic start
+    plain = engine._prepare(PROMPT, PARAMS, None)
+    assert plain.sampling.extra_args is None
+
+
+def test_dynamic_action_composes_with_static_steering_at_the_same_site(engine, hf_ref, probe, steer_vec):
+    """Static steering of every generated position at the policy's own site, plus the policy: the
+    engine adds the policy's vector on top of the static slot (static first, then dynamic), as
+    the oracle does with the two edits in that order."""
+    static_vec = _rng_vec(9) * 2.0
+    _, scores = baseline_scores(engine, probe, steer_vec)
+    on = float(np.median(scores)) + 1e-3
+    pol = Policy.make(probe=probe.name, sites=[STEER_SITE], vector=steer_vec, on=on, off=on - 1.0, scale=1.0)
+    spec = Interventions(steer=(Steer.make([STEER_SITE], static_vec, positions="all_generated"),))
+    g = engine.generate(PROMPT, PARAMS, spec, dynamic=DynamicRequest.make([pol]))
+    assert g.intervention.status == "ok", g.intervention.errors
+    trace = g.intervention.dynamic["trace"][0]
+    n = len(g.prompt_token_ids)
+    # the oracle, by hand: static edit at every generated position, the policy's on top
+    states = PolicyState.start(pol)
+    ids, decided, ref = list(g.prompt_token_ids), {}, []
+    for _ in range(PARAMS.max_tokens):
+        gen_pos = list(range(n, len(ids)))
+        edits = [RefEdit.steer((2, "post_attn"), static_vec, positions=gen_pos)] if gen_pos else []
+        edits += [RefEdit.steer((2, "post_attn"), steer_vec, scale=decided[p], positions=[p]) for p in gen_pos if decided.get(p)]
+        run = hf_ref.run(ids, edits, capture=[(3, "post_block")], n_prompt=n)
+        score = float(probe.scores(run.captures[(3, "post_block")][-1].numpy())[0])
+        ref.append((score, bool(decided.get(len(ids) - 1))))
+        decided[len(ids)] = states.decide(score)
+        ids.append(int(run.logits[-1].argmax()))
+    near = min(abs(s - t) for s, _ in ref for t in (on, on - 1.0))
+    assert any(e["engaged"] for e in trace) and not all(e["engaged"] for e in trace[1:])
+    if near > MARGIN:
+        assert g.token_ids == ids[n:]
+        assert [e["engaged"] for e in trace] == [e for _, e in ref]
+    assert_scores_close([e["score"] for e in trace][: len(ref)], [s for s, _ in ref])

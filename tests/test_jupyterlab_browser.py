@@ -50,12 +50,24 @@ def test_01_causal_tracing_runs_and_shows_its_figures(jupyterlab, page, http):
         out = ran_cleanly(nb, nb.run_all())
         assert len(re.findall(r"^TOP  ", out, re.M)) == 6 and "checksum consistent: True" in out
 
-        # the three matplotlib heatmaps (two hooks of the pair sweep, the noise sweep), decoded by the browser
+        # the three matplotlib figures (the pair sweep's post_block, the noise sweep, the average
+        # trace by token role), decoded by the browser
         images = nb.panel.locator('.jp-OutputArea-output[data-mime-type="image/png"] img')
         assert images.count() == 3
         for i in range(3):
             images.nth(i).scroll_into_view_if_needed()
             assert images.nth(i).evaluate("img => img.complete && img.naturalWidth > 300 && img.naturalHeight > 150")
+
+        # the sweep's progress bar (one HTML output, updated in place) ended finished, and the
+        # SweepResult displays as its heatmaps, decoded by the browser
+        bar = nb.panel.locator('[data-cb="sweep-progress"]')
+        assert bar.count() == 1 and bar.get_attribute("data-state") == "done"
+        assert bar.get_attribute("data-done") == bar.get_attribute("data-total") != "0"
+        shown = nb.panel.locator('[data-cb="sweep-result"] [data-cb="heatmap"] img')
+        assert shown.count() == 2
+        for i in range(2):
+            shown.nth(i).scroll_into_view_if_needed()
+            assert shown.nth(i).evaluate("img => img.complete && img.naturalWidth > 300 && img.naturalHeight > 150")
 
         # the live TracingView, rendered by Panel/Bokeh in the output: its heatmap, as the browser
         # holds it, has every cell of the sweep the next cell ran from code
@@ -122,6 +134,8 @@ def test_02_steering_slider_moved_in_the_browser_regenerates(jupyterlab, page, h
                    message="the slider to read 0.50")
         wait_until(lambda: "× +0.50" in status() and status().startswith("done"), timeout=120,
                    message="the steered stream at scale 0.5")
+        # the kernel's view heard every key press (the last one included)
+        assert nb.kernel_exec("print(float(round(control.scale, 6)), view.steered_text == view.baseline_text)") == "0.5 False\n"
         expected = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": 16, "interventions": {"steer": [
             {"sites": ["L2.post_block"], "name": VECTOR, "scale": 0.5}]}}).json()["text"]
         assert shown("steered") == expected.strip() and expected.strip() != steered.strip()
@@ -134,6 +148,7 @@ def test_02_steering_slider_moved_in_the_browser_regenerates(jupyterlab, page, h
             page.keyboard.press("ArrowLeft")
         wait_until(lambda: "no steering" in status() and status().startswith("done"), timeout=120,
                    message="the unsteered stream")
+        assert nb.kernel_exec("print(float(round(control.scale, 6)), view.browser.resends)").startswith("0.0 ")
         assert shown("steered") == baseline.strip()
         assert not page_errors(page), page_errors(page)
     finally:

@@ -201,8 +201,9 @@ def test_sweep_with_a_mask_matches_the_oracle_and_bad_masks_name_the_field(http,
             target = hf_ref.run(clean_ids, capture=[(layer, hook)]).captures[(layer, hook)].numpy()[pos:pos + 1]
             ref = hf_ref.score(ids, [ans], edits=[RefEdit.patch((layer, hook), [pos], target, mask=m)])
             assert abs(grids[hook][i, res["positions"].index(pos)] - ref[ans]) <= LOGPROB_ATOL, (hook, layer)
+    assert res["mask"] == {"indices": dims}  # the provenance of the numbers
     unmasked = http.post("/v1/patch_sweep", json={**body, "mask": None}).json()
-    assert unmasked["hook_grids"][1]["grid"] != res["hook_grids"][1]["grid"]
+    assert unmasked["hook_grids"][1]["grid"] != res["hook_grids"][1]["grid"] and "mask" not in unmasked
     for bad, field in (({"indices": [H]}, "mask.indices[0]"), ({"inline": 0}, "mask.inline"), ([], "mask")):
         r = http.post("/v1/patch_sweep", json={**body, "mask": bad})
         assert r.status_code == 400 and r.json()["field"] == field, r.text
@@ -236,7 +237,7 @@ def test_fork_completions_patch_masks_indices_and_inline(http, engine, tasks):
     w = np.random.default_rng(7).uniform(0, 1, H).astype(np.float32)
     t = _vec(engine, 34, 10.0)
     table = pack_vectors(np.stack([t, w]))
-    body = {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids_, "patch_vectors": table,
+    body = {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": ids_, "logprobs": len(ids_), "patch_vectors": table,
             "patch": [{"layer": 3, "hook": "mlp_in", "dest_position": last, "source_inline": 0, "mask": {"inline": 1}},
                       {"layer": 1, "hook": "post_block", "dest_position": last, "source_module": "zeros",
                        "mask": {"indices": [2, 7]}}]}
@@ -246,6 +247,84 @@ def test_fork_completions_patch_masks_indices_and_inline(http, engine, tasks):
         Patch.make("L3.mlp_in", [last], {"vectors": [t]}, mask={"weights": w.tolist()}),
         Patch.make("L1.post_block", [last], "zeros", mask={"indices": [2, 7]}))))
     assert r.json()["choices"][0]["scores"] == [{str(k): v for k, v in want.items()}]
-    for bad, field in (({"inline": 5}, "patch[0].mask.inline"), ({"inline": 0}, "patch[0].mask.weights")):
+    for bad, field in (({"inline": 5}, "patch[0].mask.inline"), ({"inline": 0}, "patch[0].mask.inline")):
         r = http.post("/v1/completions", json={**body, "patch": [{**body["patch"][0], "mask": bad}]})
         assert r.status_code == 400 and r.json()["field"] == field, r.text
+
+
+# ---- the op itself ---------------------------------------------------------------------------------
+def test_op_paths_agree_on_per_dimension_a_and_rows_are_shared_and_released():
+    """The CPU path and the branch-free torch path (CUDA tensors with unusual strides; run here on
+    CPU tensors) compute the same masked edit; slots with the same (mask, alpha) share one row."""
+    import torch
+
+    from engine_ext.worker import intervention_op as op
+    from engine_ext.worker.intervention_op import SiteBuffers, SlotMode
+    from engine_ext.worker.slots import SlotTable, SlotValue
+
+    H, rows = 16, 4
+    b = SiteBuffers(num_sites=2, max_rows=rows, max_slots=4, max_capture_rows=4, hidden=H,
+                    device=torch.device("cpu"), dtype=torch.float32, max_dim_rows=2)
+    slots = SlotTable(b)
+    m = np.zeros(H, np.float32)
+    m[[1, 5, 6]] = 1.0
+    a_vec = (1.0 - 0.75 * m.astype(np.float64)).astype(np.float32)
+    t = np.arange(H, dtype=np.float32)
+    masked = SlotValue(SlotMode.AFFINE, a=0.25, c=(0.75 * m).astype(np.float32) * t, a_vec=a_vec, a_key=("a", 0.75, "m"))
+    s0 = slots.acquire("masked-1", lambda: masked)
+    s1 = slots.acquire("masked-2", lambda: SlotValue(SlotMode.AFFINE, a=0.25, c=None, a_vec=a_vec, a_key=("a", 0.75, "m")))
+    s2 = slots.acquire("plain", lambda: SlotValue(SlotMode.AFFINE, a=0.5, c=np.ones(H, np.float32)))
+    assert slots._dim_of_slot[s0] == slots._dim_of_slot[s1] >= 0 and slots._dim_of_slot[s2] == -1
+    slots.flush()
+    b.row_slot[:rows, 1] = torch.tensor([s0, -1, s1, s2], dtype=torch.int32)
+    b.active[1] = True
+    x = torch.randn(rows, H)
+    r = torch.randn(rows, H)
+    outs = []
+    for apply in (op._apply_torch, op._apply_torch_cuda):
+        xx, rr = x.clone(), r.clone()
+        apply(b, xx, rr, 1)
+        outs.append((xx + rr).numpy())
+    assert np.array_equal(outs[0], outs[1])
+    s = (x + r).numpy()
+    keep = m == 0
+    assert np.array_equal(outs[0][0][keep], s[0][keep]) and np.array_equal(outs[0][0][~keep], (0.25 * s[0] + 0.75 * t)[~keep])
+    assert np.array_equal(outs[0][1], s[1])  # no slot: untouched
+    assert np.array_equal(outs[0][2][keep], s[2][keep]) and np.array_equal(outs[0][2][~keep], (0.25 * s[2])[~keep])
+    assert np.allclose(outs[0][3], 0.5 * s[3] + 1.0)
+    slots.release([s0, s1, s2])
+    assert len(slots._dim_free) == 2 and not slots._dim_by_key
+
+
+def test_dynamic_steering_on_top_of_a_masked_patch_keeps_the_mask(engine, hf_ref, tasks):
+    """A dynamic action composes onto the slot of a masked patch at the same site and position:
+    the composed value keeps the patch's per-dimension a (checked against the oracle)."""
+    from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
+
+    prompt = fact(tasks, 21)["prompt"]
+    ids = engine.tokenize(prompt)
+    n, H = len(ids), engine.info.hidden_size
+    rng = np.random.default_rng(40)
+    probe = Probe.make("mask-dyn-probe", "L3.post_block", direction=rng.standard_normal(H).astype(np.float32))
+    engine.register_probe(probe)
+    try:
+        v = rng.standard_normal(H).astype(np.float32) * 3.0
+        t = rng.standard_normal(H).astype(np.float32) * 3.0
+        dims = _dims(engine, 8, H // 2)
+        m = np.zeros(H, bool)
+        m[dims] = True
+        pol = Policy.make(probe=probe.name, sites=["L2.post_attn"], vector=v, on=-1e30)  # engaged at every step
+        patch = Patch.make("L2.post_attn", [n + 1, n + 2], {"vectors": [t]}, alpha=0.8, mask={"indices": dims})
+        params = GenerationParams(max_tokens=5, ignore_eos=True, logprobs=0)
+        g = engine.generate(prompt, params, Interventions(patch=(patch,)), dynamic=DynamicRequest.make([pol]))
+        assert g.intervention.status == "ok", g.intervention.errors
+        trace = g.intervention.dynamic["trace"][0]
+        steps = [(e["position"], e["scale"]) for e in trace if e["engaged"] and e["scale"]]
+        assert {n + 1, n + 2} <= {p for p, _ in steps}
+        edits = [RefEdit.patch((2, "post_attn"), [n + 1, n + 2], t, alpha=0.8, mask=m)]
+        edits += [RefEdit.steer((2, "post_attn"), v, scale=sc, positions=[p]) for p, sc in steps]
+        ref = hf_ref.generate(ids, 5, edits=edits, stop_at_eos=False)
+        assert g.token_ids == ref.token_ids and np.allclose(g.logprobs, ref.logprobs, atol=LOGPROB_ATOL)
+    finally:
+        engine.set_dynamic_policies([])
+        engine.delete_probe(probe.name)

@@ -124,7 +124,7 @@ def test_sweep_over_the_branch_hooks_matches_the_oracle(http, engine, hf_ref, ta
     r = http.post("/v1/patch_sweep", json=body)
     assert r.status_code == 200, r.text
     res = r.json()
-    assert res["hooks"] == ["mlp_in", "mlp_out", "post_block"]  # the forward's order
+    assert res["hooks"] == ["post_block", "mlp_out", "mlp_in"]  # the request's order (the fork's)
     grids = {g["hook"]: np.array(g["grid"], dtype=float) for g in res["hook_grids"]}
     clean_ids, ids = engine.tokenize(pair["clean_prompt"]), engine.tokenize(pair["corrupt_prompt"])
     n = len(ids)

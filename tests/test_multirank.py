@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from engine_ext import GenerationParams
+from engine_ext.sites import HOOKS
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 from tests.conftest import free_port, model_path
 
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.multirank
 
 CAPTURE_ATOL, CAPTURE_RTOL = 1e-4, 1e-4
 LOGPROB_ATOL = 1e-3
-HOOKS = ("pre_attn", "post_attn", "post_block")
 TOPOLOGIES = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
 
 

@@ -110,3 +110,86 @@ def test_in_a_kernel_a_sweep_shows_one_updating_bar_and_its_result_shows_heatmap
     shown = next(o for o in outputs if o.output_type == "execute_result")
     assert shown.data["text/plain"].startswith("SweepResult(") and len(_images(shown.data["text/html"])) == 1
     assert f'data-done="{total}" data-total="{total}"' in shown.data["text/html"]
+
+
+# ---- a view's copy in the browser (app/dashboard/notebook.py), kernel side --------------------------
+class RecordingComm:
+    """A Jupyter comm as Panel's notebook push sees it: `_comm` is None until the browser opened
+    it; what is sent is recorded (the JSON parts of each Bokeh message)."""
+
+    def __init__(self, open_: bool):
+        from pyviz_comms import Comm
+
+        self.id = Comm().id
+        self._comm = object() if open_ else None
+        self.sent: list[str] = []
+
+    def send(self, data=None, metadata=None, buffers=()):
+        if data is not None:
+            self.sent.append(data)
+
+
+def _shown(layout, comm):
+    """Render `layout` as a notebook output does: its root in a held document, registered with
+    its comm (panel.io.notebook.render_mimebundle)."""
+    from bokeh.document import Document
+    from panel.io.model import add_to_doc
+
+    doc = Document()
+    root = layout.get_root(doc, comm)
+    add_to_doc(root, doc, True)
+    return doc, root
+
+
+def test_direct_bokeh_changes_reach_an_open_output_at_once():
+    import panel as pn
+    from bokeh.models import ColumnDataSource
+    from bokeh.plotting import figure
+
+    from app.dashboard.notebook import BrowserSync
+
+    source = ColumnDataSource({"x": [0, 1], "y": [0, 0], "value": [0.0, 0.0]})
+    fig = figure(width=200, height=200)
+    fig.rect(x="x", y="y", width=1, height=1, source=source)
+    layout = pn.Column(pn.pane.Bokeh(fig))
+    comm = RecordingComm(open_=True)
+    _shown(layout, comm)
+    sync = BrowserSync(layout)
+    source.patch({"value": [(1, 0.75)]})  # as SweepHeatmap.update does
+    assert not any("ColumnsPatched" in m for m in comm.sent)  # held in the document: a browser message would drop it
+    sync.changed()
+    assert any("ColumnsPatched" in m and "0.75" in m for m in comm.sent)
+    assert not sync.stale and sync.resends == 0
+
+
+def test_a_view_updated_before_its_output_opened_is_resent_once_it_is_open():
+    import asyncio
+
+    import panel as pn
+
+    from app.dashboard import notebook
+
+    status = pn.pane.HTML("starting")
+    layout = pn.Column(status, pn.widgets.FloatSlider(value=0.5, start=0, end=1))
+    comm = RecordingComm(open_=False)
+    _shown(layout, comm)
+    sync = notebook.BrowserSync(layout)
+
+    async def scenario():
+        status.object = "finished: 40/40 cells"  # Panel queues it (comm closed) and retries it on its own
+        sync.changed()
+        assert sync.stale
+        await asyncio.sleep(3 * notebook.POLL_S)
+        assert sync.resends == 0 and not comm.sent  # still closed: nothing sent, nothing re-sent
+        comm._comm = object()  # the browser drew the output and opened the comm
+        await asyncio.sleep(notebook.SETTLE_S + 3 * notebook.POLL_S)
+
+    asyncio.run(scenario())
+    assert sync.resends == 1 and not sync.stale
+    # Panel's queued update landed first; then one patch with the kernel's current state of every
+    # model: the status text, the slider's value
+    patches = [m for m in comm.sent if '"kind":"ModelChanged"' in m]
+    assert len(patches) == 2 and patches[0].count('"kind":"ModelChanged"') == 1
+    resent = patches[1]
+    assert resent.count('"kind":"ModelChanged"') > 5 and "finished: 40/40 cells" in resent
+    assert re.search(r'"(attr":"value","new|value)":0\.5', resent)

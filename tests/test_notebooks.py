@@ -58,7 +58,8 @@ def test_committed_notebooks_are_clean_and_executed():
     """Committed with outputs from a real run, a kernelspec (JupyterLab automation needs one),
     Markdown explanations and a link to the concepts page."""
     names = sorted(p.name for p in NOTEBOOKS.glob("0*.ipynb"))
-    assert names == ["01_causal_tracing.ipynb", "02_steering_sliders.ipynb", "03_export_for_papers.ipynb"]
+    assert names == ["01_causal_tracing.ipynb", "02_steering_sliders.ipynb", "03_export_for_papers.ipynb",
+                     "04_dynamic_steering.ipynb"]
     for name in names:
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(nb)
@@ -144,3 +145,27 @@ def test_03_export_for_papers(server_url, out_dir):
         np.testing.assert_array_equal(SweepResult.load(export_dir / "pair1.npz").to_numpy(hook),
                                       SweepResult.from_summary(summary).to_numpy(hook))
     assert "image/png" in _mimes(nb)
+
+
+def test_04_dynamic_steering(server_url, out_dir, http):
+    export_dir = out_dir / "exports-04"
+    for old in export_dir.glob("dynamic_trace.*"):
+        old.unlink()
+    try:
+        nb = _run("04_dynamic_steering", server_url, out_dir, {"CAUSALBOARD_EXPORT_DIR": str(export_dir)})
+    finally:
+        http.delete("/v1/steering/vectors/dyn_capital_minus_language")
+        http.delete("/v1/steering/probes/capital_probe")
+    out = _stdout(nb)
+    assert "probe: capital_probe at L3.post_block kind direction" in out
+    prompts = re.findall(r"^PROMPT '(.*)'\n  without policy: '(.*)'\n  with policy:    '(.*)'\n  engaged: ([.#]+) ", out, re.M)
+    assert len(prompts) == 2
+    capital = prompts[0]
+    assert capital[3][0] == "." and "#" in capital[3]  # never the first token; engaged after the probe fired
+    assert capital[1] != capital[2]  # steering changed the continuation
+    assert "determinism: {'consistent': True" in out
+    assert {p.name for p in export_dir.glob("dynamic_trace.*")} == {"dynamic_trace.png", "dynamic_trace.json"}
+    saved = json.loads((export_dir / "dynamic_trace.json").read_text())
+    assert len(saved["rows"]) == 10 and any(r["engaged"] for r in saved["rows"])
+    assert re.search(r"^panel: ok: steering engaged on \d+ of 10 tokens", out, re.M)
+    assert "image/png" in _mimes(nb) and "application/vnd.holoviews_exec.v0+json" in _mimes(nb)

@@ -73,3 +73,14 @@ def test_first_modified_position():
     # decode-only steering leaves the prompt's KV as it is
     assert first_modified_position(prog(steer=[{"pos": list(range(10)), "gen": True, "phase": "decode"}])) == 10
     assert first_modified_position(prog(steer=[{"pos": [2], "gen": False, "phase": "prefill"}])) == 2
+
+
+def test_a_hybrid_whose_module_does_not_import_is_refused_by_name(monkeypatch):
+    """Dense models never need a hybrid's extra packages: the hybrid's module is patched only
+    where it imports, and such a model is then refused naming why (not a crash at install)."""
+    from engine_ext.worker import seam
+
+    monkeypatch.setitem(seam.SKIPPED_MODULES, "vllm.model_executor.models.qwen3_next",
+                        "ModuleNotFoundError: No module named 'compressed_tensors'")
+    assert "compressed_tensors" in seam.unavailable_architecture("Qwen3NextForCausalLM")
+    assert seam.unavailable_architecture("LlamaForCausalLM") is None

@@ -138,7 +138,7 @@ def test_vector_built_through_the_server_equals_engine_captures(engine, server_u
             np.testing.assert_allclose(cv.vector, direct, rtol=1e-5, atol=1e-5)
             assert cv.site == site and cv.positions == positions
             # the server holds exactly the vector we built
-            listed = {v["name"]: v for v in client.list_vectors()["vectors"]}
+            listed = {v["name"]: v for v in client.list_vectors()["named"]}
             assert listed[name]["dim"] == engine.info.hidden_size
             assert listed[name]["norm"] == pytest.approx(cv.norm, rel=1e-5)
             np.testing.assert_allclose(np.asarray(client.get_vector(name)["vector"], dtype=np.float32), cv.vector, rtol=1e-6)

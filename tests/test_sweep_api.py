@@ -122,9 +122,12 @@ def test_unequal_lengths_are_aligned_and_the_middle_skipped(http, engine, tasks)
     assert set(a["unaligned_positions"]) == unaligned and unaligned
     skipped = {s["position"]: s["reason"] for s in res["skipped"] if "layer" not in s}
     assert set(skipped) == unaligned and all(r.startswith("unaligned") for r in skipped.values())
+    # the fork's shape: `positions`/`grid` hold the run positions only; `swept_positions` keeps them all
+    assert res["swept_positions"] == list(range(len(ids)))
+    assert res["positions"] == [p for p in range(len(ids)) if p not in unaligned]
     grid = np.array(res["grid"], dtype=float)
-    for j, p in enumerate(res["positions"]):
-        assert np.isnan(grid[:, j]).all() == (p in unaligned)
+    assert grid.shape == (len(res["layers"]), len(res["positions"])) and not np.isnan(grid).any()
+    assert res["hook_grids"][0]["grid"] == res["grid"]  # hooks=[one]: hook_grids filled, as in the fork
     # suffix positions map with the length difference: the last token patches from the clean last token
     assert a["position_map"][str(len(ids) - 1)] == len(clean_ids) - 1
     clean_ld = res["clean"]
@@ -154,7 +157,9 @@ def test_multi_hook_grids_and_stream_equal_to_json(http, engine, tasks):
     body = pair_body(pair, metric="logprob", hooks=["post_block", "pre_attn"])
     res = sweep(http, **body)
     grids = {g["hook"]: np.array(g["grid"], dtype=float) for g in res["hook_grids"]}
-    assert set(grids) == {"pre_attn", "post_block"} and res["hooks"] == ["pre_attn", "post_block"]
+    # the request's order, as in the fork: `hook` / `grid` are the first requested hook's
+    assert set(grids) == {"pre_attn", "post_block"} and res["hooks"] == ["post_block", "pre_attn"] and res["hook"] == "post_block"
+    assert res["grid"] == res["hook_grids"][0]["grid"] and res["hook_grids"][0]["hook"] == "post_block"
     # pre_attn of layer L+1 is the same residual stream as post_block of layer L
     assert np.allclose(grids["pre_attn"][1:], grids["post_block"][:-1], atol=1e-5, rtol=0)
     with http.stream("POST", "/v1/patch_sweep", json={**body, "stream": True}) as r:
@@ -205,9 +210,10 @@ BAD = [
     ({"answer_token_id": 10**7}, 400, "answer_token_id"),
     ({"foil_token_id": None, "metric": "logit_diff"}, 400, "foil_token"),
     ({"metric": "kl"}, 400, "metric"),
-    ({"alpha": 2.0}, 400, "alpha"),
+    ({"alpha": "much"}, 400, "alpha"),
     ({"mask": {"indices": [10**6]}}, 400, "mask.indices[0]"),
-    ({"source_inline": 0}, 400, "source_inline"),
+    ({"source_inline": 0, "clean_prompt": None}, 400, "patch_vectors"),
+    ({"source_inline": 0}, 400, "clean_prompt"),
     ({"clean_prompt": None}, 400, "clean_prompt"),
     ({"clean_prompt": None, "source_run": "never-stored"}, 404, "source_run"),
     ({"source_run": "bad id!"}, 400, "source_run"),

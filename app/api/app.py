@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
@@ -30,7 +31,8 @@ from app.api.auth import resolve_api_key
 from app.api.body_limit import install_body_limit
 from app.api.deps import ApiSettings, engine_of, install_state, sweep_service_of
 from app.api.errors import install_error_handlers
-from app.api.routes import capture, dynamic, generation, state_check, status, steering, sweep, tokens
+from app.api.routes import (capture, dynamic, fork_registry, generation, openai_compat, state_check, status, steering, sweep,
+                            tokens)
 from app.sweep.service import SweepService
 
 logger = logging.getLogger("causalboard.api")
@@ -41,13 +43,16 @@ ENGINE_WATCH_S = 0.25
 #: before `app.state.on_engine_death` is called
 ENGINE_DEATH_DRAIN_S = 2.0
 
-ROUTERS = (status.router, tokens.router, generation.router, sweep.router, steering.router, capture.router,
-           dynamic.router, state_check.router)
+ROUTERS = (status.router, tokens.router, openai_compat.router, generation.router, sweep.router, fork_registry.router,
+           steering.router, capture.router, dynamic.router, state_check.router)
 
 
-def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None,
+               capture_dir: str | None = None) -> FastAPI:
     """The API app on `engine` (already started; the caller closes it), or on a new engine
-    built from `config` (default: the bundled model) that the lifespan starts and closes."""
+    built from `config` (default: the bundled model) that the lifespan starts and closes.
+    `capture_dir` (else the `CAUSALBOARD_CAPTURE_DIR` environment variable) enables the fork's
+    `filesystem` capture consumer, writing under that directory."""
     owns_engine = engine is None
     app = FastAPI(
         title="causalboard",
@@ -56,7 +61,7 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None,
         lifespan=_lifespan(owns_engine),
     )
     engine = engine if engine is not None else Engine(config)
-    settings = ApiSettings(api_key=resolve_api_key(api_key))
+    settings = ApiSettings(api_key=resolve_api_key(api_key), capture_dir=capture_dir or os.environ.get("CAUSALBOARD_CAPTURE_DIR") or None)
     install_state(app, engine, settings, SweepService(engine))
     install_error_handlers(app)
     install_body_limit(app, settings.max_body_bytes)

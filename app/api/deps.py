@@ -36,6 +36,8 @@ class ApiSettings:
 
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    #: root of the fork's `filesystem` capture consumer (None: the consumer is not offered)
+    capture_dir: str | None = None
 
 
 def install_state(app: FastAPI, engine: Engine, settings: ApiSettings, sweep_service: SweepService) -> None:

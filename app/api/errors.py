@@ -120,7 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(SpecError)
     async def _spec(_: Request, exc: SpecError) -> JSONResponse:
-        return error_response(400, str(exc), exc.field)
+        return error_response(getattr(exc, "status", 400), str(exc), exc.field)
 
     @app.exception_handler(AuthError)
     async def _unauthorized(_: Request, exc: AuthError) -> JSONResponse:

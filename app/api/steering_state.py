@@ -3,7 +3,8 @@
 * `merge_steers(current, new)` — the fork's `replace: false`: an entry of `new` replaces the
   current steering at the same (site, phase); everything else is kept (multi-site entries lose
   only the replaced sites). Kept entries come first, new ones after, in request order.
-* `describe(steers, engine)` — the fork's `active_layers` view (norms per layer and hook) plus
+* `describe(steers, engine)` — the fork's `active_layers` view (non-zero norms per layer, hook and
+  phase, rounded to 6 decimals) plus
   the native entries (`ActiveSteer`), which can be POSTed back as `steer`.
 """
 
@@ -53,10 +54,14 @@ def describe(steers: Sequence[Steer], engine: Engine) -> dict:
                         "vector": s.vector.tolist() if s.vector is not None else None,
                         "name": s.name, "scale": s.scale, "positions": positions_to_json(s.positions),
                         "phase": s.phase, "norm": float(np.linalg.norm(scaled))})
+    # the fork's view: per layer and hook, the norm of each phase's summed vector, rounded to 6
+    # decimals; a zero sum is left out (and a layer or hook with nothing left), as the fork does
     active: dict[str, dict[str, dict[str, float]]] = {}
     for (layer, hook, phase), total in sorted(sums.items(), key=lambda kv: (kv[0][0], HOOKS.index(kv[0][1]), kv[0][2])):
-        norms = active.setdefault(str(layer), {}).setdefault(hook, {"norm": 0.0})
-        norms["norm" if phase == "both" else f"{phase}_norm"] = float(np.linalg.norm(total))
+        norm = float(np.linalg.norm(total))
+        if norm > 0.0:
+            norms = active.setdefault(str(layer), {}).setdefault(hook, {})
+            norms["norm" if phase == "both" else f"{phase}_norm"] = round(norm, 6)
     return {"active_layers": active, "steer": entries}
 
 

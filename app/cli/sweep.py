@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_ext.errors import SpecError
-from engine_ext.sites import parse_layers, parse_positions, parse_span
+from engine_ext.sites import HOOKS, parse_layers, parse_positions, parse_span
 
 from app.sweep.result import SweepResult
 
@@ -66,6 +66,11 @@ def build_request(args: argparse.Namespace) -> dict:
         req["hooks"] = _names(args.hooks)
         if not req["hooks"]:
             raise OptionError("hooks", "is empty (use e.g. --hooks pre_attn,post_block)")
+    if args.mask is not None:
+        dims = _selector(parse_layers, args.mask, "mask")  # the same integer selector syntax
+        if dims is None:
+            raise OptionError("mask", "name the dimensions (e.g. --mask 12,40,815 or 0-63); 'all' is the same as no mask")
+        req["mask"] = {"indices": dims}
     if args.layers is not None:
         layers = _selector(parse_layers, args.layers, "layers")
         if layers is not None:
@@ -281,9 +286,10 @@ def add_parsers(sub: Any) -> None:
     what.add_argument("--layers", help="all (default), 0-5, 0,2,4 or 0:6:2 (see docs/concepts.md, selectors)")
     what.add_argument("--positions", action="append", metavar="SPEC",
                       help="all (default), 3,4,5, 0-5 or span:TEXT[#N]; repeatable (joined with commas)")
-    what.add_argument("--hook", help="post_block (server default), post_attn or pre_attn")
+    what.add_argument("--hook", help="post_block (server default) or another of " + ", ".join(h for h in HOOKS if h != "post_block"))
     what.add_argument("--hooks", help="several hooks, comma-separated (one grid each)")
     what.add_argument("--alpha", type=float, help="(1-alpha)*h + alpha*source (default 1)")
+    what.add_argument("--mask", metavar="DIMS", help="patch only these dimensions, e.g. 12,40,815 or 0-63 (see docs/concepts.md, dimension masks)")
     what.add_argument("--subject", metavar="TEXT[#N]", help="subject span of the prompt, marked in figures")
     what.add_argument("--model", help="the served model's name (checked by the server)")
     metric = sw.add_argument_group("metric")

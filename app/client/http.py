@@ -287,6 +287,32 @@ class _Ops:
     def drop_source(run_id: str) -> _Call:
         return _Call("DELETE", f"/v1/patch_source/{_seg(run_id)}", parse=lambda r: True, on_404=False)
 
+    # dynamic steering (docs/dynamic-steering.md)
+    @staticmethod
+    def list_probes() -> _Call:
+        return _Call("GET", "/v1/steering/probes", parse=lambda r: r.json()["probes"])
+
+    @staticmethod
+    def register_probe(fields: dict) -> _Call:
+        return _Call("POST", "/v1/steering/probes", jsonable(fields))
+
+    @staticmethod
+    def fit_probe(fields: dict) -> _Call:
+        return _Call("POST", "/v1/steering/probes/fit", jsonable(fields))
+
+    @staticmethod
+    def delete_probe(name: str) -> _Call:
+        return _Call("DELETE", f"/v1/steering/probes/{_seg(name)}", parse=lambda r: True, on_404=False)
+
+    @staticmethod
+    def set_dynamic_policies(policies: list) -> _Call:
+        return _Call("PUT", "/v1/steering/dynamic/policies", jsonable({"policies": policies}),
+                     parse=lambda r: r.json()["policies"])
+
+    @staticmethod
+    def dynamic_status() -> _Call:
+        return _Call("GET", "/v1/steering/dynamic")
+
 
 # ---- stream book-keeping shared by both clients -------------------------------------------------
 def _check_stream(response: httpx.Response) -> None:
@@ -530,6 +556,27 @@ class CausalboardClient:
     def global_steer(self) -> dict:
         return self._do(_Ops.global_steer())
 
+    # ---- dynamic steering: probes, global policies, status (docs/dynamic-steering.md)
+    def list_probes(self) -> list[dict]:
+        return self._do(_Ops.list_probes())
+
+    def register_probe(self, **fields: Any) -> dict:
+        """`POST /v1/steering/probes` (name, site, kind, direction | weights, bias, labels)."""
+        return self._do(_Ops.register_probe(fields))
+
+    def fit_probe(self, **fields: Any) -> dict:
+        """`POST /v1/steering/probes/fit` (name, site, positive, negative, method, positions, keep)."""
+        return self._do(_Ops.fit_probe(fields))
+
+    def delete_probe(self, name: str) -> bool:
+        return self._do(_Ops.delete_probe(name))
+
+    def set_dynamic_policies(self, policies: list[dict]) -> list[dict]:
+        return self._do(_Ops.set_dynamic_policies(policies))
+
+    def dynamic_status(self) -> dict:
+        return self._do(_Ops.dynamic_status())
+
 
 class AsyncCausalboardClient:
     """asyncio client with the methods of `CausalboardClient` (`async def`; `stream_*` and
@@ -663,3 +710,21 @@ class AsyncCausalboardClient:
 
     async def global_steer(self) -> dict:
         return await self._do(_Ops.global_steer())
+
+    async def list_probes(self) -> list[dict]:
+        return await self._do(_Ops.list_probes())
+
+    async def register_probe(self, **fields: Any) -> dict:
+        return await self._do(_Ops.register_probe(fields))
+
+    async def fit_probe(self, **fields: Any) -> dict:
+        return await self._do(_Ops.fit_probe(fields))
+
+    async def delete_probe(self, name: str) -> bool:
+        return await self._do(_Ops.delete_probe(name))
+
+    async def set_dynamic_policies(self, policies: list[dict]) -> list[dict]:
+        return await self._do(_Ops.set_dynamic_policies(policies))
+
+    async def dynamic_status(self) -> dict:
+        return await self._do(_Ops.dynamic_status())

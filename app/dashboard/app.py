@@ -67,6 +67,19 @@ def steering_tab(api_url: str, api_key: str | None) -> Any:
         return _placeholder(f"The steering view could not be built: {type(exc).__name__}: {exc}")
 
 
+def dynamic_panel(api_url: str, api_key: str | None) -> Any:
+    """The dynamic-steering panel under the steering view (`app/dashboard/steering/dynamic.py`), or
+    None when it cannot be built (the steering tab must still work)."""
+    try:
+        from app.dashboard.steering.dynamic import DynamicTraceView
+
+        view = DynamicTraceView(api_url, api_key=api_key)
+        pn.state.onload(view.refresh_choices)
+        return view
+    except Exception:
+        return None
+
+
 def _placeholder(text: str) -> pn.pane.HTML:
     return pn.pane.HTML(f'<p style="color:#666" data-cb="steering-placeholder">{html.escape(text)}</p>')
 
@@ -83,6 +96,7 @@ class DashboardPage(pn.viewable.Viewer):
         self.body = pn.Column(sizing_mode="stretch_width")
         self.tracing: TracingView | None = None
         self.steering: Any = None
+        self.dynamic: Any = None
         self.tabs: pn.Tabs | None = None
         self._layout = pn.Column(self.header, self.body, sizing_mode="stretch_width")
         if ask_api_key and api_key is None:
@@ -100,7 +114,9 @@ class DashboardPage(pn.viewable.Viewer):
         """Build the views (with `api_key` for the API's guarded endpoints) and fill the header."""
         self.tracing = TracingView(self.api_url, api_key=api_key)
         self.steering = steering_tab(self.api_url, api_key)
-        self.tabs = pn.Tabs(("Causal tracing", self.tracing), ("Steering", self.steering), dynamic=False,
+        self.dynamic = dynamic_panel(self.api_url, api_key)
+        steering = pn.Column(self.steering, self.dynamic, sizing_mode="stretch_width") if self.dynamic is not None else self.steering
+        self.tabs = pn.Tabs(("Causal tracing", self.tracing), ("Steering", steering), dynamic=False,
                             sizing_mode="stretch_width")
         self.body.objects = [self.tabs]
         pn.state.onload(self._load_status)

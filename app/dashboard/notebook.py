@@ -13,14 +13,16 @@ seen in JupyterLab on a loaded machine (tests/test_jupyterlab_browser.py):
   until Panel's next push; a message from the browser that arrives first (a resize, a
   selection) makes Panel release the hold, and what was held is dropped.
 
-`BrowserSync(layout, redraw)` answers both. The view calls `changed()` after each update:
+`BrowserSync(layout)` answers both. The view calls `changed()` after each update:
 
-* every comm of the layout's notebook outputs open: what the document holds is pushed at once;
-* one still closed: the layout is marked stale, and a task on the kernel's loop waits (at most
-  `WAIT_S`) until every comm is open and `SETTLE_S` have passed for Panel's queued updates to
-  land, then re-sends the whole layout from the kernel's state: `redraw()` (the view rebuilds
-  what it draws with Bokeh directly), then the layout's children are taken out and put back, so
-  Panel sends them as new models with their current values.
+* to each notebook output whose comm is open, what the document holds is pushed at once;
+* an output whose comm is still closed is marked stale, and a task on the kernel's loop waits
+  (at most `WAIT_S`) until that comm is open and `SETTLE_S` have passed for Panel's queued
+  updates to land, then re-sends the kernel's state to it: the current value of every set property of every
+  model of the output (a heatmap's whole `data`, the status text, a layout's `children`, ...),
+  as one patch. The models themselves stay, so the widgets the user touches keep their
+  identity (taking the children out and putting them back instead gave a slider whose later
+  moves never reached the kernel).
 
 A served page (`panel serve`, the /dashboard mount) has no comm: `changed()` does nothing there.
 """
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from typing import Any
 
+from bokeh.document.events import ModelChangedEvent
+from panel.io.model import diff
 from panel.io.notebook import push
 from panel.io.state import state
 
@@ -43,73 +47,84 @@ POLL_S = 0.2
 
 
 class BrowserSync:
-    """Keeps the browser's copy of one displayed layout (a Panel ListLike: Row, Column) in step."""
+    """Keeps the browser's copies of one displayed layout (a Panel ListLike: Row, Column) in
+    step; each notebook output showing it is handled on its own."""
 
-    def __init__(self, layout: Any, redraw: Callable[[], None] | None = None):
+    def __init__(self, layout: Any):
         self.layout = layout
-        self.redraw = redraw
-        self.resends = 0  #: how many times the layout was re-sent
-        self._stale_since: float | None = None
+        self.resends = 0  #: how many outputs were re-sent
+        self._stale: dict[str, float] = {}  # output (root ref) -> when it was first updated while closed
         self._task: asyncio.Task | None = None
 
-    def outputs(self) -> list[tuple[Any, Any]]:
-        """(document, comm) of each notebook output showing the layout."""
+    def outputs(self) -> list[tuple[str, Any, Any]]:
+        """(root ref, document, comm) of each notebook output showing the layout."""
         out = []
         for ref in list(self.layout._models):
             view = state._views.get(ref)
             if view is not None and view[3] is not None:
-                out.append((view[2], view[3]))
+                out.append((ref, view[2], view[3]))
         return out
 
     @property
     def stale(self) -> bool:
-        return self._stale_since is not None
+        """Some output was updated before its comm opened and is not re-sent yet."""
+        return bool(self._stale)
 
     def changed(self) -> None:
         """Call after an update of the view (on the kernel's loop thread)."""
-        outputs = self.outputs()
-        if not outputs:
-            return
-        if all(_is_open(comm) for _doc, comm in outputs):
-            for doc, comm in outputs:
+        now = time.monotonic()
+        for ref, doc, comm in self.outputs():
+            if _is_open(comm):
                 push(doc, comm)  # what Bokeh models changed directly goes now, before a browser message can drop it
-            if not self.stale:
-                return
-        elif not self.stale:
-            self._stale_since = time.monotonic()
-        if self._task is None or self._task.done():
+            else:
+                self._stale.setdefault(ref, now)
+        if self._stale and (self._task is None or self._task.done()):
             try:
                 self._task = asyncio.get_running_loop().create_task(self._wait_and_resend())
             except RuntimeError:  # no loop: nothing will wait; the next update on a loop will
                 pass
 
     async def _wait_and_resend(self) -> None:
-        open_since = None
-        while self.stale and time.monotonic() - self._stale_since < WAIT_S:
+        open_since: dict[str, float] = {}
+        while self._stale:
             await asyncio.sleep(POLL_S)
-            outputs = self.outputs()
-            if outputs and all(_is_open(comm) for _doc, comm in outputs):
-                open_since = open_since or time.monotonic()
-                if time.monotonic() - open_since >= SETTLE_S:
-                    self._stale_since = None
-                    self.resend()
-                    return
-            else:
-                open_since = None
-        self._stale_since = None
+            now = time.monotonic()
+            for ref, since in list(self._stale.items()):
+                view = state._views.get(ref)
+                if view is None or now - since > WAIT_S:  # gone, or never drawn (a headless kernel)
+                    del self._stale[ref]
+                elif _is_open(view[3]):
+                    if now - open_since.setdefault(ref, now) >= SETTLE_S:
+                        del self._stale[ref]
+                        self._resend(ref)
+                else:
+                    open_since.pop(ref, None)
 
     def resend(self) -> None:
-        """Send the whole layout again, from the kernel's state."""
-        if self.redraw is not None:
-            self.redraw()
-        children = list(self.layout.objects)
-        self.layout.objects = []
-        self.layout.objects = children
+        """Send the kernel's state to every open output again."""
+        for ref, _doc, comm in self.outputs():
+            if _is_open(comm):
+                self._resend(ref)
+
+    def _resend(self, ref: str) -> None:
+        """Every set property of every model under the output's root, as one patch."""
+        _viewable, root, doc, comm = state._views[ref]
+        events = [ModelChangedEvent(doc, model, attr, value) for model in root.references()
+                  for attr, value in model.properties_with_values(include_defaults=False).items()
+                  if _resendable(model, attr)]
+        msg = diff(doc, events=events)
+        if msg is not None:
+            push(doc, comm, msg=msg)
         self.resends += 1
 
 
 def _is_open(comm: Any) -> bool:
     return getattr(comm, "_comm", None) is not None
+
+
+def _resendable(model: Any, attr: str) -> bool:
+    prop = model.lookup(attr).property
+    return prop.serialized and not prop.readonly
 
 
 __all__ = ["POLL_S", "SETTLE_S", "WAIT_S", "BrowserSync"]

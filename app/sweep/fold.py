@@ -164,8 +164,11 @@ class SweepFold:
         hooks = list(ev.hooks or [ev.hook])
         meta = ev.model_dump(mode="json", exclude={"type", "layers", "positions", "metric"})
         meta.update(hooks=hooks, skipped=[])
-        shape = (len(ev.layers), len(ev.positions))
-        self.result = SweepResult(list(ev.layers), list(ev.positions), hooks, ev.metric,
+        # causalboard's axis keeps unaligned positions (NaN columns): `swept_positions` when sent
+        positions = list(ev.swept_positions or ev.positions)
+        meta["swept_positions"] = positions
+        shape = (len(ev.layers), len(positions))
+        self.result = SweepResult(list(ev.layers), positions, hooks, ev.metric,
                                   {h: np.full(shape, np.nan) for h in hooks}, meta)
         self.started_at = self.clock()
         self.server_cells_total = ev.cells_total

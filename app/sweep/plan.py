@@ -16,7 +16,7 @@ import numpy as np
 
 from engine_ext import Engine, GenerationParams
 from engine_ext.errors import SpecError
-from engine_ext.specs import InlineSource, Mask, MeanSource, Noise, Patch, RunSource, ZeroSource, mask_from_json
+from engine_ext.specs import InlineSource, Mask, MeanSource, Noise, Patch, RunSource, ZeroSource
 from engine_ext.sites import HOOKS, Site
 
 from app.sweep.alignment import UNALIGNED_REASON, Alignment, align_positions
@@ -50,12 +50,16 @@ class SweepCell:
 
 @dataclass
 class SourcePlan:
-    """Where patched values come from. kind: run | zeros | mean | vector."""
+    """Where patched values come from. kind: run | zeros | mean | vector (one registered vector
+    at every cell) | module (a steering module's vector at each cell's own site) | inline (a row
+    of the request's `patch_vectors`)."""
 
     kind: str
     run_id: str | None = None
     name: str | None = None
     vector: np.ndarray | None = None
+    #: kind module: (layer, hook) -> the module's both-phase vector there
+    site_vectors: dict[tuple[int, str], np.ndarray] | None = None
     #: the clean run must be captured first (under `run_id`)
     capture: bool = False
     #: sites (flat indices) the capture must hold
@@ -87,8 +91,14 @@ class SweepPlan:
     source: SourcePlan
     noise_positions: list[int] | None
     subject_positions: list[int] = field(default_factory=list)
-    #: the dimension mask of every cell's patch (None: every dimension)
+    #: the dimension mask of every cell's patch (None: every dimension): the fork's `mask`
     mask: Mask | None = None
+
+    @property
+    def run_positions(self) -> list[int]:
+        """The swept positions that are run (unaligned ones left out): the wire's `positions`."""
+        skipped = {s["position"] for s in self.skipped_positions}
+        return [p for p in self.positions if p not in skipped]
 
     @property
     def metric(self) -> str:
@@ -121,8 +131,10 @@ class SweepPlan:
             source = RunSource(src.run_id, (cell.source_position,))
         elif src.kind == "mean":
             source = MeanSource(src.run_id)
-        elif src.kind == "vector":
+        elif src.kind in ("vector", "inline"):
             source = InlineSource((src.vector,))
+        elif src.kind == "module":
+            source = InlineSource((src.site_vectors[(cell.layer, cell.hook)],))
         else:
             source = ZeroSource()
         return Patch(site, (cell.position,), source, self.request.alpha, self.mask)
@@ -144,12 +156,15 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
     info = engine.info
     if req.model is not None and req.model not in (info.model, info.model_path):
         raise PlanError(404, "model", f"'{req.model}' is not served here (serving '{info.model}')")
-    mask = mask_from_json(req.mask, "mask")
-    if mask is not None:
-        mask.values(info.hidden_size, "mask")  # bounds, with the field named
-    for name in ("patch_vectors", "source_inline"):
-        if getattr(req, name) is not None:
-            raise SpecError(name, "is not supported by causalboard (use source_module, a registered vector, or clean_prompt)")
+    if req.patch_vectors is not None and req.source_inline is None and not (isinstance(req.mask, dict) and "inline" in req.mask):
+        raise SpecError("patch_vectors", "is only used with source_inline or a mask's inline row")
+    given = [k for k in ("source_module", "source_inline") if getattr(req, k) is not None]
+    if len(given) > 1:
+        raise SpecError("source_inline", "set exactly one of source_module / source_inline")
+    if req.source_inline is not None:
+        for name in ("source_run", "clean_prompt", "noise"):
+            if getattr(req, name) is not None:
+                raise SpecError(name, "cannot be combined with source_inline (a vector-sourced sweep has no clean run)")
 
     if req.source_run is not None and not re.fullmatch(r"[\w.\-:]{1,100}", req.source_run):
         raise SpecError("source_run", "must be 1-100 characters of letters, digits, '_', '-', '.', ':'")
@@ -159,7 +174,7 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
         if h not in HOOKS:
             raise SpecError(f"{field_name}[{k}]" if req.hooks else "hook",
                             f"unknown hook {h!r}; expected one of {', '.join(HOOKS)}")
-    hooks = [h for h in HOOKS if h in hooks]  # canonical order: the forward's (engine_ext.sites.HOOKS)
+    hooks = list(dict.fromkeys(hooks))  # the request's order (the fork's): `grid` is the first hook's
 
     layers = _layers(req.layers, info.num_layers)
 
@@ -199,8 +214,10 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
             raise SpecError("clean_prompt", exc.message) from None
 
     run_sites = tuple(sorted({Site(l, h).index() for l in layers for h in (HOOKS if req.keep_source else hooks)}))
-    if req.source_module is not None:
-        source = _module_source(engine, req, clean_ids, source_exists, run_sites)
+    if req.source_inline is not None:
+        source = _inline_source(engine, req)
+    elif req.source_module is not None:
+        source = _module_source(engine, req, clean_ids, source_exists, run_sites, layers, hooks)
     elif req.source_run is not None and source_exists.get(req.source_run) is not None:
         stored = source_exists[req.source_run]
         missing = [str(Site(l, h)) for l in layers for h in hooks if Site(l, h).index() not in stored["sites"]]
@@ -225,8 +242,18 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
     else:
         raise SpecError("clean_prompt", "a source is required: clean_prompt, source_run, source_module or noise")
 
-    if req.metric == "recovered" and clean_ids is None and req.clean_baseline is None:
+    if req.metric == "recovered" and clean_ids is None and req.clean_baseline is None and source.kind != "run":
+        # an ablation has no clean run to normalise by (the fork refuses this too); a stored run
+        # without a clean value is answered with the raw basis grid (see SweepService._prepare)
         raise SpecError("clean_baseline", "metric 'recovered' needs the clean value: give clean_prompt or clean_baseline")
+
+    mask = None
+    if req.mask is not None:  # the fork's {"indices"} or {"inline": row of patch_vectors}, on every cell
+        from app.api.compat.fork_vectors import parse_patch_vectors
+        from app.api.compat.masks import fork_mask
+
+        table = parse_patch_vectors(req.patch_vectors, "patch_vectors", hidden=info.hidden_size)
+        mask = fork_mask(req.mask, "mask", table=table, hidden=info.hidden_size)
 
     # ---- alignment and cells ----------------------------------------------------------------
     alignment = None
@@ -315,8 +342,23 @@ def _single_token(engine: Engine, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
+def _inline_source(engine: Engine, req: PatchSweepRequest) -> SourcePlan:
+    """The fork's `source_inline`: row `source_inline` of the packed `patch_vectors` table,
+    patched into every cell."""
+    from app.api.compat.fork_vectors import parse_patch_vectors
+
+    if req.patch_vectors is None:
+        raise SpecError("patch_vectors", "is required with source_inline (the table it indexes)")
+    table = parse_patch_vectors(req.patch_vectors, "patch_vectors", hidden=engine.info.hidden_size)
+    row = req.source_inline
+    if not 0 <= row < table.shape[0]:
+        raise SpecError("source_inline", f"row {row} is outside patch_vectors ({table.shape[0]} rows)")
+    return SourcePlan("inline", name=f"patch_vectors[{row}]", vector=np.asarray(table[row], dtype=np.float32))
+
+
 def _module_source(engine: Engine, req: PatchSweepRequest, clean_ids: list[int] | None,
-                   source_exists: dict[str, dict | None], run_sites: tuple[int, ...]) -> SourcePlan:
+                   source_exists: dict[str, dict | None], run_sites: tuple[int, ...],
+                   layers: list[int], hooks: list[str]) -> SourcePlan:
     name = req.source_module
     if name in ("zeros", "zero"):
         return SourcePlan("zeros", name="zeros")
@@ -327,9 +369,28 @@ def _module_source(engine: Engine, req: PatchSweepRequest, clean_ids: list[int] 
             raise SpecError("source_module", "'mean' needs the run to average: give clean_prompt or a stored source_run")
         _check_budget(engine, len(run_sites) * len(clean_ids), "clean_prompt")
         return SourcePlan("mean", req.source_run or f"sweep-{uuid.uuid4().hex[:12]}", name="mean", capture=True, capture_sites=run_sites)
+    from app.api.compat import steering_modules
+
+    if name in steering_modules.modules(engine):
+        # the fork's semantics: each cell is patched with the module's (both-phase) vector at the
+        # cell's own (hook, layer). A cell whose site the module lacks would run unpatched in the
+        # fork (then be voided); here the sweep is refused up front, naming the sites.
+        site_vectors, missing = {}, []
+        for h in hooks:
+            for layer in layers:
+                vec = engine.named_vector(steering_modules.vector_name(name, "both", Site(layer, h)))
+                if vec is None:
+                    missing.append(str(Site(layer, h)))
+                else:
+                    site_vectors[(layer, h)] = vec
+        if missing:
+            raise SpecError("source_module", f"steering module {name!r} has no vector at {', '.join(missing[:6])}"
+                                             + (" …" if len(missing) > 6 else "") + "; sweep only the sites it covers")
+        return SourcePlan("module", name=name, site_vectors=site_vectors)
     vector = engine.named_vector(name)  # a float32 copy, or None
     if vector is None:
-        raise PlanError(404, "source_module", f"no registered vector named {name!r} (built in: 'zeros', 'mean')")
+        raise PlanError(404, "source_module", f"no steering module or registered vector named {name!r} "
+                                              "(built in: 'zeros', 'mean')")
     return SourcePlan("vector", name=name, vector=vector)
 
 

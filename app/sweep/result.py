@@ -46,13 +46,18 @@ class SweepResult:
         if isinstance(summary, SweepSummary):
             summary = summary.model_dump(mode="json", exclude={"type"})
         layers = [int(x) for x in summary["layers"]]
-        positions = [int(x) for x in summary["positions"]]
+        run_positions = [int(x) for x in summary["positions"]]
+        # the column axis: every swept position (unaligned ones included, as NaN columns) when the
+        # summary lists them (`swept_positions`), else the wire's `positions`
+        positions = [int(x) for x in summary.get("swept_positions") or run_positions]
         if summary.get("hook_grids"):
             pairs = [(g["hook"], g["grid"]) for g in summary["hook_grids"]]
         else:
             pairs = [(summary["hook"], summary["grid"])]
-        grids = {h: _to_array(g, len(layers), len(positions)) for h, g in pairs}
+        cols = [positions.index(p) for p in run_positions] if positions != run_positions else None
+        grids = {h: _to_array(g, len(layers), len(positions), cols) for h, g in pairs}
         meta = {k: v for k, v in summary.items() if k not in _GRID_KEYS and k not in ("type", "layers", "positions", "metric")}
+        meta["swept_positions"] = positions
         meta.setdefault("hooks", [h for h, _ in pairs])
         return cls(layers, positions, [h for h, _ in pairs], summary.get("metric", "logprob"), grids, meta)
 
@@ -108,7 +113,8 @@ class SweepResult:
     def to_summary(self) -> dict:
         """The summary as JSON data (`SweepSummary`'s fields); `from_summary(to_summary())` round-trips."""
         out = dict(self.meta)
-        out.update(layers=list(self.layers), positions=list(self.positions), metric=self.metric, hooks=list(self.hooks))
+        out.update(layers=list(self.layers), positions=list(self.positions), swept_positions=list(self.positions),
+                   metric=self.metric, hooks=list(self.hooks))
         hook_grids = []
         for h in self.hooks:
             grid = _to_lists(self.grids[h])
@@ -138,12 +144,14 @@ class SweepResult:
         return cls.from_summary(json.loads(path.read_text()))
 
 
-def _to_array(grid: list[list[float | None]], n_layers: int, n_positions: int) -> np.ndarray:
+def _to_array(grid: list[list[float | None]], n_layers: int, n_positions: int, cols: list[int] | None = None) -> np.ndarray:
+    """The grid as a float array; `cols[j]` is the array column of the grid's column j (None:
+    the same)."""
     arr = np.full((n_layers, n_positions), np.nan)
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
             if v is not None:
-                arr[i, j] = float(v)
+                arr[i, j if cols is None else cols[j]] = float(v)
     return arr
 
 

@@ -5,9 +5,7 @@ state (`SweepStatus`) and the stream's events (`SweepEvent`, one model per `type
 Request field names and meanings are the reference fork's (`PatchSweepRequest`), so its clients
 work unchanged; causalboard's extensions (`prob`, `recovered_basis`, `noise`, `subject`,
 `max_concurrency`, `noise_floor_samples`) are optional. Hooks are `engine_ext.sites.HOOKS` (the
-fork's five: `pre_attn`, `post_attn`, `mlp_in`, `mlp_out`, `post_block`). Fork fields causalboard
-cannot honour yet (`patch_vectors`/`source_inline`) are accepted by the schema only to be
-refused with a 400 naming them — never silently ignored.
+fork's five: `pre_attn`, `post_attn`, `mlp_in`, `mlp_out`, `post_block`).
 
 Response models are exact (`extra="forbid"`): the server builds its summary and events from them,
 so it cannot send a key they do not declare. Their fields' descriptions are the API's
@@ -61,17 +59,18 @@ class PatchSweepRequest(StrictModel):
     clean_prompt: str | None = Field(None, min_length=1, max_length=MAX_PROMPT_CHARS,
                                      description="Clean prompt: captured automatically when `source_run` is absent or not stored; drives alignment.")
     source_run: str | None = Field(None, min_length=1, max_length=200, description="Id of a stored clean run to patch from.")
-    source_module: str | None = Field(None, description='Ablation source instead of a clean run: "zeros", "mean" (mean of the clean run over positions) or a registered vector name.')
-    source_inline: int | None = Field(None, description="Not supported (fork: row of patch_vectors).")
-    patch_vectors: dict | None = Field(None, description="Not supported (fork: packed vectors for source_inline).")
+    source_module: str | None = Field(None, description='Ablation source instead of a clean run: "zeros", "mean" (mean of the clean run over positions), a steering module (its vector at each cell\'s own hook and layer) or a registered vector name.')
+    source_inline: int | None = Field(None, ge=0, description="Ablation source: this row of `patch_vectors`, patched into every cell.")
+    patch_vectors: dict | None = Field(None, description="Packed table {dtype, shape: [n_rows, hidden], data: base64} that `source_inline` (or a mask's `inline`) indexes.")
     mask: dict | list | None = Field(None, description='Partial-dimension patches: only these dimensions of each cell take the source value, '
-                                                      '(1 - alpha m) h + alpha m t. {"indices": [dims]} (the fork\'s form), a list of '
-                                                      'dimension indices, a list of booleans (one per dimension) or {"weights": [values in [0, 1]]}.')
+                                                      '(1 - alpha m) h + alpha m t. {"indices": [dims]} (the fork\'s form), {"inline": row of '
+                                                      'patch_vectors} (the fork\'s graded form), a list of dimension indices, a list of booleans '
+                                                      '(one per dimension) or {"weights": [values in [0, 1]]}.')
     hook: str = Field("post_block", description="Hook of every cell: " + ", ".join(HOOKS) + ".")
-    hooks: list[str] | None = Field(None, min_length=1, description="Several hooks: one grid per hook (wins over `hook`).")
+    hooks: list[str] | None = Field(None, min_length=1, description="Several hooks (or one): one grid per hook in `hook_grids`, in this order (wins over `hook`).")
     layers: list[int] | LayerRange | None = Field(None, description="Layer list or {start, stop, step} (range semantics); default all layers.")
     positions: Literal["all_prompt"] | list[int | SpanSpec] = Field("all_prompt", description='"all_prompt", token indices, {"span", "occurrence"} or a mix.')
-    alpha: float = Field(1.0, ge=0.0, le=1.0, description="(1 - alpha) * h + alpha * source; 1 = replace (exact).")
+    alpha: float = Field(1.0, allow_inf_nan=False, description="(1 - alpha) * h + alpha * source; 1 = replace (exact); any finite value (beyond [0, 1]: extrapolation).")
     answer_token: str | None = Field(None, description="The answer as text; must be exactly one token.")
     answer_token_id: int | None = Field(None, ge=0)
     foil_token: str | None = None
@@ -200,10 +199,11 @@ class SweepSource(_Wire):
 
     _omit_none = frozenset({"run_id", "name"})
 
-    kind: Literal["run", "zeros", "vector", "inline", "mean"] = Field(
-        description="`run`: a clean run; `mean`: its mean over positions; `zeros`; `vector`: a registered vector.")
+    kind: Literal["run", "zeros", "vector", "inline", "mean", "module"] = Field(
+        description="`run`: a clean run; `mean`: its mean over positions; `zeros`; `vector`: a registered vector; "
+                    "`module`: a steering module's vector at each cell's site; `inline`: a row of `patch_vectors`.")
     run_id: str | None = Field(None, description="The stored run (kinds run and mean); absent otherwise.")
-    name: str | None = Field(None, description="The module or vector name (kinds zeros, mean, vector); absent otherwise.")
+    name: str | None = Field(None, description="The module or vector name (kinds zeros, mean, vector, module, inline); absent otherwise.")
 
 
 class SweepNoise(_Wire):
@@ -254,11 +254,16 @@ class SweepSetup(_Wire):
     """What a sweep is, known before its first cell: the `start` event, and the summary's first
     fields. Fields of the reference fork's response keep its names and meanings."""
 
+    _omit_none = frozenset({"mask"})
+
     sweep_id: str = Field(description="Id of the sweep (GET/DELETE /v1/patch_sweep/{sweep_id}).")
     layers: list[int] = Field(description="Row axis: the swept layers.")
-    positions: list[int] = Field(description="Column axis: the swept token positions of the corrupt prompt.")
+    positions: list[int] = Field(description="Column axis: the swept token positions of the corrupt prompt that were run "
+                                             "(unaligned ones left out, as in the fork).")
+    swept_positions: list[int] | None = Field(None, description="Every requested position, unaligned ones included "
+                                                                "(causalboard's full axis: their columns have no value).")
     hook: str = Field(description="The first hook (`grid` is its grid).")
-    hooks: list[str] | None = Field(None, description="Every swept hook, in canonical order (" + ", ".join(HOOKS) + ").")
+    hooks: list[str] | None = Field(None, description="Every swept hook, in the request's order (`hook` is the first).")
     metric: Metric = Field(description="Unit of the values. Differs from `metric_requested` when `recovered` is undefined (see `notes`).")
     metric_requested: Metric | None = Field(None, description="The metric the request asked for.")
     recovered_basis: Basis | None = Field(None, description="Quantity `recovered` normalises; null for other metrics.")
@@ -281,6 +286,7 @@ class SweepSetup(_Wire):
     foil_token: str | None = Field(None, description="Display string of the foil token, or null.")
     alpha: float | None = Field(None, description="Patch strength: (1 - alpha) * h + alpha * source.")
     source: SweepSource | None = Field(None, description="Where the patched values come from.")
+    mask: dict | None = Field(None, description='The dimension mask of every cell\'s patch ({"indices": [...]} or {"weights": base64 float32}); absent without one.')
     subject_positions: list[int] = Field(default_factory=list, description="Positions of `subject` (or the noise span), marked in figures.")
     noise: SweepNoise | None = Field(None, description="Noise corruption of the prompt, or null.")
 

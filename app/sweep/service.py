@@ -235,7 +235,13 @@ class SweepService:
         base.corrupt_solo0 = solo[0]
         base.corrupt = sum(solo) / len(solo)
         base.metric = plan.metric
-        if plan.metric == "recovered" and abs(base.clean - base.corrupt) < RECOVERED_EPS:
+        if plan.metric == "recovered" and base.clean is None:
+            # a stored run and no clean value: the raw grid, as the fork returns it — but labelled
+            # with its real unit (the fork would call raw values `recovered`)
+            base.metric = plan.basis
+            base.notes.append(f"recovered needs the clean baseline (give clean_prompt or clean_baseline); "
+                              f"values are raw {plan.basis}")
+        elif plan.metric == "recovered" and abs(base.clean - base.corrupt) < RECOVERED_EPS:
             base.metric = plan.basis
             base.notes.append(f"recovered is undefined: the clean and corrupt baselines are equal ({plan.basis} "
                               f"{base.clean:.6g} vs {base.corrupt:.6g}); values are raw {plan.basis}")
@@ -414,7 +420,8 @@ class SweepService:
         """What the sweep is, once its baselines are known: the `start` event's fields."""
         eng, req, src, a = self.engine, plan.request, plan.source, plan.alignment
         return SweepSetup(
-            sweep_id=plan.sweep_id, layers=plan.layers, positions=plan.positions, hook=plan.hooks[0], hooks=plan.hooks,
+            sweep_id=plan.sweep_id, layers=plan.layers, positions=plan.run_positions, swept_positions=plan.positions,
+            hook=plan.hooks[0], hooks=plan.hooks,
             metric=base.metric, metric_requested=plan.metric,
             recovered_basis=req.recovered_basis if plan.metric == "recovered" else None,
             auto_captured=base.auto_captured, captured_source_run=src.run_id if base.auto_captured else None,
@@ -427,6 +434,7 @@ class SweepService:
             answer_token_id=plan.answer_id, answer_token=eng.token_strings([plan.answer_id])[0],
             foil_token_id=plan.foil_id, foil_token=eng.token_strings([plan.foil_id])[0] if plan.foil_id is not None else None,
             alpha=req.alpha, source=SweepSource(**src.to_json()), subject_positions=plan.subject_positions,
+            mask=plan.mask.to_json() if plan.mask is not None else None,
             noise=(SweepNoise(positions=plan.noise_positions, scale=req.noise.scale, seed=req.noise.seed,
                               samples=req.noise.samples) if req.noise else None),
         )
@@ -439,11 +447,12 @@ class SweepService:
         threshold = max(floor, MIN_EFFECT) if floor is not None else None
         corrupt_metric = 0.0 if base.metric == "recovered" else base.corrupt
         hook_grids, within = [], []
+        cols = plan.run_positions  # the fork's axis: unaligned positions left out
         for hook in plan.hooks:
-            grid = [[run.values.get((hook, l, p)) for p in plan.positions] for l in plan.layers]
-            hook_grids.append(HookGrid(hook=hook, grid=grid, argmax=argmax_cell(grid, plan.layers, plan.positions)))
+            grid = [[run.values.get((hook, l, p)) for p in cols] for l in plan.layers]
+            hook_grids.append(HookGrid(hook=hook, grid=grid, argmax=argmax_cell(grid, plan.layers, cols)))
             if threshold is not None:
-                within += [CellRef(hook=hook, layer=l, position=p) for l in plan.layers for p in plan.positions
+                within += [CellRef(hook=hook, layer=l, position=p) for l in plan.layers for p in cols
                            if run.values.get((hook, l, p)) is not None and abs(run.values[(hook, l, p)] - corrupt_metric) <= threshold]
         voided = [VoidedCell(hook=h, layer=l, position=p, reason=e) for (h, l, p), e in run.errors.items()]
         notes = list(base.notes)
@@ -451,7 +460,7 @@ class SweepService:
             notes.append(f"cancelled after {len(run.values)} of {len(plan.cells)} cells")
         return SweepSummary(
             **dict(run.setup),
-            grid=hook_grids[0].grid, argmax=hook_grids[0].argmax, hook_grids=hook_grids if len(hook_grids) > 1 else None,
+            grid=hook_grids[0].grid, argmax=hook_grids[0].argmax, hook_grids=hook_grids if plan.request.hooks is not None else None,
             skipped=list(plan.skipped_positions) + voided,
             noise_floor=floor, noise_floor_detail=nf, within_noise=within, within_noise_threshold=threshold,
             source_kept=base.auto_captured and plan.request.keep_source and not cancelled,

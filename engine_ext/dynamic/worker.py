@@ -15,9 +15,10 @@ Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
   already has: graph-safe, no eager forcing).
 
 After the forward (`after_forward`): the monitored rows are read from the capture buffer on the
-device, each probe's `W @ s + b` is computed there, and only those score floats come to the host
-(one copy per step). The policies decide (`policy.PolicyState.decide`) and the scales for
-position `p + 1` are recorded in `decided`: the next step applies them, exactly. Positions
+device, each probe's `W @ s + b` is computed there, and only those score floats are copied to the
+host (one non-blocking copy per step). At the start of the next step's planning
+(`decide_pending`, which waits for that copy) the policies decide (`policy.PolicyState.decide`)
+and the scales for position `p + 1` are recorded in `decided`: that step applies them, exactly. Positions
 recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
 
 Every tensor-parallel rank holds the same registrations, sees the same post-all-reduce stream and
@@ -105,6 +106,8 @@ class DynamicWorker:
         #: slots the dynamic actions of the previous step hold (released after this step's acquire)
         self._held: list[int] = []
         self._monitors: list[tuple[DynRequest, int, int, int]] = []  # (request, position, site index, capture row)
+        #: scores of the last step not yet decided on: (work, host scores, copy event or None)
+        self._pending: tuple | None = None
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
@@ -146,9 +149,11 @@ class DynamicWorker:
         self.requests[req_id] = dr
 
     def finish(self, req_id: str) -> None:
+        self.decide_pending()
         self.requests.pop(req_id, None)
 
     def result(self, req_id: str) -> dict | None:
+        self.decide_pending()
         dr = self.requests.get(req_id)
         if dr is None:
             return None
@@ -158,6 +163,7 @@ class DynamicWorker:
     # ---- per step ---------------------------------------------------------------------------
     def idle(self) -> None:
         """No dynamic request left: release the slots the last dynamic step held."""
+        self.decide_pending()
         if self._held:
             held, self._held = self._held, []
             self.st.slots.release(held)
@@ -166,6 +172,7 @@ class DynamicWorker:
     def plan_rows(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
         """Write this step's dynamic actions and monitor rows (see the module docstring).
         Returns (max row written + 1, capture rows used, checksum actions)."""
+        self.decide_pending()  # the previous step's decisions apply from this step
         held_before, self._held = self._held, []
         self._monitors = []
         max_row = 0
@@ -239,7 +246,10 @@ class DynamicWorker:
                     c = None if base_val is None or base_val.c is None else base_val.c.astype(np.float32)
                     for v, _ in parts:
                         c = v.copy() if c is None else c + v
-                    return SlotValue(SlotMode.AFFINE, a=1.0 if base_val is None else base_val.a, c=c)
+                    if base_val is None:
+                        return SlotValue(SlotMode.AFFINE, a=1.0, c=c)
+                    # keep the base's per-dimension a (a dimension-masked patch) with its content key
+                    return SlotValue(SlotMode.AFFINE, a=base_val.a, c=c, a_vec=base_val.a_vec, a_key=base_val.a_key)
 
                 acquired.append((site, slots.acquire(key, make)))
                 desc.append(f"{site}:{','.join(f'{c:08x}' for _, c in parts)}")
@@ -256,9 +266,14 @@ class DynamicWorker:
         return zlib.crc32("|".join(desc).encode())
 
     def after_forward(self) -> None:
-        """Score the monitored rows on the device, bring the scores to the host, decide."""
+        """Score the monitored rows on the device and start copying the scores to the host. The
+        copy is not waited for here: the decisions are taken when they are first needed
+        (`decide_pending`: at the start of the next step's planning, or before a result or the
+        status is read), so on a GPU the host keeps running ahead of the forward until the next
+        step's plan needs them."""
         if not self._monitors:
             return
+        self.decide_pending()
         monitors, self._monitors = self._monitors, []
         b = self.st.buffers
         idx = torch.tensor([m[3] for m in monitors], dtype=torch.long, device="cpu").to(b.device)
@@ -283,25 +298,50 @@ class DynamicWorker:
             for r_i, j in enumerate(rows):
                 layout[(name, j)] = offset + r_i * pr.spec.size
             offset += len(rows) * pr.spec.size
-        flat = torch.cat(blocks).cpu().tolist() if blocks else []  # the step's one small device-to-host copy
+        # per monitored request: the flat index of each policy's score (None: its probe is gone)
+        work: list[tuple[DynRequest, int, list[int | None]]] = []
         done: set[int] = set()
         for dr, pos, _, _ in monitors:
             if id(dr) in done:
                 continue
             done.add(id(dr))
-            dr.last_scored = pos
-            applied = dr.decided.get(pos)
-            nxt = []
-            for k, (pol, state) in enumerate(zip(dr.policies, dr.states)):
+            picks: list[int | None] = []
+            for pol in dr.policies:
                 pr = self.probes.get(pol.spec.probe)
                 j = row_of.get((id(dr), pr.spec.site.index())) if pr is not None else None
-                if j is None:
+                picks.append(None if j is None else layout[(pr.spec.name, j)] + pol.spec.component)
+            work.append((dr, pos, picks))
+        flat = torch.cat(blocks) if blocks else torch.zeros(0, device=b.device)
+        if b.device.type == "cuda":  # the step's one small device-to-host copy, not waited for
+            host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (work, host, event)
+        else:  # CPU: the scores are computed already; the decisions are still taken when needed (same path)
+            self._pending = (work, flat, None)
+
+    def decide_pending(self) -> None:
+        """Take the decisions of the last scored step (waits for its scores' copy)."""
+        if self._pending is None:
+            return
+        work, host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        flat = host.tolist()
+        for dr, pos, picks in work:
+            dr.last_scored = max(dr.last_scored, pos)
+            applied = dr.decided.get(pos)
+            nxt = []
+            for k, (pol, state, pick) in enumerate(zip(dr.policies, dr.states, picks)):
+                if pick is None:
                     msg = f"dynamic policy {k}: probe {pol.spec.probe!r} was deleted while the request ran"
-                    if pr is None and msg not in dr.errors:
+                    if msg not in dr.errors:
                         dr.errors.append(msg)
                     nxt.append(state.current_scale())
                     continue
-                score = flat[layout[(pr.spec.name, j)] + pol.spec.component]
+                score = flat[pick]
                 threshold = state.threshold()
                 scale_here = applied[k] if applied is not None else 0.0
                 new = state.decide(score)
@@ -320,6 +360,7 @@ class DynamicWorker:
 
     # ---- status -----------------------------------------------------------------------------
     def status(self) -> dict:
+        self.decide_pending()
         return {"probes": sorted(self.probes), "requests": len(self.requests),
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
                 "latched_conversations": len(self.latches), "dynamic_actions": self.actions,

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import platform
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -81,6 +82,8 @@ class Engine(DynamicControl):
         self._init_dynamic()
         #: a hybrid (recurrent-state) architecture: served with the state-hygiene guard
         self.is_hybrid = False
+        #: thread that holds the engine exclusively (the state check); others' requests are refused
+        self._exclusive_owner: int | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -98,10 +101,19 @@ class Engine(DynamicControl):
             raise SpecError("model", f"architecture {arch} is not supported (supported: {', '.join(seam.SUPPORTED_ARCHITECTURES)}); "
                                      "causalboard refuses to serve a model it cannot intervene on")
         self.is_hybrid = arch in seam.HYBRID_ARCHITECTURES
+        missing = seam.unavailable_architecture(arch)
+        if missing:
+            raise SpecError("model", f"architecture {arch} cannot be served in this environment: {missing}; hybrids need "
+                                     "compressed-tensors and loguru (requirements/cpu.txt; GPU bundle: BUNDLE_MOE=1)")
         if self.is_hybrid:
-            from engine_ext.engine.hybrid import check_hybrid_config
+            from engine_ext.engine.hybrid import check_hybrid_config, hybrid_dtype
 
             check_hybrid_config(self.config)
+            self.dtype = hybrid_dtype(self.device, self.config.dtype, self.dtype)
+            if self.config.batch_invariant:
+                raise SpecError("batch_invariant", "vLLM 0.25.1's batch-invariant mode does not support the gated "
+                                                   "delta-net attention (GDN_ATTN) of hybrid models")
+            self.batch_invariant = False  # the CUDA default (on) does not apply to hybrids
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         t0 = time.perf_counter()
         self._loop = EngineLoop(self._build_vllm_engine)
@@ -211,6 +223,10 @@ class Engine(DynamicControl):
             from engine_ext.engine.hybrid import hybrid_engine_kwargs
 
             kwargs.update(hybrid_engine_kwargs(self.device))
+            if self.device == "cuda":
+                # vLLM's default gated delta-net prefill on Hopper is FlashInfer's (JIT-built, not in
+                # the GPU bundle); its Triton kernels are the portable choice
+                kwargs["additional_config"]["gdn_prefill_backend"] = "triton"
         kwargs.update(self.config.engine_kwargs)
         multiprocess = bool(self.config.multiprocess) or self.world_size > 1
         saved = {k: os.environ.get(k) for k in env}
@@ -367,6 +383,11 @@ class Engine(DynamicControl):
         request (FINAL_ONLY, no per-step output objects)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+        owner = self._exclusive_owner
+        if owner is not None and owner != threading.get_ident():
+            raise SpecError("engine", "a recurrent-state check is running on this engine (it switches the state "
+                                      "handling of every request); retry when it has finished")
+
         params.validate()
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -391,6 +412,7 @@ class Engine(DynamicControl):
                 f"model's context of {limit} tokens",
             )
         prep = Prepared(text, ids, None)
+        prep.cache_salt = params.cache_salt
         extra_args = None
         score_ids: list[int] | None = None
         skip_cache_read = False
@@ -416,7 +438,7 @@ class Engine(DynamicControl):
                 extra_args[DYNAMIC_ARGS_KEY] = canonical_json(dyn_wire)
             if spec.capture is not None and program["capture"]["pos"][:-1]:
                 skip_cache_read = True  # cached prompt positions would not be recomputed/captured
-        if fresh and prep.cache_salt is None:
+        if fresh:  # never reuse cached blocks (a user's cache_salt included)
             prep.cache_salt = f"cb-fresh-{self._new_id()}"
         prep.sampling = SamplingParams(
             max_tokens=params.max_tokens,

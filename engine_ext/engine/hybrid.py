@@ -16,6 +16,9 @@ This module
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,8 +51,7 @@ ARM_MEANING: dict[str, str] = {
                          "the unchanged outputs of the zeroed arms are the guard's doing, not an unread slot",
 }
 
-#: default probes: token-id prompts (a 1-token prompt first: the case the mask misses)
-DEFAULT_PROBE_TOKENS = 1
+_EXCLUSIVE_LOCK = threading.Lock()
 
 
 def hybrid_engine_kwargs(device: str) -> dict[str, Any]:
@@ -59,6 +61,20 @@ def hybrid_engine_kwargs(device: str) -> dict[str, Any]:
         # the CPU gated delta-net kernels keep the SSM state in float32 ("Input tensor dtype mismatch" otherwise)
         kwargs["mamba_ssm_cache_dtype"] = "float32"
     return kwargs
+
+
+def hybrid_dtype(device: str, requested: str | None, default: str) -> str:
+    """The dtype a hybrid is served in: on CPU vLLM 0.25.1's gated delta-net kernels
+    (`causal_conv1d_fwd_kernel_impl`) exist for bfloat16 only, so the CPU default (float32) becomes
+    bfloat16 and an explicit float32 is refused."""
+    if device != "cpu":
+        return requested or default
+    if requested in (None, "auto"):
+        return "bfloat16"
+    if requested in ("float32", "float", "fp32"):
+        raise SpecError("dtype", "vLLM 0.25.1's CPU kernels for hybrid (gated delta-net) layers run in bfloat16 only "
+                                 "(causal_conv1d_fwd_kernel_impl is not implemented for float32); use dtype='bfloat16'")
+    return requested
 
 
 def check_hybrid_config(config: Any) -> None:
@@ -73,6 +89,11 @@ def check_hybrid_config(config: Any) -> None:
                                          "(every request computes its recurrent state from position 0)")
     if kw.get("speculative_config"):
         raise SpecError("engine_kwargs", "speculative_config: speculative decoding on hybrids is not supported by causalboard")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true", "yes"):
+        # vLLM 0.25.1 serves hybrids with the V1 runner by default; the zero-on-realloc guard is a
+        # V1 patch (seam `_wrap_v1_update_states`)
+        raise SpecError("VLLM_USE_V2_MODEL_RUNNER", "the V2 model runner is not supported for hybrid models "
+                                                    "(the recurrent-state guard patches the V1 runner); unset it")
 
 
 def default_probes(engine: Any) -> list[list[int]]:
@@ -100,18 +121,18 @@ def _dirty(engine: Any, fillers: Sequence[Sequence[int]], max_tokens: int) -> No
 
 def run_state_check(engine: Any, probes: Sequence[Sequence[int]] | None = None, *, max_tokens: int = 4,
                     sentinel_std: float = 1.0, seed: int = 0) -> dict:
-    """The sentinel 4-arm check on a served hybrid. The engine must be otherwise idle: the arms
-    switch the worker's hygiene mode for every request while they run (restored afterwards).
+    """The sentinel 4-arm check on a served hybrid. The arms switch the worker's hygiene mode for
+    every request while they run (restored afterwards), so the check holds the engine: requests
+    already admitted get 5 s to finish, and other threads' new requests are refused (`SpecError`
+    on `engine`) until it ends.
 
-    Baseline: each probe on clean slots (guard on), with other requests run before it. Per arm:
-    the same requests; a probe *changed* when its greedy tokens or any logprob differ from the
-    baseline; the marker is the guard's zero count (and the sentinel's fill count) in that arm."""
+    Baseline: each probe with the guard on. Per arm: filler requests (so the probe's slot had a
+    previous owner), then the probe; a probe *changed* when its greedy tokens or any logprob
+    differ from the baseline; the marker is the guard's zero count (and the sentinel's fill
+    count) in that arm."""
     if not getattr(engine, "is_hybrid", False):
         raise SpecError("model", f"{engine.info.architecture} keeps no recurrent state; the state check applies to hybrid "
                                  "models only")
-    if engine.in_flight:
-        raise SpecError("engine", f"{engine.in_flight} request(s) in flight: the state check switches the hygiene mode of "
-                                  "every request and needs an idle engine")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 64:
         raise SpecError("max_tokens", f"must be an integer in [1, 64], got {max_tokens!r}")
     if not sentinel_std > 0:
@@ -127,6 +148,32 @@ def run_state_check(engine: Any, probes: Sequence[Sequence[int]] | None = None, 
     def rpc(**kw: Any) -> dict:
         return engine._rpc("cb_state_hygiene", kw)[0]
 
+    with _exclusive(engine):
+        return _run_arms(engine, probes, fillers, rpc, max_tokens=max_tokens, sentinel_std=sentinel_std, seed=seed)
+
+
+@contextlib.contextmanager
+def _exclusive(engine: Any, wait_s: float = 5.0):
+    """Hold the engine for this thread: other threads' new requests are refused meanwhile, and the
+    requests already admitted get `wait_s` to finish (else the check is refused)."""
+    with _EXCLUSIVE_LOCK:
+        if engine._exclusive_owner is not None:
+            raise SpecError("engine", "a state check is already running on this engine")
+        engine._exclusive_owner = threading.get_ident()
+    try:
+        deadline = time.monotonic() + wait_s
+        while engine.in_flight:
+            if time.monotonic() > deadline:
+                raise SpecError("engine", f"{engine.in_flight} request(s) in flight: the state check switches the hygiene "
+                                          "mode of every request and needs an idle engine")
+            time.sleep(0.02)
+        yield
+    finally:
+        engine._exclusive_owner = None
+
+
+def _run_arms(engine: Any, probes: list[list[int]], fillers: list[list[int]], rpc: Any, *, max_tokens: int,
+              sentinel_std: float, seed: int) -> dict:
     previous = rpc()
     t0 = time.perf_counter()
     arms = []

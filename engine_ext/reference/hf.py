@@ -511,9 +511,10 @@ class HFReference:
 
         def mlp_out_hook(i: int):
             def hook(_mod, _args, output):
-                h = output.clone()
+                out = output[0] if isinstance(output, tuple) else output  # MoE blocks may add router logits
+                h = out.clone()
                 visit((i, "mlp_out"), h)
-                return h
+                return (h, *output[1:]) if isinstance(output, tuple) else h
             return hook
 
         def post_block_hook(i: int):

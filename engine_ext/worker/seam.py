@@ -39,8 +39,8 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
 * V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
   `query_start_loc_np`, `num_computed_tokens_np`).
 * `Qwen3NextDecoderLayer.__init__` / `.forward` (hybrid: gated delta-net "linear_attention" and
-  "full_attention" layers): the same three sites around the token mixer, whichever it is
-  (`_qwen3_next_site_forward`; forward sha checked like the others).
+  "full_attention" layers): the same five sites, around the token mixer whichever it is and
+  around its (MoE or dense) MLP (`_qwen3_next_site_forward`; forward sha checked like the others).
 * V1 `GPUModelRunner._update_states` (also the CPU runner's), before it: **zero-on-realloc** of
   recurrent state — every conv/ssm state row of the Mamba-group blocks of each request that starts
   from position 0 (new, or resumed after preemption) is zeroed (`state_hygiene.on_update_states`).
@@ -110,6 +110,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 #: hybrid architectures (recurrent-state layers besides attention): served with the state-hygiene
 #: guard (`state_hygiene.py`) and without prefix caching (docs/hybrid-models.md)
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+#: architectures whose vLLM module is patched only where it imports (`unavailable_architecture`)
+OPTIONAL_ARCHITECTURE_MODULES = {"Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next"}
 
 #: Every vLLM symbol this module patches or wraps (see the module docstring for why each is safe).
 PATCHED_SYMBOLS: tuple[str, ...] = (
@@ -131,7 +133,7 @@ PATCHED_SYMBOLS: tuple[str, ...] = (
 
 
 #: Bump when the patches change: part of the compile-cache key (additional_config).
-SEAM_FINGERPRINT = "causalboard-seam-3"
+SEAM_FINGERPRINT = "causalboard-seam-4"
 
 logger = logging.getLogger("causalboard.seam")
 
@@ -260,7 +262,8 @@ _site_forward._cb_wrapped = True
 
 def _qwen3_next_site_forward(self, hidden_states, residual, positions=None, **kwargs):
     """vLLM 0.25.1's Qwen3-Next decoder-layer forward (linear-attention and full-attention layers
-    alike), plus the three site ops at the same points of the residual stream."""
+    alike), plus the five site ops at the same points as `_site_forward` (`mlp_out`: the branch
+    as written back, after the optional layer scale)."""
     import torch
 
     sid, base = self._cb_state, self._cb_layer * SITES_PER_LAYER
@@ -284,10 +287,12 @@ def _qwen3_next_site_forward(self, hidden_states, residual, positions=None, **kw
         hidden_states = hidden_states * ((scale[0] if hidden_states.dim() == 2 else scale) + 1)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_ATTN)
     hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_IN)
     hidden_states = self.mlp(hidden_states)
     if self.layer_scale:
         scale = self.ffn_layer_scale.to(hidden_states.dtype)
         hidden_states = hidden_states * ((scale[0] if hidden_states.dim() == 2 else scale) + 1)
+    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_OUT)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_BLOCK)
     return hidden_states, residual
 
@@ -447,8 +452,11 @@ class Patch:
 
 def _layer_patch(module: str, cls: str) -> Patch:
     forward = LAYER_SITE_FORWARD.get((module, cls), _site_forward)
+    # a hybrid's module imports packages dense models do not need (qwen3_next: compressed-tensors,
+    # loguru); where they are missing it is skipped and `Engine.start` refuses such a model by name
     return Patch(module, cls, ("__init__", "forward"),
-                 functools.partial(_patch_layer_class, LAYER_FORWARD_SHA[(module, cls)], site_forward=forward))
+                 functools.partial(_patch_layer_class, LAYER_FORWARD_SHA[(module, cls)], site_forward=forward),
+                 optional=(module, cls) in LAYER_SITE_FORWARD)
 
 
 def _wrap_block_hash_extra_keys(module: Any) -> None:
@@ -489,7 +497,8 @@ KV_SALT_PATCHES: tuple[Patch, ...] = (
 #: check's mask override
 STATE_HYGIENE_PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("_update_states",), _wrap_v1_update_states),
-    Patch("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder", ("build",), _wrap_gdn_metadata_build),
+    Patch("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder", ("build",), _wrap_gdn_metadata_build,
+          optional=True),
 )
 
 PATCHES: tuple[Patch, ...] = (
@@ -517,14 +526,20 @@ def is_patched(symbol: str) -> bool:
     raise KeyError(f"{symbol} is not in the seam's patch table")
 
 
+#: optional patch modules that did not import in this process: module -> why
+SKIPPED_MODULES: dict[str, str] = {}
+
+
 def _apply(patch: Patch) -> bool:
-    """Apply one patch; False when its optional module does not import here."""
+    """Apply one patch; False when its optional module does not import here (recorded in
+    `SKIPPED_MODULES`)."""
     try:
         module = importlib.import_module(patch.module)
     except Exception as exc:
         if not patch.optional:
             raise
-        # the V2 runner needs Triton; CPU builds run V1 only
+        # the V2 runner needs Triton (CPU builds run V1 only); a hybrid's module needs its extra packages
+        SKIPPED_MODULES[patch.module] = f"{type(exc).__name__}: {exc}"
         logger.debug("%s not importable here (%s); not patched", patch.module, exc)
         return False
     patch.apply(getattr(module, patch.cls) if patch.cls else module)
@@ -544,3 +559,11 @@ def install() -> None:
     for patch in PATCHES:
         _apply(patch)
     _INSTALLED = True
+
+
+def unavailable_architecture(arch: str) -> str | None:
+    """Why `arch` cannot be served in this process (its patched module did not import), or None."""
+    module = OPTIONAL_ARCHITECTURE_MODULES.get(arch)
+    if module in SKIPPED_MODULES:
+        return f"{module} does not import here ({SKIPPED_MODULES[module]})"
+    return None

@@ -136,26 +136,34 @@ def on_update_states(runner: Any, scheduler_output: Any) -> None:
     import torch
 
     t0 = time.perf_counter()
-    device = None
     for gid, blocks in fresh.items():
         tensors = groups[gid]
         if not tensors:
             continue
         device = tensors[0].device
-        index = torch.tensor(blocks, dtype=torch.long, device=device)
+        # the state tensors are strided views into the shared KV pages: on CPU `index_fill_`
+        # walks the whole view (~110 ms for 64 rows x 6 tensors of the tiny hybrid), a per-row
+        # `zero_` touches only the rows (~1 ms); on CUDA one indexed kernel per tensor
+        index = torch.tensor(blocks, dtype=torch.long, device=device) if device.type != "cpu" else None
         if h.mode == "zero":
             for t in tensors:
-                t.index_fill_(0, index, 0)
+                if index is None:
+                    for b in blocks:
+                        t[b].zero_()
+                else:
+                    t.index_fill_(0, index, 0)
             h.slots_zeroed += len(blocks)
         else:
             for t in tensors:
                 gen = torch.Generator(device="cpu").manual_seed(h.sentinel_seed * 1_000_003 + h._fills)
                 h._fills += 1
                 noise = torch.randn((len(blocks), *t.shape[1:]), generator=gen, dtype=torch.float32) * h.sentinel_std
-                t.index_copy_(0, index, noise.to(device=t.device, dtype=t.dtype))
+                noise = noise.to(device=t.device, dtype=t.dtype)
+                for j, b in enumerate(blocks):
+                    t[b].copy_(noise[j])
             h.slots_filled += len(blocks)
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
+    # no device sync: on CUDA the zeroing is stream-ordered before the forward, and `seconds`
+    # counts host time only (enqueueing the kernels)
     h.seconds += time.perf_counter() - t0
     h.events += 1
 

@@ -16,6 +16,8 @@
 #   WORK              scratch folder for the build (default: a fresh mktemp -d, removed at exit)
 #   PY                python with pip (default python3; any version, deps are
 #                     cross-downloaded for cp312)
+#   BUNDLE_MOE=1      keep vLLM's MoE kernels (sm_90 only), needed by MoE models such as the
+#                     Qwen3-Next hybrids (docs/hybrid-models.md); +19 MiB (52 MiB in all)
 # Needs: python3 + pip, unzip (or python's zipfile as fallback), tar, xz, network access
 # for pip.  Takes ~150 s on 2 cores (xz -9e dominates).
 set -euo pipefail
@@ -61,7 +63,7 @@ V="$WORK/site/vllm"
 
 echo "[2/5] drop what an offline LLM run on Hopper does not import"
 rm -f  "$V"/vllm_flash_attn/_vllm_fa2_C.abi3.so "$V"/vllm_flash_attn/_vllm_fa3_C.abi3.so \
-       "$V"/_moe_C_stable_libtorch.abi3.so "$V"/_qutlass_C.abi3.so \
+       "$V"/_qutlass_C.abi3.so \
        "$V"/_flashmla_C.abi3.so "$V"/_flashmla_extension_C.abi3.so \
        "$V"/_rust_tool_parser.abi3.so "$V"/vllm-rs
 rm -rf "$V"/third_party/deep_gemm "$V"/third_party/fmha_sm100
@@ -78,8 +80,15 @@ s = s.replace(old, "if False and not (FA2_AVAILABLE or FA3_AVAILABLE):  # slim b
 open(p, "w").write(s)
 EOF
 
-echo "[3/5] keep only sm_90/sm_90a GPU code in _C_stable_libtorch (zero the rest, same layout)"
+echo "[3/5] keep only sm_90/sm_90a GPU code in _C_stable_libtorch and _moe_C_stable_libtorch (zero the rest, same layout)"
 "$PY" "$HERE/prune_fatbin.py" --keep 90 "$V/_C_stable_libtorch.abi3.so"
+# the MoE ops (every MoE layer needs them: hybrids such as Qwen3-Next, docs/hybrid-models.md) only
+# with BUNDLE_MOE=1: they add ~19 MiB to the bundle, which must fit the device tool's 64 MiB carry
+if [ "${BUNDLE_MOE:-0}" = 1 ]; then
+  "$PY" "$HERE/prune_fatbin.py" --keep 90 "$V/_moe_C_stable_libtorch.abi3.so"
+else
+  rm -f "$V/_moe_C_stable_libtorch.abi3.so"
+fi
 
 echo "[4/5] add the Python deps missing on the GPU host (cp312 wheels, cross-installed)"
 PLAT=""

@@ -5,12 +5,13 @@
 | `steering_vectors` / `prefill_steering_vectors` / `decode_steering_vectors` | single-site `Steer` entries at every position of phase both / prefill / decode |
 | `steering_name` | the module's vectors (`app/api/compat/steering_modules.py`), scale 1 |
 | `patch[i]` (`layer`, `hook`, `dest_position`, one source, `alpha`) | a one-position `Patch`: `source_run` (+ `source_position`, default the destination) -> stored run; `source_module` -> `"zeros"`, a module's both-phase vector at the site, or a named vector; `source_inline` -> row of `patch_vectors` |
-| `logprob_token_ids` | `score_token_ids` (exact scoring); `logprobs` must be omitted or equal their count (the fork's rule) |
-| `capture: {"patch_source": {"run", "hooks", "positions"}}` | a `Capture` kept as `run` (values not returned) |
+| `logprob_token_ids` | `score_token_ids` (exact scoring); `logprobs` must be set (the fork's rule over HTTP) |
+| `capture: {"patch_source": {"run"?, "hooks", "positions"}}` | a `Capture` kept as `run` (default: the completion id; values not returned) |
 
 They compose with the native `interventions` field (steer and patch entries are concatenated;
 capture and scoring may come from one side only). Fork fields with no faithful counterpart
-(clamps, declarative `steering` gates, `conversation_id`, other capture consumers) are refused with a 400 naming the field. Engine errors about the combined spec are
+(clamps, declarative `steering` gates, the `post_mlp` hook, capture consumers this server does not
+run) are refused with a 400 naming the field. Engine errors about the combined spec are
 re-labelled with the request field the entry came from (`patch[1].dest_position`).
 """
 
@@ -21,15 +22,19 @@ from dataclasses import dataclass, field
 
 from engine_ext import Engine
 from engine_ext.errors import SpecError
-from engine_ext.specs import Capture, Interventions, Patch, RunSource, InlineSource, ZeroSource, mask_from_json
+from engine_ext.specs import Capture, Interventions, Patch, RunSource, InlineSource, ZeroSource
 from engine_ext.sites import Site
 
 from app.api.compat import steering_modules
+from app.api.compat.capture_files import LAYOUTS, FileCapture, slug
+from app.api.compat.masks import fork_mask
 from app.api.field_names import by_index, by_prefix
 from app.api.compat.fork_vectors import check_hook, check_layer, parse_patch_vectors, parse_vector_spec
 from app.api.schemas.generation import CompletionRequest
 
-UNSUPPORTED_FIELDS = ("steering_clamps", "prefill_steering_clamps", "decode_steering_clamps", "steering", "conversation_id")
+UNSUPPORTED_FIELDS = ("steering_clamps", "prefill_steering_clamps", "decode_steering_clamps", "steering")
+#: the fork's cap on logprob_token_ids (its sampler's row width)
+MAX_LOGPROB_TOKEN_IDS = 128
 TIERS = {"steering_vectors": "both", "prefill_steering_vectors": "prefill", "decode_steering_vectors": "decode"}
 
 
@@ -43,6 +48,10 @@ class CompletionInterventions:
     capture_origin: str = "interventions.capture"
     score_origin: str = "interventions.score_token_ids"
     fork_capture_run: str | None = None
+    #: the fork's filesystem consumer, when requested
+    file_capture: FileCapture | None = None
+    #: the capture came from the fork's `capture` field (its field names label errors)
+    fork_capture: bool = False
     n_native_patches: int = 0
     #: some intervention (native or fork) was asked for: the response carries `intervention`
     requested: bool = False
@@ -56,8 +65,9 @@ class CompletionInterventions:
         n = self.n_native_patches
         exc = by_index(exc, "patch", self.patch_origins[:n])
         exc = by_index(exc, "patch", self.patch_origins[n:], offset=n, suffix=_fork_patch_suffix)
-        capture_map = ({"capture.positions": "capture.patch_source.positions", "capture.sites": "capture.patch_source.hooks"}
-                       if self.fork_capture_run is not None else {"capture": self.capture_origin})
+        consumer = "capture.patch_source" if self.fork_capture_run is not None else "capture.filesystem"
+        capture_map = ({"capture.positions": f"{consumer}.positions", "capture.sites": f"{consumer}.hooks"}
+                       if self.fork_capture else {"capture": self.capture_origin})
         return by_prefix(exc, {**capture_map, "noise": "interventions.noise", "score_token_ids": self.score_origin})
 
 
@@ -71,8 +81,9 @@ def _fork_patch_suffix(rest: str) -> str:
     return rest
 
 
-def build(req: CompletionRequest, eng: Engine) -> CompletionInterventions:
-    """Validate the fork fields and the native `interventions` of `req` into one spec."""
+def build(req: CompletionRequest, eng: Engine, default_run: str = "", capture_dir: str | None = None) -> CompletionInterventions:
+    """Validate the fork fields and the native `interventions` of `req` into one spec
+    (`default_run`: the run id of a `patch_source` capture without `run`, the fork's request id)."""
     for name in UNSUPPORTED_FIELDS:
         if getattr(req, name) is not None:
             raise SpecError(name, "is not supported by causalboard (the request is refused rather than run without it)")
@@ -100,17 +111,17 @@ def build(req: CompletionRequest, eng: Engine) -> CompletionInterventions:
     if req.capture is not None:
         if capture is not None:
             raise SpecError("capture", "give the capture either here or in interventions.capture, not both")
-        capture = _fork_capture(req.capture, info.num_layers)
-        out.fork_capture_run = capture.keep_as
+        capture, out.fork_capture_run, out.file_capture = _fork_capture(req.capture, info.num_layers, default_run, capture_dir)
+        out.fork_capture = True
     score = native.score_token_ids
-    if req.logprob_token_ids is not None:
+    if req.logprob_token_ids:  # the fork: an empty list is no list
         if score:
             raise SpecError("logprob_token_ids", "give the scored ids either here or in interventions.score_token_ids, not both")
         ids = req.logprob_token_ids
-        if not ids:
-            raise SpecError("logprob_token_ids", "must name at least one token id")
-        if req.logprobs is not None and req.logprobs != len(ids):
-            raise SpecError("logprobs", f"with logprob_token_ids, logprobs must be omitted or equal their count ({len(ids)})")
+        if req.logprobs is None:
+            raise SpecError("logprob_token_ids", "when using logprob_token_ids, logprobs must be set (the fork's rule)")
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise SpecError("logprob_token_ids", f"{len(ids)} ids; at most {MAX_LOGPROB_TOKEN_IDS}")
         score = tuple(ids)
         out.score_origin = "logprob_token_ids"
     out.spec = Interventions(tuple(steers), tuple(patches), capture, native.noise, tuple(score))
@@ -118,27 +129,8 @@ def build(req: CompletionRequest, eng: Engine) -> CompletionInterventions:
     return out
 
 
-def _fork_mask(value, f: str, table):
-    """The fork's `mask`: `{"indices": [...]}`, or `{"inline": row}` (a row of `patch_vectors`,
-    graded weights in [0, 1]); causalboard's other mask forms are accepted too."""
-    if isinstance(value, dict) and "inline" in value:
-        row = value["inline"]
-        if set(value) != {"inline"}:
-            raise SpecError(f"{f}.mask", "give exactly one of 'indices' and 'inline'")
-        if not isinstance(row, int) or isinstance(row, bool) or row < 0:
-            raise SpecError(f"{f}.mask.inline", f"must be a row index >= 0, got {row!r}")
-        if table is None:
-            raise SpecError(f"{f}.mask.inline", "needs the patch_vectors table")
-        if row >= table.shape[0]:
-            raise SpecError(f"{f}.mask.inline", f"row {row} is outside patch_vectors ({table.shape[0]} rows)")
-        return mask_from_json({"weights": table[row]}, f"{f}.mask")
-    return mask_from_json(value, f"{f}.mask")
-
-
 def _fork_patch(entry, f: str, eng: Engine, table) -> Patch:
-    mask = _fork_mask(entry.mask, f, table) if entry.mask is not None else None
-    if mask is not None:
-        mask.values(eng.info.hidden_size, f"{f}.mask")
+    mask = fork_mask(entry.mask, f"{f}.mask", table=table, hidden=eng.info.hidden_size) if entry.mask is not None else None
     hook = check_hook(entry.hook, f"{f}.hook")
     layer = check_layer(entry.layer, f"{f}.layer", eng.info.num_layers)
     site = Site(layer, hook)
@@ -170,38 +162,107 @@ def _fork_patch(entry, f: str, eng: Engine, table) -> Patch:
     return Patch(site, (entry.dest_position,), source, float(entry.alpha), mask)
 
 
-def _fork_capture(value: dict, num_layers: int) -> Capture:
-    """`{"patch_source": {"run", "hooks": {hook: "all" | [layers] | {"layers": [...]}}, "positions"}}`."""
-    extra = sorted(set(value) - {"patch_source"})
-    if extra:
-        raise SpecError(f"capture.{extra[0]}", "capture consumer not supported by causalboard (only patch_source)")
-    spec = value.get("patch_source")
-    f = "capture.patch_source"
-    if not isinstance(spec, dict):
-        raise SpecError(f, "must be an object {run, hooks, positions}")
-    unknown = sorted(set(spec) - {"run", "hooks", "positions"})
-    if unknown:
-        raise SpecError(f"{f}.{unknown[0]}", "unknown or unsupported field")
-    run = spec.get("run")
-    if not isinstance(run, str) or not run:
-        raise SpecError(f"{f}.run", "must be the id to store the run under")
-    hooks = spec.get("hooks")
+def _hook_sites(hooks: object, f: str, num_layers: int) -> list[Site]:
+    """`{hook: "all" | [layers] | {"layers", "ranges"}}` -> sites (ranges are inclusive pairs)."""
     if not isinstance(hooks, dict) or not hooks:
-        raise SpecError(f"{f}.hooks", "must be {hook: 'all' | [layers]}")
+        raise SpecError(f, "must be {hook: 'all' | [layers] | {'layers', 'ranges'}}")
     sites = []
     for hook, layers in hooks.items():
-        hf = f"{f}.hooks.{hook}"
+        hf = f"{f}.{hook}"
         check_hook(hook, hf)
         if isinstance(layers, dict):
-            if set(layers) - {"layers"}:
-                raise SpecError(f"{hf}.{sorted(set(layers) - {'layers'})[0]}", "not supported by causalboard (list the layers)")
-            layers = layers.get("layers")
+            layers = _layer_selector(layers, hf, num_layers)
         if layers == "all":
             layers = list(range(num_layers))
         if not isinstance(layers, list) or not layers:
             raise SpecError(hf, "must be 'all' or a non-empty list of layers")
         sites += [Site(check_layer(x, f"{hf}[{k}]", num_layers), hook) for k, x in enumerate(layers)]
+    return sites
+
+
+def _fork_capture(value: dict, num_layers: int, default_run: str, capture_dir: str | None) -> tuple[Capture, str | None, FileCapture | None]:
+    """The fork's capture consumers as one engine `Capture`, the patch_source run id (or None)
+    and the filesystem request (or None):
+
+    * `{"patch_source": {"run"?, "hooks", "positions"}}` — a stored source run (`run` defaults to
+      `default_run`, the fork's request id);
+    * `{"filesystem": {"request_id"?, "tag"?, "hooks", "positions", "layout"?}}` — files under
+      `capture_dir` (`app/api/compat/capture_files.py`); only when the server has one.
+
+    Both together must capture the same positions (one capture per request)."""
+    consumers = ("patch_source", "filesystem") if capture_dir else ("patch_source",)
+    extra = sorted(set(value) - set(consumers))
+    if extra:
+        # the fork answers a consumer name the server did not register with a 400 as well
+        hint = " (the filesystem consumer needs a capture directory: CAUSALBOARD_CAPTURE_DIR)" if extra[0] == "filesystem" else ""
+        raise SpecError(f"capture.{extra[0]}", f"no capture consumer {extra[0]!r} on this server "
+                                               f"(available: {', '.join(consumers)}){hint}")
+    if not value:
+        raise SpecError("capture", "name at least one capture consumer")
+    run = fc = None
+    sites: list[Site] = []
+    positions: list = []
+    if "patch_source" in value:
+        spec, f = value["patch_source"], "capture.patch_source"
+        if not isinstance(spec, dict):
+            raise SpecError(f, "must be an object {run, hooks, positions}")
+        unknown = sorted(set(spec) - {"run", "hooks", "positions"})
+        if unknown:
+            raise SpecError(f"{f}.{unknown[0]}", "unknown or unsupported field")
+        run = spec.get("run", default_run) or default_run
+        if not isinstance(run, str) or not run:
+            raise SpecError(f"{f}.run", "must be the id to store the run under")
+        sites += _hook_sites(spec.get("hooks"), f"{f}.hooks", num_layers)
+        pos = spec.get("positions", "all_prompt")
+        if pos in ("all", "all_generated"):
+            raise SpecError(f"{f}.positions", "patch_source captures prompt positions only (all_prompt, last_prompt or indices)")
+        positions.append((f, pos))
+    if "filesystem" in value:
+        spec, f = value["filesystem"], "capture.filesystem"
+        if not isinstance(spec, dict):
+            raise SpecError(f, "must be an object {request_id, tag, hooks, positions, layout}")
+        unknown = sorted(set(spec) - {"request_id", "tag", "hooks", "positions", "layout"})
+        if unknown:
+            raise SpecError(f"{f}.{unknown[0]}", "unknown field")
+        layout = spec.get("layout") or "per_file"
+        if layout not in LAYOUTS:
+            raise SpecError(f"{f}.layout", f"{layout!r} is not provided here (layouts: {', '.join(LAYOUTS)})")
+        fc = FileCapture(slug(spec.get("request_id", default_run), f"{f}.request_id"), slug(spec.get("tag", "default"), f"{f}.tag"),
+                         _hook_sites(spec.get("hooks"), f"{f}.hooks", num_layers), layout)
+        sites += fc.sites
+        positions.append((f, spec.get("positions", "last_prompt")))
+    if len(positions) == 2 and positions[0][1] != positions[1][1]:
+        raise SpecError("capture.filesystem.positions", "must equal capture.patch_source.positions (one capture per request)")
+    f, pos = positions[0]
     try:
-        return Capture.make(sites, spec.get("positions", "all_prompt"), keep_as=run, return_values=False, field_name=f)
+        cap = Capture.make(list(dict.fromkeys(sites)), pos, keep_as=run, return_values=fc is not None, field_name=f)
     except SpecError as exc:
         raise by_prefix(exc, {f"{f}.keep_as": f"{f}.run", f"{f}.sites": f"{f}.hooks"}) from None
+    return cap, run, fc
+
+
+def _layer_selector(sel: dict, f: str, num_layers: int) -> list[int]:
+    """`{"layers": [...], "ranges": [[start, end], ...]}` (inclusive ranges) -> sorted layers."""
+    unknown = sorted(set(sel) - {"layers", "ranges"})
+    if unknown:
+        raise SpecError(f"{f}.{unknown[0]}", "unknown key (expected layers and/or ranges)")
+    if sel.get("layers") is None and sel.get("ranges") is None:
+        raise SpecError(f, "set layers and/or ranges")
+    out = list(sel.get("layers") or [])
+    if not isinstance(out, list):
+        raise SpecError(f"{f}.layers", "must be a list of layers")
+    ranges = sel.get("ranges") or []
+    if not isinstance(ranges, list):
+        raise SpecError(f"{f}.ranges", "must be a list of [start, end] pairs")
+    for k, pair in enumerate(ranges):
+        rf = f"{f}.ranges[{k}]"
+        if (not isinstance(pair, list) or len(pair) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+            raise SpecError(rf, f"must be a [start, end] pair of integers, got {pair!r}")
+        start, end = pair
+        if start > end:
+            raise SpecError(rf, f"start > end ({start} > {end})")
+        if start < 0 or end >= num_layers:
+            raise SpecError(rf, f"[{start}, {end}] is out of range: the model has layers 0..{num_layers - 1}")
+        out.extend(range(start, end + 1))
+    return sorted(set(out))

@@ -3,6 +3,7 @@ Routes get the engine, settings and sweep service as dependencies (`app/api/deps
 
 * `status`     — `GET /health`, `GET /v1/status`
 * `tokens`     — `POST /v1/tokenize`
+* `openai_compat` — vLLM's `POST /tokenize`, `/detokenize`, `GET /v1/models`, `POST /v1/chat/completions`
 * `generation` — `POST /v1/generate` (+ SSE), `POST /v1/completions` (OpenAI + the fork's fields)
 * `sweep`      — `POST /v1/patch_sweep` (+ SSE), sweep replay/status
 * `steering`   — global steering, named vectors

@@ -11,18 +11,22 @@ is a JSON 4xx even when it asked for a stream.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
 from engine_ext import Engine, Generation
+from engine_ext.dynamic.specs import DynamicRequest
 from engine_ext.errors import EngineDeadError, SpecError
 
 from app.api.auth import UNAUTHORIZED, ApiKeyGuard, api_key_guard
+from app.api.compat import capture_files
 from app.api.compat import completions as completion_extras
-from app.api.deps import get_engine
+from app.api.deps import ApiSettings, get_engine, get_settings
 from app.api.errors import error_response
 from app.api.field_names import by_prefix
 from app.api.schemas.generation import CompletionRequest, ErrorResponse, GenerateRequest, GenerateResponse
@@ -85,37 +89,79 @@ async def generate(req: GenerateRequest, engine: Engine = Depends(get_engine),
 
 @router.post("/v1/completions", responses=ERRORS)
 async def completions(req: CompletionRequest, engine: Engine = Depends(get_engine),
-                      guard: ApiKeyGuard = Depends(api_key_guard)):
-    """OpenAI-compatible text completion (n = 1), streaming or not, with the reference fork's
-    per-request fields (`steering_vectors` and its phase variants, `steering_name`, `patch` +
-    `patch_vectors`, `logprob_token_ids`, `capture: {"patch_source": ...}`) and the native
-    `interventions`. With interventions the body also carries `intervention`; with scored ids
-    each choice carries `scores`. Fork fields causalboard cannot honour are refused (400)."""
+                      guard: ApiKeyGuard = Depends(api_key_guard), settings: ApiSettings = Depends(get_settings)):
+    """OpenAI-compatible text completion, streaming or not, with the reference fork's per-request
+    fields (`steering_vectors` and its phase variants, `steering_name`, `patch` + `patch_vectors`,
+    `logprob_token_ids`, `capture: {"patch_source": ...}`, `cache_salt`, `conversation_id`) and
+    the native `interventions`. `prompt` may be text, token ids, or a list of either (one choice
+    per prompt). With interventions the body also carries `intervention`; with scored ids each
+    choice carries `scores`. Fork fields causalboard cannot honour are refused (400)."""
+    return await run_completion(req, engine, guard, CompletionShape(), settings.capture_dir)
+
+
+class CompletionShape:
+    """How a completion is written on the wire: OpenAI's `text_completion` (this class) or
+    `chat.completion` (`app/api/routes/openai_compat.py`)."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def logprobs(self, engine: Engine, ids: list[int], lps: list[float], tops: list[dict[int, float]] | None) -> dict:
+        return _openai_logprobs(engine, ids, lps, tops)
+
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def delta_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, first: bool) -> dict:
+        return self.choice(index, text, logprobs, finish_reason)
+
+
+async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGuard, shape: CompletionShape,
+                         capture_dir: str | None = None):
+    """One completion request (any number of prompts) in `shape`'s wire form (`capture_dir`: the
+    fork's filesystem capture consumer writes there)."""
     info = engine.info
     if req.model is not None and req.model not in (info.model, info.model_path):
         return error_response(404, f"model: '{req.model}' is not served here (serving '{info.model}')", "model")
+    prompts, single = req.prompts()
+    if not prompts:
+        raise SpecError("prompt", "must hold at least one prompt")
+    created = int(time.time())
+    cid = f"{shape.id_prefix}-{time.time_ns():x}"
     params = req.params()
-    extras = completion_extras.build(req, engine)
-    if extras.keeps_source():
-        guard.check()
+    extras = completion_extras.build(req, engine, default_run=cid, capture_dir=capture_dir)
+    if extras.keeps_source() or extras.file_capture is not None:
+        guard.check()  # a stored run, or files on the server
+    if extras.fork_capture:
+        if len(prompts) > 1:
+            raise SpecError("capture.patch_source.run", "one stored run per request: give a single prompt with a capture")
     spec = None if extras.spec.is_empty() else extras.spec
-    try:
-        engine.validate(req.prompt, params, spec)
-    except SpecError as exc:
-        raise extras.relabel(exc) from None
+    # the fork's conversation_id: the conversation of the server's global dynamic-steering
+    # policies (`latch: conversation`), as its dynamic-steering consumers read it
+    dynamic = None
+    if req.conversation_id is not None:
+        try:
+            dynamic = DynamicRequest.make([], req.conversation_id, True)
+        except SpecError as exc:
+            raise SpecError("conversation_id", exc.message) from None
+    for k, prompt in enumerate(prompts):
+        try:
+            engine.validate(prompt, params, spec, dynamic=dynamic)
+        except SpecError as exc:
+            exc = extras.relabel(exc)
+            if not single and exc.field == "prompt":
+                exc = SpecError(f"prompt[{k}]", exc.message)
+            raise exc from None
     scored = bool(extras.spec.score_token_ids)
     want_logprobs = req.logprobs is not None or scored
-    created = int(time.time())
-    cid = f"cmpl-{time.time_ns():x}"
 
-    def choice_of(part, finished: bool) -> dict:
-        tops = part.scores if scored else part.top_logprobs
-        choice = {
-            "index": 0,
-            "text": part.text,
-            "logprobs": _openai_logprobs(engine, part.token_ids, part.logprobs, tops) if want_logprobs else None,
-            "finish_reason": part.finish_reason if finished else None,
-        }
+    def logprobs_of(part) -> dict | None:
+        if not want_logprobs:
+            return None
+        return shape.logprobs(engine, part.token_ids, part.logprobs, part.scores if scored else part.top_logprobs)
+
+    def with_scores(choice: dict, part) -> dict:
         if scored:
             choice["scores"] = [{str(k): v for k, v in t.items()} for t in part.scores]
         return choice
@@ -127,30 +173,67 @@ async def completions(req: CompletionRequest, engine: Engine = Depends(get_engin
         if extras.fork_capture_run is not None:
             iv = gen.intervention
             ok = iv is not None and iv.stored_as == extras.fork_capture_run
-            out["capture_results"] = {"patch_source": {"status": "ok" if ok else "error",
-                                                       "error": None if ok else "; ".join(iv.errors if iv else ["no result"])}}
+            payload = {"run": extras.fork_capture_run}
+            if ok:
+                cap = extras.spec.capture
+                payload.update(sites=[str(s) for s in cap.sites], num_prompt_tokens=len(gen.prompt_token_ids))
+            out.setdefault("capture_results", {})["patch_source"] = {
+                "status": "ok" if ok else "error", "error": None if ok else "; ".join(iv.errors if iv else ["no result"]),
+                "payload": payload}
+        if extras.file_capture is not None:
+            out.setdefault("capture_results", {})["filesystem"] = file_results.get(id(gen)) or {
+                "status": "error", "error": "the capture did not complete", "payload": {}}
+        return out
+
+    file_results: dict[int, dict] = {}
+
+    async def write_files(gen: Generation) -> None:
+        """The fork's filesystem consumer: the captured values as files (before the response)."""
+        fc = extras.file_capture
+        iv = gen.intervention
+        if iv is None or iv.voided:
+            file_results[id(gen)] = {"status": "error", "error": "; ".join(iv.errors if iv else ["no result"]), "payload": {}}
+            return
+        try:
+            paths = await anyio.to_thread.run_sync(capture_files.write, capture_dir, fc, iv.captures, cid)
+            file_results[id(gen)] = {"status": "ok", "error": None, "payload": {"paths": paths}}
+        except OSError as exc:
+            file_results[id(gen)] = {"status": "error", "error": f"writing the capture failed: {exc}", "payload": {}}
+
+    def common() -> dict:
+        out = {"id": cid, "object": shape.object, "created": created, "model": info.model}
+        if req.conversation_id is not None:
+            out["conversation_id"] = req.conversation_id
         return out
 
     if not req.stream:
-        gen = await engine.agenerate(req.prompt, params, spec)
-        usage = {
-            "prompt_tokens": len(gen.prompt_token_ids),
-            "completion_tokens": len(gen.token_ids),
-            "total_tokens": len(gen.prompt_token_ids) + len(gen.token_ids),
-        }
-        return {"id": cid, "object": "text_completion", "created": created, "model": info.model,
-                "choices": [choice_of(gen, True)], "usage": usage, **intervention_fields(gen)}
+        gens = await asyncio.gather(*(engine.agenerate(p, params, spec, dynamic=dynamic) for p in prompts))
+        if extras.file_capture is not None:
+            await write_files(gens[0])
+        n_prompt = sum(len(g.prompt_token_ids) for g in gens)
+        n_gen = sum(len(g.token_ids) for g in gens)
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+        choices = [with_scores(shape.choice(k, g.text, logprobs_of(g), g.finish_reason), g) for k, g in enumerate(gens)]
+        body = {**common(), "choices": choices, "usage": usage}
+        if single:
+            body.update(intervention_fields(gens[0]))
+        return body
 
     async def events() -> AsyncIterator[str]:
-        gen = Generation(cid, req.prompt, [])
         try:
-            async for d in engine.astream(req.prompt, params, spec):
-                gen.extend(d)
-                chunk = {"id": cid, "object": "text_completion", "created": created, "model": info.model,
-                         "choices": [choice_of(d, d.finished)]}
-                if d.finished:
-                    chunk.update(intervention_fields(gen))
-                yield sse_event(chunk)
+            for k, prompt in enumerate(prompts):
+                gen = Generation(cid, prompt if isinstance(prompt, str) else None, [])
+                first = True
+                async for d in engine.astream(prompt, params, spec, dynamic=dynamic):
+                    gen.extend(d)
+                    choice = shape.delta_choice(k, d.text, logprobs_of(d), d.finish_reason if d.finished else None, first)
+                    first = False
+                    chunk = {**common(), "object": shape.chunk_object, "choices": [with_scores(choice, d)]}
+                    if d.finished and single:
+                        if extras.file_capture is not None:
+                            await write_files(gen)
+                        chunk.update(intervention_fields(gen))
+                    yield sse_event(chunk)
         except Exception as exc:  # engine failure mid-stream: tell the client, don't hang
             yield sse_event(_stream_error(exc))
         yield DONE

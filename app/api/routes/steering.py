@@ -204,10 +204,16 @@ async def upload_vector(name: str, request: Request, eng: Engine = Depends(get_e
 
 
 @router.get("/v1/steering/vectors", response_model=VectorList, responses=BAD, summary="List named vectors")
-def list_vectors(eng: Engine = Depends(get_engine)) -> VectorList:
-    """Names, dimensions and norms of every registered vector (module vectors included)."""
+def list_vectors(request: Request, eng: Engine = Depends(get_engine)) -> VectorList:
+    """The fork's listing of its probe/steer registry (`vectors`: {"probe": [names], "steer":
+    [names]}, `count`), plus causalboard's named vectors (`named`: names, dimensions and norms,
+    module vectors included; `named_count`, `max_count`)."""
+    from app.api.routes.fork_registry import registry_of
+
+    reg = registry_of(request)
     infos = [i for i in (_vector_info(eng, n) for n in sorted(eng.list_vectors())) if i is not None]
-    return VectorList(vectors=infos, count=len(infos), max_count=eng.config.limits.max_named_vectors)
+    return VectorList(vectors=reg.listing(), count=reg.count(), named=infos, named_count=len(infos),
+                      max_count=eng.config.limits.max_named_vectors)
 
 
 @router.get("/v1/steering/vectors/{name:path}", response_model=VectorValues, responses={**BAD, **NOT_FOUND},

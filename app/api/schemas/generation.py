@@ -6,7 +6,7 @@ silently ignored option. Field descriptions and bounds become the OpenAPI page.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -90,8 +90,12 @@ class CompletionRequest(SamplingFields):
     `interventions`. Fork fields causalboard cannot honour are refused with 400, never ignored."""
 
     model: str | None = Field(None, description="Ignored if it names the served model; 404 otherwise.")
-    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS)
+    prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] | list[Annotated[int, Field(ge=0)]] \
+        | list[list[Annotated[int, Field(ge=0)]]] | list[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]] = Field(
+        ..., description="Text, token ids, or a list of texts / token-id lists (one choice per prompt, as vLLM).")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="OpenAI semantics: top-k logprobs per token.")
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM's cache_salt: prefix-cache blocks are shared only "
+                                                                   "among requests with the same salt.")
     stream: bool = False
     n: Literal[1] = 1
     echo: Literal[False] = False
@@ -104,17 +108,21 @@ class CompletionRequest(SamplingFields):
     patch: list[ForkPatchEntry] | None = Field(None, description="Fork: activation patches, one site and position each.")
     patch_vectors: PackedTable | None = Field(None, description="Fork: the table that patch[i].source_inline indexes.")
     logprob_token_ids: list[int] | None = Field(
-        None, description="Fork: exact logprobs of these ids at every generated step; `logprobs` must then be omitted "
-                          "or equal their count. Returned as top_logprobs and as `scores`.")
+        None, description="Fork: exact logprobs of these ids (at most 128) at every generated step, instead of the top-k; "
+                          "`logprobs` must then be set (any value, as in the fork). An empty list is the same as none. "
+                          "Returned as top_logprobs and as `scores`.")
     capture: dict | None = Field(
-        None, description="Fork: capture consumers; only {'patch_source': {'run', 'hooks': {hook: 'all' | [layers]}, "
-                          "'positions'}} (stores a source run; needs the API key when one is set).")
+        None, description="Fork: capture consumers; {'patch_source': {'run'?, 'hooks': {hook: 'all' | [layers] | "
+                          "{'layers', 'ranges'}}, 'positions'}} stores a source run (needs the API key when one is set; "
+                          "`run` defaults to the completion's id).")
     capture_wait: bool | None = Field(None, description="Fork: accepted; a capture is always durable when the response returns.")
     steering_clamps: Any = unsupported()
     prefill_steering_clamps: Any = unsupported()
     decode_steering_clamps: Any = unsupported()
     steering: Any = unsupported("The fork's declarative steering gates. Not supported by causalboard: refused with 400 naming the field.")
-    conversation_id: Any = unsupported()
+    conversation_id: str | None = Field(
+        None, description="Fork: the conversation this request belongs to, for the server's global dynamic-steering "
+                          "policies (`latch: conversation`); echoed in the response.")
     # ---- causalboard
     interventions: InterventionsSpec | None = Field(None, description="Native per-request interventions (as on /v1/generate).")
 
@@ -125,10 +133,18 @@ class CompletionRequest(SamplingFields):
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
-            logprobs=0 if self.logprob_token_ids is not None else self.logprobs,
+            logprobs=0 if self.logprob_token_ids else self.logprobs,
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
+            cache_salt=self.cache_salt,
         )
+
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
+        """The prompts (text or token ids) and whether the request had one (not a list of them)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p], True
+        return list(p), False
 
 
 class TokenizeRequest(StrictModel):

@@ -249,8 +249,8 @@ class ActiveSteer(BaseModel):
 
 class SteeringStatusResponse(BaseModel):
     active_layers: dict[str, dict[str, dict[str, float]]] = Field(
-        description="Fork shape: layer -> hook -> {'norm': |sum of both-phase vectors|, plus 'prefill_norm' / "
-                    "'decode_norm' when phase-specific entries exist}.")
+        description="Fork shape: layer -> hook -> {'norm': |sum of both-phase vectors|, 'prefill_norm', "
+                    "'decode_norm'}, each rounded to 6 decimals and left out when zero.")
     steer: list[ActiveSteer]
 
 
@@ -282,9 +282,11 @@ class VectorValues(VectorInfo):
 
 
 class VectorList(BaseModel):
-    vectors: list[VectorInfo]
-    count: int
-    max_count: int
+    vectors: dict[str, list[str]] = Field(description="The fork's probe/steer registry: {'probe': [names], 'steer': [names]}.")
+    count: int = Field(description="Names in the probe/steer registry (the fork's count).")
+    named: list[VectorInfo] = Field(description="causalboard's named vectors (module vectors included).")
+    named_count: int = Field(description="Number of named vectors.")
+    max_count: int = Field(description="Most named vectors the engine holds.")
 
 
 class VectorDeleted(BaseModel):

@@ -490,9 +490,9 @@ class SteeringView(pn.viewable.Viewer):
 
 # ---- helpers --------------------------------------------------------------------------------------
 def _vector_infos(payload: Any) -> dict[str, dict]:
-    """`GET /v1/steering/vectors` (`{"vectors": [{"name", "dim", "norm"}], ...}`) as
+    """`GET /v1/steering/vectors` (`{"named": [{"name", "dim", "norm"}], ...}`) as
     `{name: {"dim", "norm"}}`."""
-    items = payload.get("vectors", []) if isinstance(payload, dict) else payload
+    items = payload.get("named", []) if isinstance(payload, dict) else payload
     out: dict[str, dict] = {}
     for item in items or []:
         if isinstance(item, dict) and "name" in item:

@@ -10,12 +10,6 @@ from app.sweep.fold import SweepFold
 class SweepState(SweepFold):
     """A `SweepFold` with the view's wording of its data."""
 
-    def redraw_all(self) -> None:
-        """Mark the axes changed and every cell dirty: the view rebuilds its figures with every cell."""
-        if self.result is not None:
-            self.axes_changed = True
-            self._mark_all_dirty()
-
     def checksum_text(self) -> str:
         """'pending', 'consistent (N ranks)', 'mismatch (tp0/pp0 ≠ tp1/pp0)' or
         'unavailable (<error>)' — from the latest `checksum` event or the summary."""

@@ -36,8 +36,8 @@ ONE method (`_push_cells`: one `ColumnDataSource.patch` per heatmap, at most eve
 
 In a notebook cell, `browser` (`app.dashboard.notebook.BrowserSync`) keeps the output's copy in
 the browser in step after each render: direct Bokeh changes are pushed at once, and a view
-updated before the browser had drawn it (Run All) is re-sent, heatmaps rebuilt from the fold,
-once its comm is open.
+updated before the browser had drawn it (Run All) is re-sent from the kernel's state (every
+heatmap's data, the status, ...) once its comm is open.
 
 Contracts
 ---------
@@ -167,7 +167,7 @@ class TracingView(pn.viewable.Viewer):
         self.status_html = status_html(self.state, self.phase)
         self._layout = self._build_layout()
         # in a notebook cell: the browser's copy of the view kept in step (app/dashboard/notebook.py)
-        self.browser = BrowserSync(self._layout, redraw=self._redraw)
+        self.browser = BrowserSync(self._layout)
         if self._doc is not None:  # a served page: its session's end cleans up
             pn.state.on_session_destroyed(self._on_session_destroyed)
         else:  # a notebook kernel or a script: the interpreter's exit does
@@ -528,13 +528,6 @@ class TracingView(pn.viewable.Viewer):
         self._refresh_status()
         if self._doc is None:
             self.browser.changed()
-
-    def _redraw(self) -> None:
-        """Rebuild the heatmaps from the fold, as new figures with every cell (the notebook
-        output's re-send, `BrowserSync`)."""
-        if self.state.result is not None:
-            self.state.redraw_all()
-            self._render()
 
     def _push_cells(self) -> None:
         """THE way cells reach the browser: the cells the fold changed since the last push, one

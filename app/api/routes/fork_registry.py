@@ -1,0 +1,134 @@
+"""Routes: the reference fork's named probe/steer vector registry (see app/api/routes/__init__.py).
+
+* `POST /v1/steering/vectors/register` — `{"name", "kind": "probe" | "steer", "packed": {hook:
+  packed}}` → `{"status": "ok", "name", "kind", "vectors": {"probe": [names], "steer": [names]}}`;
+  registering a name again replaces it; a probe names exactly one (hook, layer).
+* `POST /v1/steering/vectors/unregister` — `{"name", "kind"}` → the same shape; 404 (with the
+  listing) when absent.
+* `GET /v1/steering/vectors` lists it (in `steering.py`: that listing also carries causalboard's
+  named vectors).
+
+In the fork these names are referenced by declarative steering gates (the `steering` request
+field), which causalboard does not run yet: here the registry validates and keeps the vectors
+(hooks, layers, hidden size, finite values, exactly the fork's rules) so the fork's clients can
+manage it, and a request that would use them is refused (`steering` is a 400), never run without
+them. Unlike the fork, registering needs the API key when the server has one (every mutating
+endpoint does).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from engine_ext import Engine
+from engine_ext.errors import SpecError
+
+from app.api.auth import UNAUTHORIZED, require_api_key
+from app.api.compat.fork_vectors import parse_vector_spec
+from app.api.deps import get_engine
+from app.api.schemas.generation import ErrorResponse
+from app.wire import StrictModel
+
+router = APIRouter(tags=["steering"])
+
+KINDS = ("probe", "steer")
+_ERR = {"model": ErrorResponse}
+RESPONSES = {400: _ERR, 404: _ERR, **{k: {**v, **_ERR} for k, v in UNAUTHORIZED.items()}}
+
+
+class RegisterVectorRequest(StrictModel):
+    name: str = Field(..., min_length=1, max_length=200, description="Unique name within its kind.")
+    kind: Literal["probe", "steer"] = Field(description="'probe' (a gate's condition) or 'steer' (a gate's action).")
+    packed: dict[str, Any] = Field(description="{hook: {dtype, shape: [n, hidden], layer_indices, data: base64, scales?}}; "
+                                                "a probe resolves to exactly one (hook, layer).")
+
+
+class UnregisterVectorRequest(StrictModel):
+    name: str = Field(..., min_length=1, max_length=200)
+    kind: Literal["probe", "steer"]
+
+
+class RegistryResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    name: str
+    kind: str
+    vectors: dict[str, list[str]] = Field(description="Registered names per kind: {'probe': [...], 'steer': [...]}.")
+
+
+class VectorRegistry:
+    """The fork's two namespaces of named vectors: kind -> name -> {(hook, layer): vector}."""
+
+    def __init__(self) -> None:
+        self._vectors: dict[str, dict[str, dict[tuple[str, int], np.ndarray]]] = {k: {} for k in KINDS}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, kind: str, rows: dict[tuple[str, int], np.ndarray]) -> None:
+        with self._lock:
+            self._vectors[kind][name] = rows
+
+    def unregister(self, name: str, kind: str) -> bool:
+        with self._lock:
+            return self._vectors[kind].pop(name, None) is not None
+
+    def get(self, name: str, kind: str) -> dict[tuple[str, int], np.ndarray] | None:
+        return self._vectors[kind].get(name)
+
+    def listing(self) -> dict[str, list[str]]:
+        with self._lock:
+            return {k: sorted(v) for k, v in self._vectors.items()}
+
+    def count(self) -> int:
+        return sum(len(v) for v in self._vectors.values())
+
+
+def registry_of(request: Request) -> VectorRegistry:
+    """The app's registry (created on first use)."""
+    reg = getattr(request.app.state, "fork_vector_registry", None)
+    if reg is None:
+        reg = request.app.state.fork_vector_registry = VectorRegistry()
+    return reg
+
+
+def decode_rows(packed: Any, kind: str, eng: Engine) -> dict[tuple[str, int], np.ndarray]:
+    """The packed spec as {(hook, layer): float32 vector} (scales folded in), checked like the
+    fork's registry: known hooks, model layers, hidden size, finite values; a probe is one row."""
+    info = eng.info
+    if not isinstance(packed, dict) or not packed:
+        raise SpecError("packed", f"{kind} vector must be a non-empty packed dict {{hook: packed}}")
+    steers = parse_vector_spec(packed, "packed", phase="both", num_layers=info.num_layers, hidden=info.hidden_size)
+    rows: dict[tuple[str, int], np.ndarray] = {}
+    for s in steers:
+        (site,) = s.sites
+        rows[(site.hook, site.layer)] = rows.get((site.hook, site.layer), 0) + s.vector.astype(np.float32) * np.float32(s.scale)
+    if not rows:
+        raise SpecError("packed", f"{kind} vector decoded to no rows")
+    if kind == "probe" and len(rows) != 1:
+        raise SpecError("packed", f"a probe vector must name exactly one (hook, layer); got {len(rows)} rows")
+    return rows
+
+
+@router.post("/v1/steering/vectors/register", response_model=RegistryResponse, responses=RESPONSES,
+             dependencies=[Depends(require_api_key)], summary="Register a named probe/steer vector (fork)")
+def register_vector(req: RegisterVectorRequest, request: Request, eng: Engine = Depends(get_engine)) -> RegistryResponse:
+    """Register (or replace) a named probe/steer vector in the fork's registry."""
+    rows = decode_rows(req.packed, req.kind, eng)
+    reg = registry_of(request)
+    reg.register(req.name, req.kind, rows)
+    return RegistryResponse(name=req.name, kind=req.kind, vectors=reg.listing())
+
+
+@router.post("/v1/steering/vectors/unregister", response_model=RegistryResponse, responses=RESPONSES,
+             dependencies=[Depends(require_api_key)], summary="Unregister a named probe/steer vector (fork)")
+def unregister_vector(req: UnregisterVectorRequest, request: Request, eng: Engine = Depends(get_engine)):
+    """Remove a named vector; 404 (with the current listing) when absent."""
+    reg = registry_of(request)
+    if not reg.unregister(req.name, req.kind):
+        return JSONResponse({"error": f"name: {req.kind} vector '{req.name}' not found.", "field": "name",
+                             "vectors": reg.listing()}, status_code=404)
+    return RegistryResponse(name=req.name, kind=req.kind, vectors=reg.listing())
