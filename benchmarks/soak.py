@@ -322,6 +322,11 @@ class Soak:
                 self.fail(f"status: {type(exc).__name__}: {exc}")
             await asyncio.sleep(1.0)
 
+    @staticmethod
+    def worker_state(status: dict) -> list[dict]:
+        return [{k: w.get(k) for k in ("tp_rank", "registered_requests", "slots_in_use", "buffer_bytes")}
+                for w in (status.get("checksum") or {}).get("workers", [])]
+
     async def run(self) -> dict:
         limits = httpx.Limits(max_connections=self.args.workers + 4)
         async with httpx.AsyncClient(base_url=self.url, timeout=300, limits=limits) as client:
@@ -341,6 +346,11 @@ class Soak:
                     break
                 await asyncio.sleep(0.2)
             settle_s = time.monotonic() - start - elapsed
+            # vLLM tells the workers about finished/aborted requests with the next scheduled step;
+            # after the last abort there may be none: one tiny request delivers them
+            before_flush = self.worker_state(status)
+            await client.post("/v1/generate", json={"prompt": self.prompts[0], "max_tokens": 1})
+            status = (await client.get("/v1/status")).json()
             healthy = (await client.get("/health")).status_code == 200
         if status["in_flight_requests"] != 0:
             self.fail(f"{status['in_flight_requests']} requests still in flight {SETTLE_S} s after the end")
@@ -348,8 +358,7 @@ class Soak:
             self.fail(f"{status['sweeps']['active']} sweeps still active {SETTLE_S} s after the end: {status['sweeps']['sweeps']}")
         if not healthy:
             self.fail("/health is not 200 at the end")
-        workers = [{k: w.get(k) for k in ("tp_rank", "registered_requests", "slots_in_use", "buffer_bytes")}
-                   for w in (status.get("checksum") or {}).get("workers", [])]
+        workers = self.worker_state(status)
         for w in workers:  # every finished or aborted request's worker state was freed
             if w["registered_requests"] or w["slots_in_use"]:
                 self.fail(f"worker state left behind after the load: {w}")
@@ -385,6 +394,7 @@ class Soak:
                         "final": round(final_rss / 2**20, 1), "growth_after_warmup": round(growth / 2**20, 1),
                         "tolerance": self.args.rss_tolerance_mb},
             "workers_at_end": workers,
+            "workers_before_flush": before_flush,
             "rss_series_mib": [[round(t - start, 1), round(r / 2**20, 1)] for t, r in self.rss[::RSS_SERIES_EVERY]],
             "server": {"model": status["model"], "device": status["device"], "dtype": status["dtype"],
                        "versions": status["versions"]},

