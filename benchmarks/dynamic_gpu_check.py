@@ -32,7 +32,7 @@ def main():
     from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
 
     kw = {"model": args.model} if args.model else {}
-    extra = {"enforce_eager": False, "max_model_len": 512} if args.device == "cuda" else {}
+    extra = {"enforce_eager": False} if args.device == "cuda" else {}  # the model's own context length
     eng = Engine(device=args.device, **kw, **extra).start()
     L, H = eng.info.num_layers, eng.info.hidden_size
     rng = np.random.default_rng(0)
