@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.api.compat.fork_vectors import pack_vectors
+from app.fork.vectors import pack_vectors
 from engine_ext.reference.hf import RefEdit
 
 #: a minimal chat template (the bundled model has none)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.api.compat.fork_vectors import pack_vectors
+from app.fork.vectors import pack_vectors
 from engine_ext import GenerationParams
 from engine_ext.specs import Capture, Interventions, Patch, Steer
 from tests.sse import sse_data

@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from app.api.compat.fork_vectors import pack_vectors
+from app.fork.vectors import pack_vectors
 from engine_ext import GenerationParams
 from engine_ext.specs import Interventions, Steer
 from engine_ext.sites import HOOKS

@@ -229,7 +229,7 @@ def test_masks_over_http_equal_the_python_engine(http, engine, tasks):
 
 
 def test_fork_completions_patch_masks_indices_and_inline(http, engine, tasks):
-    from app.api.compat.fork_vectors import pack_vectors
+    from app.fork.vectors import pack_vectors
 
     item = fact(tasks, 19)
     prompt, ids_ = item["prompt"], [item["answer_id"], item["foil_id"]]

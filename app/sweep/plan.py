@@ -249,8 +249,8 @@ def build_plan(engine: Engine, req: PatchSweepRequest, source_exists: dict[str, 
 
     mask = None
     if req.mask is not None:  # the fork's {"indices"} or {"inline": row of patch_vectors}, on every cell
-        from app.api.compat.fork_vectors import parse_patch_vectors
-        from app.api.compat.masks import fork_mask
+        from app.fork.vectors import parse_patch_vectors
+        from app.fork.masks import fork_mask
 
         table = parse_patch_vectors(req.patch_vectors, "patch_vectors", hidden=info.hidden_size)
         mask = fork_mask(req.mask, "mask", table=table, hidden=info.hidden_size)
@@ -345,7 +345,7 @@ def _single_token(engine: Engine, text: str) -> int | None:
 def _inline_source(engine: Engine, req: PatchSweepRequest) -> SourcePlan:
     """The fork's `source_inline`: row `source_inline` of the packed `patch_vectors` table,
     patched into every cell."""
-    from app.api.compat.fork_vectors import parse_patch_vectors
+    from app.fork.vectors import parse_patch_vectors
 
     if req.patch_vectors is None:
         raise SpecError("patch_vectors", "is required with source_inline (the table it indexes)")
@@ -369,7 +369,7 @@ def _module_source(engine: Engine, req: PatchSweepRequest, clean_ids: list[int] 
             raise SpecError("source_module", "'mean' needs the run to average: give clean_prompt or a stored source_run")
         _check_budget(engine, len(run_sites) * len(clean_ids), "clean_prompt")
         return SourcePlan("mean", req.source_run or f"sweep-{uuid.uuid4().hex[:12]}", name="mean", capture=True, capture_sites=run_sites)
-    from app.api.compat import steering_modules
+    from app.fork import steering_modules
 
     if name in steering_modules.modules(engine):
         # the fork's semantics: each cell is patched with the module's (both-phase) vector at the

@@ -3,7 +3,7 @@
 | fork field | becomes |
 | --- | --- |
 | `steering_vectors` / `prefill_steering_vectors` / `decode_steering_vectors` | single-site `Steer` entries at every position of phase both / prefill / decode |
-| `steering_name` | the module's vectors (`app/api/compat/steering_modules.py`), scale 1 |
+| `steering_name` | the module's vectors (`app/fork/steering_modules.py`), scale 1 |
 | `patch[i]` (`layer`, `hook`, `dest_position`, one source, `alpha`) | a one-position `Patch`: `source_run` (+ `source_position`, default the destination) -> stored run; `source_module` -> `"zeros"`, a module's both-phase vector at the site, or a named vector; `source_inline` -> row of `patch_vectors` |
 | `logprob_token_ids` | `score_token_ids` (exact scoring); `logprobs` must be set (the fork's rule over HTTP) |
 | `capture: {"patch_source": {"run"?, "hooks", "positions"}}` | a `Capture` kept as `run` (default: the completion id; values not returned) |
@@ -25,11 +25,11 @@ from engine_ext.errors import SpecError
 from engine_ext.specs import Capture, Interventions, Patch, RunSource, InlineSource, ZeroSource
 from engine_ext.sites import Site
 
-from app.api.compat import steering_modules
+from app.fork import steering_modules
 from app.api.compat.capture_files import LAYOUTS, FileCapture, slug
-from app.api.compat.masks import fork_mask
+from app.fork.masks import fork_mask
 from app.api.field_names import by_index, by_prefix
-from app.api.compat.fork_vectors import check_hook, check_layer, parse_patch_vectors, parse_vector_spec
+from app.fork.vectors import check_hook, check_layer, parse_patch_vectors, parse_vector_spec
 from app.api.schemas.generation import CompletionRequest
 
 UNSUPPORTED_FIELDS = ("steering_clamps", "prefill_steering_clamps", "decode_steering_clamps", "steering")

@@ -30,7 +30,7 @@ from engine_ext import Engine
 from engine_ext.errors import SpecError
 
 from app.api.auth import UNAUTHORIZED, require_api_key
-from app.api.compat.fork_vectors import parse_vector_spec
+from app.fork.vectors import parse_vector_spec
 from app.api.deps import get_engine
 from app.api.schemas.generation import ErrorResponse
 from app.wire import StrictModel

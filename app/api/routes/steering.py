@@ -19,11 +19,11 @@ from engine_ext.errors import SpecError
 from engine_ext.specs import Steer, check_safe_name
 from engine_ext.sites import HOOKS
 
-from app.api.compat import steering_modules
+from app.fork import steering_modules
 from app.api.auth import UNAUTHORIZED, require_api_key
 from app.api.errors import error_response
 from app.api.field_names import by_index
-from app.api.compat.fork_vectors import TIER_PHASES, check_vector, parse_vector_spec
+from app.fork.vectors import TIER_PHASES, check_vector, parse_vector_spec
 from app.api.schemas.generation import ErrorResponse
 from app.api.schemas.interventions import (
     ModuleEntry,

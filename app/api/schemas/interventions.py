@@ -10,7 +10,7 @@ selectors, patch sources). Every error names its field the same way, with indice
 checks against the model and the prompt (layer out of range, wrong dimension, unknown named
 vector, span not found) come from the engine under the same names. The reference fork's
 dict-keyed vector tiers (`vectors`, `steering_vectors`, ...) are parsed field by field in
-`app/api/compat/fork_vectors.py`; their JSON schema is documented here.
+`app/fork/vectors.py`; their JSON schema is documented here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, WithJsonSchema
 from engine_ext.sites import HOOKS, Site
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 
-from app.api.compat.fork_vectors import VECTOR_SPEC_SCHEMA
+from app.fork.vectors import VECTOR_SPEC_SCHEMA
 from app.wire import MAX_PROMPT_CHARS, SpanSpec, StrictModel
 
 #: a field the reference fork has and causalboard refuses (400 naming it, never ignored)
