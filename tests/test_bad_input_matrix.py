@@ -130,6 +130,8 @@ CASES = {
     "sweep-huge-layer-list": S({"layers": list(range(100_000))}, "layers"),
     # ---- /v1/steering/*
     "vec-name-traversal": J("POST", "/v1/steering/vectors", {"name": "../../etc/passwd", "vector": OK_VEC}, 400, "name"),
+    "fork-registry-name-traversal": J("POST", "/v1/steering/vectors/register",
+                                      {"name": "../x", "kind": "steer", "packed": {"post_block": {"1": OK_VEC}}}, 400, "name"),
     "vec-name-slash": J("POST", "/v1/steering/vectors", {"name": "a/b", "vector": OK_VEC}, 400, "name"),
     "vec-name-space": J("POST", "/v1/steering/vectors", {"name": "my vector", "vector": OK_VEC}, 400, "name"),
     "vec-name-too-long": J("POST", "/v1/steering/vectors", {"name": "v" * 129, "vector": OK_VEC}, 400, "name"),

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 
 from engine_ext import Engine
 from engine_ext.errors import SpecError
+from engine_ext.specs import check_safe_name
 
 from app.api.auth import UNAUTHORIZED, require_api_key
 from app.fork.vectors import parse_vector_spec
@@ -116,7 +117,9 @@ def decode_rows(packed: Any, kind: str, eng: Engine) -> dict[tuple[str, int], np
 @router.post("/v1/steering/vectors/register", response_model=RegistryResponse, responses=RESPONSES,
              dependencies=[Depends(require_api_key)], summary="Register a named probe/steer vector (fork)")
 def register_vector(req: RegisterVectorRequest, request: Request, eng: Engine = Depends(get_engine)) -> RegistryResponse:
-    """Register (or replace) a named probe/steer vector in the fork's registry."""
+    """Register (or replace) a named probe/steer vector in the fork's registry (names in the same
+    safe character set as every other name: 400 naming `name`)."""
+    check_safe_name(req.name, "name")
     rows = decode_rows(req.packed, req.kind, eng)
     reg = registry_of(request)
     reg.register(req.name, req.kind, rows)
