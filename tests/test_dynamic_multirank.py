@@ -70,8 +70,10 @@ def _engine(**kw):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    """Thresholds chosen on one rank, and that engine's generations with them."""
-    eng = _engine()
+    """Thresholds chosen on one rank, and that engine's generations with them. The engine core runs
+    in its own process: closing an in-process engine would tear down vLLM's process-global state
+    under the session's shared engine."""
+    eng = _engine(multiprocess=True)
     try:
         never = Policy.make(probe="mr-dir", sites=["L2.post_attn"], vector=_vec(1, 4.0), on=1e30)
         base = _run(eng, [[never]] * len(PROMPTS))
