@@ -97,7 +97,12 @@ class InFlight:
             threading.Thread(target=self._stream, args=("stream", "/v1/generate", {**long, "stream": True}, "token"), daemon=True),
             threading.Thread(target=self._plain, args=("plain", "/v1/generate", long), daemon=True),
         ]
-        for t in self.threads:
+        # the sweep (hundreds of cells, one at a time) first: it is surely in flight at the fault;
+        # the generations start once it runs (on the fast CPU mode a 100-token generation can end
+        # within the 0.3 s before the fault: then it must have ended normally, see below)
+        self.threads[0].start()
+        assert self.started["sweep"].wait(120), "the sweep never started"
+        for t in self.threads[1:]:
             t.start()
 
     def _stream(self, name: str, path: str, body: dict, running_type: str) -> None:
@@ -131,8 +136,7 @@ class InFlight:
         for name, ev in self.started.items():
             assert ev.wait(timeout), f"{name} never started"
         time.sleep(0.3)  # the plain request reaches the engine
-        for name in ("sweep", "stream"):
-            assert name not in self.ended, f"{name} finished before the fault: {self.results.get(name)}"
+        assert "sweep" not in self.ended, f"the sweep finished before the fault: {self.results.get('sweep')}"
 
     def join(self, timeout: float) -> None:
         for t in self.threads:
@@ -141,11 +145,22 @@ class InFlight:
 
 
 def check_ended_with_engine_error(flight: InFlight, fault_at: float) -> None:
+    """Every request in flight at the fault ended promptly with the engine error; a generation
+    that had already ended before the fault must have ended normally."""
     for name in ("sweep", "stream", "plain"):
         assert flight.ended[name] - fault_at < PROMPT_END_S, name
-    status, body = flight.results["plain"]
-    assert status == 503 and body["field"] == "engine" and body["error"].startswith("engine: "), body
+    early = {name for name in ("stream", "plain") if flight.ended[name] < fault_at}
+    if "plain" in early:
+        assert flight.results["plain"][0] == 200, flight.results["plain"]
+    else:
+        status, body = flight.results["plain"]
+        assert status == 503 and body["field"] == "engine" and body["error"].startswith("engine: "), body
+    if "stream" in early:
+        events = flight.results["stream"]
+        assert events[-1] == "[DONE]" and events[-2].get("type") == "done", events[-3:]
     for name in ("sweep", "stream"):
+        if name in early:
+            continue
         events = flight.results[name]
         assert not any(isinstance(e, Exception) for e in events), events
         assert events[-1] == "[DONE]", events[-3:]
@@ -182,7 +197,9 @@ def test_killed_engine_core_process_ends_everything_in_flight_and_serve_exits_1(
     flight.join(PROMPT_END_S + 5)
     check_ended_with_engine_error(flight, fault_at)
     check_dead_then_exit(server, fault_at)
-    assert "engine-core process died" in server.text()
+    # noticed by the loop's watchdog (the process is gone) or by vLLM's client raising first
+    log = server.log_path.read_text()
+    assert "engine-core process died" in log or "engine loop failed" in log, log[-3000:]
 
 
 def test_exception_inside_an_in_process_step_ends_everything_in_flight_and_serve_exits_1(server_factory, tasks):
