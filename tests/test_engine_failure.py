@@ -146,7 +146,12 @@ class InFlight:
 
 def check_ended_with_engine_error(flight: InFlight, fault_at: float) -> None:
     """Every request in flight at the fault ended promptly with the engine error; a generation
-    that had already ended before the fault must have ended normally."""
+    that had already ended before the fault must have ended normally.
+
+    `fault_at` is read just *before* the fault is injected: read after it, the test's thread can
+    lose the CPU between the two (2 busy cores, three reader threads) for long enough that a request
+    ends with the engine error before `fault_at` is taken, and would be mistaken for one that ended
+    before the fault (seen in CI: a 503 classed as early)."""
     for name in ("sweep", "stream", "plain"):
         assert flight.ended[name] - fault_at < PROMPT_END_S, name
     early = {name for name in ("stream", "plain") if flight.ended[name] < fault_at}
@@ -192,8 +197,8 @@ def test_killed_engine_core_process_ends_everything_in_flight_and_serve_exits_1(
     flight.wait_running()
     cores = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
     assert len(cores) == 1, [(p.pid, p.name(), p.cmdline()) for p in psutil.Process(server.proc.pid).children(recursive=True)]
+    fault_at = time.monotonic()  # taken before the fault: see check_ended_with_engine_error
     cores[0].kill()  # SIGKILL, as the OOM killer would
-    fault_at = time.monotonic()
     flight.join(PROMPT_END_S + 5)
     check_ended_with_engine_error(flight, fault_at)
     check_dead_then_exit(server, fault_at)
@@ -207,8 +212,8 @@ def test_exception_inside_an_in_process_step_ends_everything_in_flight_and_serve
     server.wait_up()
     flight = InFlight(server.url, tasks)
     flight.wait_running()
+    fault_at = time.monotonic()  # taken before the fault: see check_ended_with_engine_error
     server.trigger.write_text("fault")
-    fault_at = time.monotonic()
     flight.join(PROMPT_END_S + 5)
     check_ended_with_engine_error(flight, fault_at)
     check_dead_then_exit(server, fault_at)
