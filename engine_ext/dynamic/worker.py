@@ -41,7 +41,7 @@ from engine_ext.dynamic.policy import PolicyState
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, Policy, Probe, policy_from_wire  # noqa: F401 (re-export)
 from engine_ext.specs import spec_hash
 from engine_ext.worker.intervention_op import SlotMode
-from engine_ext.worker.slots import SlotCapacityError, SlotValue
+from engine_ext.worker.slots import SlotCapacityError, SlotValue, to_device_async
 
 logger = logging.getLogger("causalboard.dynamic")
 
@@ -90,6 +90,11 @@ class DynRequest:
     errors: list[str] = field(default_factory=list)
     actions: int = 0
     last_scored: int = -1
+    #: the sites its probes read (flat indices, sorted; fixed at registration)
+    monitor_sites: tuple[int, ...] = ()
+    #: (scales, base slot keys per site) -> (per site: (slot key, make), the action's crc); an
+    #: action repeated with the same inputs (a threshold policy holding) is composed once
+    actions_cache: dict = field(default_factory=dict)
 
     def engaged(self) -> bool:
         return any(s.current_scale() != 0.0 for s in self.states)
@@ -143,7 +148,8 @@ class DynamicWorker:
             states.append(PolicyState.start(pol, latched=latched))
         if conv is not None and conv in self.latches:
             self.latches.move_to_end(conv)
-        dr = DynRequest(req_id, key, n_prompt, conv, pols, states, trace=[[] for _ in pols])
+        dr = DynRequest(req_id, key, n_prompt, conv, pols, states, trace=[[] for _ in pols],
+                        monitor_sites=tuple(sorted({self.probes[p.spec.probe].spec.site.index() for p in pols})))
         if any(s.current_scale() != 0.0 for s in states):
             dr.decided[n_prompt] = tuple(s.current_scale() for s in states)
         self.requests[req_id] = dr
@@ -204,7 +210,7 @@ class DynamicWorker:
                 last = p1 - 1
                 if last >= dr.n_prompt - 1 and last > dr.last_scored:
                     row = row0 + n - 1
-                    for site in sorted({self.probes[p.spec.probe].spec.site.index() for p in dr.policies}):
+                    for site in dr.monitor_sites:
                         if not self.st.owns_site(site):
                             continue
                         idx = int(hc[row, site])
@@ -224,6 +230,34 @@ class DynamicWorker:
         """Compose the engaged policies at their sites on `row`; the action's crc, or None when
         rejected."""
         slots = self.st.slots
+        plan = self._action_plan(dr, row, scales, hs)
+        if isinstance(plan, str):
+            return self._reject(dr, plan)
+        entries, crc = plan
+        acquired: list[tuple[int, int]] = []
+        try:
+            for site, key, make in entries:
+                acquired.append((site, slots.acquire(key, make)))
+        except SlotCapacityError as exc:
+            slots.release([s for _, s in acquired])
+            return self._reject(dr, str(exc))
+        for site, slot in acquired:
+            hs[row, site] = slot
+            self._held.append(slot)
+        return crc
+
+    def _action_plan(self, dr: DynRequest, row: int, scales: tuple[float, ...], hs: np.ndarray):
+        """What `_apply` acquires for `scales` on `row` — per site (slot key, make) — and the
+        action's crc (request key, sites, payload crcs); or the reason it cannot be composed.
+        Cached per (scales, the content keys of the slots already on the row's sites)."""
+        slots = self.st.slots
+        sites = sorted({site for pol, scale in zip(dr.policies, scales) if scale != 0.0
+                        for site in pol.sites if self.st.owns_site(site)})
+        bases = tuple(int(hs[row, site]) for site in sites)
+        sig = (scales, tuple(slots.key_of(b) if b >= 0 else None for b in bases))
+        got = dr.actions_cache.get(sig)
+        if got is not None:
+            return got
         by_site: dict[int, list[tuple[np.ndarray, int]]] = {}
         for pol, scale in zip(dr.policies, scales):
             if scale == 0.0:
@@ -233,37 +267,35 @@ class DynamicWorker:
                 if self.st.owns_site(site):
                     by_site.setdefault(site, []).append((vec, crc))
         desc = [dr.key]
-        acquired: list[tuple[int, int]] = []
-        try:
-            for site, parts in sorted(by_site.items()):
-                base = int(hs[row, site])
-                base_val = slots.value_of(base) if base >= 0 else None
-                if base_val is not None and base_val.mode != SlotMode.AFFINE:
-                    raise SlotCapacityError(f"position has a stored-pair patch at site {site}; dynamic steering cannot compose with it")
-                key = ("dyn", slots.key_of(base) if base >= 0 else None, tuple(c for _, c in parts))
+        entries = []
+        for (site, parts), base in zip(sorted(by_site.items()), bases):
+            base_val = slots.value_of(base) if base >= 0 else None
+            if base_val is not None and base_val.mode != SlotMode.AFFINE:
+                return f"position has a stored-pair patch at site {site}; dynamic steering cannot compose with it"
+            key = ("dyn", slots.key_of(base) if base >= 0 else None, tuple(c for _, c in parts))
 
-                def make(base_val=base_val, parts=parts):
-                    c = None if base_val is None or base_val.c is None else base_val.c.astype(np.float32)
-                    for v, _ in parts:
-                        c = v.copy() if c is None else c + v
-                    if base_val is None:
-                        return SlotValue(SlotMode.AFFINE, a=1.0, c=c)
-                    # keep the base's per-dimension a (a dimension-masked patch) with its content key
-                    return SlotValue(SlotMode.AFFINE, a=base_val.a, c=c, a_vec=base_val.a_vec, a_key=base_val.a_key)
+            def make(base_val=base_val, parts=parts):
+                c = None if base_val is None or base_val.c is None else base_val.c.astype(np.float32)
+                for v, _ in parts:
+                    c = v.copy() if c is None else c + v
+                if base_val is None:
+                    return SlotValue(SlotMode.AFFINE, a=1.0, c=c)
+                # keep the base's per-dimension a (a dimension-masked patch) with its content key
+                return SlotValue(SlotMode.AFFINE, a=base_val.a, c=c, a_vec=base_val.a_vec, a_key=base_val.a_key)
 
-                acquired.append((site, slots.acquire(key, make)))
-                desc.append(f"{site}:{','.join(f'{c:08x}' for _, c in parts)}")
-        except SlotCapacityError as exc:
-            slots.release([s for _, s in acquired])
-            self.rejected += 1
-            msg = f"dynamic action rejected: {exc}"
-            if msg not in dr.errors:
-                dr.errors.append(msg)
-            return None
-        for site, slot in acquired:
-            hs[row, site] = slot
-            self._held.append(slot)
-        return zlib.crc32("|".join(desc).encode())
+            entries.append((site, key, make))
+            desc.append(f"{site}:{','.join(f'{c:08x}' for _, c in parts)}")
+        if len(dr.actions_cache) > 64:  # proportional control: a new scale nearly every step
+            dr.actions_cache.clear()
+        got = dr.actions_cache[sig] = (entries, zlib.crc32("|".join(desc).encode()))
+        return got
+
+    def _reject(self, dr: DynRequest, reason: str) -> None:
+        self.rejected += 1
+        msg = f"dynamic action rejected: {reason}"
+        if msg not in dr.errors:
+            dr.errors.append(msg)
+        return None
 
     def after_forward(self) -> None:
         """Score the monitored rows on the device and start copying the scores to the host. The
@@ -276,8 +308,7 @@ class DynamicWorker:
         self.decide_pending()
         monitors, self._monitors = self._monitors, []
         b = self.st.buffers
-        idx = torch.tensor([m[3] for m in monitors], dtype=torch.long, device="cpu").to(b.device)
-        vals = b.cap_x.index_select(0, idx).float() + b.cap_r.index_select(0, idx).float()  # [m, H]
+        vals = _rows(b.cap_x, [m[3] for m in monitors]).float() + _rows(b.cap_r, [m[3] for m in monitors]).float()  # [m, H]
         # one score block per (monitor row, probe); probes grouped so each is one matmul
         wanted: dict[str, list[int]] = {}
         row_of: dict[tuple[int, int], int] = {}  # (id(request), site) -> row in vals
@@ -293,7 +324,7 @@ class DynamicWorker:
         offset = 0
         for name, rows in wanted.items():
             pr = self.probes[name]
-            sel = vals.index_select(0, torch.tensor(rows, dtype=torch.long, device="cpu").to(b.device))
+            sel = _rows(vals, rows)
             blocks.append((sel @ pr.w.T + pr.b).flatten())
             for r_i, j in enumerate(rows):
                 layout[(name, j)] = offset + r_i * pr.spec.size
@@ -365,3 +396,12 @@ class DynamicWorker:
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
                 "latched_conversations": len(self.latches), "dynamic_actions": self.actions,
                 "rejected_actions": self.rejected}
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`t[rows]` without a blocking host-to-device copy: a view when the rows are one contiguous
+    ascending run (the monitors' capture rows usually are), else an index copied from pinned
+    memory without waiting (a plain `.to(device)` of a host index would wait for the forward)."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return t[rows[0]: rows[0] + len(rows)]
+    return t.index_select(0, to_device_async(torch.tensor(rows, dtype=torch.long), t.device))

@@ -131,24 +131,24 @@ class SlotTable:
         slots = [s for s, _ in pending]
         modes = np.array([int(v.mode) for _, v in pending], np.int32)
         a = np.array([v.a for _, v in pending], np.float32)
-        idx = _to_device(torch.tensor(slots, dtype=torch.long, device="cpu"), b.device)
-        b.slot_mode.index_copy_(0, idx, _to_device(torch.from_numpy(modes), b.device))
-        b.slot_a.index_copy_(0, idx, _to_device(torch.from_numpy(a), b.device))
+        idx = to_device_async(torch.tensor(slots, dtype=torch.long, device="cpu"), b.device)
+        b.slot_mode.index_copy_(0, idx, to_device_async(torch.from_numpy(modes), b.device))
+        b.slot_a.index_copy_(0, idx, to_device_async(torch.from_numpy(a), b.device))
         adim = self._dim_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
-        b.slot_adim.index_copy_(0, idx, _to_device(torch.from_numpy(adim), b.device))
+        b.slot_adim.index_copy_(0, idx, to_device_async(torch.from_numpy(adim), b.device))
         if self._dim_pending:
             dims, self._dim_pending = self._dim_pending, []
-            didx = _to_device(torch.tensor([d for d, _ in dims], dtype=torch.long, device="cpu"), b.device)
+            didx = to_device_async(torch.tensor([d for d, _ in dims], dtype=torch.long, device="cpu"), b.device)
             rows = np.stack([np.asarray(v, np.float32) for _, v in dims])
-            b.dim_a.index_copy_(0, didx, _to_device(torch.from_numpy(rows), b.device))
+            b.dim_a.index_copy_(0, didx, to_device_async(torch.from_numpy(rows), b.device))
         affine = [(s, v) for s, v in pending if v.mode == SlotMode.AFFINE]  # PAIR slots never read c
         if affine:
             c = np.zeros((len(affine), b.hidden), np.float32)
             for i, (_, v) in enumerate(affine):
                 if v.c is not None:
                     c[i] = v.c
-            cidx = _to_device(torch.tensor([s for s, _ in affine], dtype=torch.long, device="cpu"), b.device)
-            b.slot_c.index_copy_(0, cidx, _to_device(torch.from_numpy(c), b.device))
+            cidx = to_device_async(torch.tensor([s for s, _ in affine], dtype=torch.long, device="cpu"), b.device)
+            b.slot_c.index_copy_(0, cidx, to_device_async(torch.from_numpy(c), b.device))
         by_run: dict[int, tuple[Any, list[int], list[int]]] = {}
         for (slot, v) in pending:
             if v.pair is not None:
@@ -157,13 +157,13 @@ class SlotTable:
                 rows.append(v.pair.row)
         for run, to, rows in by_run.values():  # one gather per stored run, on the device
             x, r = run.on(b.device)
-            ridx = _to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), b.device)
-            pidx = _to_device(torch.tensor(to, dtype=torch.long, device="cpu"), b.device)
+            ridx = to_device_async(torch.tensor(rows, dtype=torch.long, device="cpu"), b.device)
+            pidx = to_device_async(torch.tensor(to, dtype=torch.long, device="cpu"), b.device)
             b.slot_px.index_copy_(0, pidx, x.index_select(0, ridx).to(b.dtype))
             b.slot_pr.index_copy_(0, pidx, r.index_select(0, ridx).to(b.dtype))
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without blocking the host (pinned staging for CUDA)."""
     if device.type != "cuda":
         return t.to(device)
