@@ -12,7 +12,9 @@ Variants (distinct random 16-token prompts, seed 132, ignore_eos, greedy):
   threshold_on     a threshold policy engaged from the first generated token: monitor + one
                    action per request and step (one shared slot: the payload never changes);
   proportional     proportional control: monitor + an action whose scale changes every step
-                   (a new slot value per request and step: the worst case for uploads).
+                   (a new slot value per request and step: the worst case for uploads);
+  static_steer     no dynamic steering: the same vector steered statically at the same site on
+                   every generated token (what the engaged action costs by itself, for reference).
 The probe reads L{L/2}.post_block; the action steers L{L/2 - 1}.post_attn with a small vector
 (norm 0.01 x sqrt(H)) so the generated text stays ordinary. One line of JSON per variant:
 {"bench": "dyn_decode", "variant", "batch", "tokens", "tok_s", "ratio_vs_vanilla", "reps_s"}.
@@ -42,6 +44,7 @@ def main():
 
     from engine_ext import Engine, GenerationParams
     from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
+    from engine_ext.specs import Interventions, Steer
 
     t0 = time.perf_counter()
     kw = {"model": args.model} if args.model else {}
@@ -68,13 +71,17 @@ def main():
     lo, hi = (1000, min(info.vocab_size - 1, 128000)) if info.vocab_size > 2000 else (4, info.vocab_size - 1)
     prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(args.batch)]
     params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
-    for dyn in variants.values():  # warm-up
-        eng.generate(prompts, GenerationParams(max_tokens=8, ignore_eos=True), dynamic=dyn)
-    times = {k: [] for k in variants}
+    static = {"static_steer": Interventions(steer=(Steer.make(steer, v, phase="decode"),))}
+    run_kw = {k: {"dynamic": dyn} for k, dyn in variants.items()}
+    run_kw.update({k: {"interventions": spec} for k, spec in static.items()})
+    for kw in run_kw.values():  # warm-up
+        eng.generate(prompts, GenerationParams(max_tokens=8, ignore_eos=True), **kw)
+    times = {k: [] for k in run_kw}
     for _ in range(args.reps):
-        for k, dyn in variants.items():
+        for k, kw in run_kw.items():
+            dyn = kw.get("dynamic")
             t = time.perf_counter()
-            gens = eng.generate(prompts, params, dynamic=dyn)
+            gens = eng.generate(prompts, params, **kw)
             times[k].append(time.perf_counter() - t)
             assert sum(len(g.token_ids) for g in gens) == args.batch * args.tokens
             if dyn is not None:
