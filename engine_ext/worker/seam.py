@@ -133,7 +133,7 @@ PATCHED_SYMBOLS: tuple[str, ...] = (
 
 
 #: Bump when the patches change: part of the compile-cache key (additional_config).
-SEAM_FINGERPRINT = "causalboard-seam-4"
+SEAM_FINGERPRINT = "causalboard-seam-5"
 
 logger = logging.getLogger("causalboard.seam")
 
@@ -235,26 +235,48 @@ def close_state(state: Any) -> None:
     state.close()
 
 
-def _site_forward(self, positions, hidden_states, residual):
-    """vLLM 0.25.1's Llama/Qwen2/Qwen3 decoder-layer forward, plus the five site ops."""
+def _pre_attn_sites(layer, hidden_states, residual):
+    """The shared head of every patched decoder-layer forward: the `pre_attn` site op, then the
+    input norm (vLLM's fused add-norm when a residual comes in). Returns (normed, residual)."""
     import torch
 
-    sid, base = self._cb_state, self._cb_layer * SITES_PER_LAYER
+    sid, base = layer._cb_state, layer._cb_layer * SITES_PER_LAYER
     if residual is None:
         torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _PRE_ATTN)
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-    else:
-        torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _PRE_ATTN)
-        hidden_states, residual = self.input_layernorm(hidden_states, residual)
-    hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-    torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_ATTN)
-    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return layer.input_layernorm(hidden_states), hidden_states
+    torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _PRE_ATTN)
+    return layer.input_layernorm(hidden_states, residual)
+
+
+def _post_attn_sites(layer, attn_out, residual, mlp_scale=None):
+    """The shared tail: the `post_attn` site op on the attention branch, the post-attention norm,
+    `mlp_in`, the MLP (times `mlp_scale + 1` when the layer has an FFN layer scale), `mlp_out`,
+    then `post_block`. Returns (mlp branch, residual) as vLLM's layers do."""
+    import torch
+
+    sid, base = layer._cb_state, layer._cb_layer * SITES_PER_LAYER
+    torch.ops.vllm.causalboard_site(attn_out, residual, sid, base + _POST_ATTN)
+    hidden_states, residual = layer.post_attention_layernorm(attn_out, residual)
     torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_IN)
-    hidden_states = self.mlp(hidden_states)
+    hidden_states = layer.mlp(hidden_states)
+    if mlp_scale is not None:
+        hidden_states = _times_layer_scale(hidden_states, mlp_scale)
     torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_OUT)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_BLOCK)
     return hidden_states, residual
+
+
+def _times_layer_scale(hidden_states, scale):
+    """Qwen3-Next's optional layer scale, as its forward writes it: `x * (scale + 1)`."""
+    scale = scale.to(hidden_states.dtype)
+    return hidden_states * ((scale[0] if hidden_states.dim() == 2 else scale) + 1)
+
+
+def _site_forward(self, positions, hidden_states, residual):
+    """vLLM 0.25.1's Llama/Qwen2/Qwen3 decoder-layer forward, plus the five site ops."""
+    hidden_states, residual = _pre_attn_sites(self, hidden_states, residual)
+    hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+    return _post_attn_sites(self, hidden_states, residual)
 
 
 _site_forward._cb_wrapped = True
@@ -266,14 +288,7 @@ def _qwen3_next_site_forward(self, hidden_states, residual, positions=None, **kw
     as written back, after the optional layer scale)."""
     import torch
 
-    sid, base = self._cb_state, self._cb_layer * SITES_PER_LAYER
-    if residual is None:
-        torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _PRE_ATTN)
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-    else:
-        torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _PRE_ATTN)
-        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    hidden_states, residual = _pre_attn_sites(self, hidden_states, residual)
     attn_out = torch.empty_like(hidden_states)
     if self.layer_type == "linear_attention":
         self.linear_attn(hidden_states=hidden_states, output=attn_out)
@@ -283,18 +298,8 @@ def _qwen3_next_site_forward(self, hidden_states, residual, positions=None, **kw
         raise ValueError("Invalid layer_type")
     hidden_states = attn_out
     if self.layer_scale:
-        scale = self.attn_layer_scale.to(hidden_states.dtype)
-        hidden_states = hidden_states * ((scale[0] if hidden_states.dim() == 2 else scale) + 1)
-    torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_ATTN)
-    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_IN)
-    hidden_states = self.mlp(hidden_states)
-    if self.layer_scale:
-        scale = self.ffn_layer_scale.to(hidden_states.dtype)
-        hidden_states = hidden_states * ((scale[0] if hidden_states.dim() == 2 else scale) + 1)
-    torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_OUT)
-    torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_BLOCK)
-    return hidden_states, residual
+        hidden_states = _times_layer_scale(hidden_states, self.attn_layer_scale)
+    return _post_attn_sites(self, hidden_states, residual, self.ffn_layer_scale if self.layer_scale else None)
 
 
 _qwen3_next_site_forward._cb_wrapped = True
