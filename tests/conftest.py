@@ -3,11 +3,13 @@ transformers reference on the same weights, and a real HTTP server on that engin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serve_in_thread(app, what: str = "test server", log_level: str = "warning") -> Iterator[str]:
+    """A real uvicorn server for `app` (an ASGI app) on a free loopback port, in a daemon thread:
+    yields its base URL, stops it on exit."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, f"{what} did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def wait_healthy(url: str, proc, log_tail: Callable[[], str], timeout: float = 300, every: float = 0.5) -> None:
+    """Wait until `url`/health answers 200, failing with the server's log tail if the server
+    process `proc` exits first or `timeout` seconds pass."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, log_tail()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "server did not come up\n" + log_tail()
+        time.sleep(every)
+
+
+def capture_until_evicted(engine, prompt: str, sites: list[str], victim: str, prefix: str, limit: int = 200) -> list[str]:
+    """Store captures of `prompt` at `sites` as `{prefix}1`, `{prefix}2`, ... until the source
+    store evicts the run `victim` (at most `limit - 1` runs); returns every run id evicted on the
+    way. The caller drops the `{prefix}N` runs (`drop_captures_until_evicted`)."""
+    evicted: list[str] = []
+    for i in range(1, limit):
+        g = engine.capture(prompt, sites, "all_prompt", keep_as=f"{prefix}{i}", return_values=False)
+        evicted += g.intervention.evicted
+        if victim in evicted:
+            break
+    return evicted
+
+
+def drop_captures_until_evicted(engine, prefix: str, limit: int = 200) -> None:
+    for i in range(1, limit):
+        engine.drop_source(f"{prefix}{i}")
+
+
 @pytest.fixture(scope="session")
 def tasks() -> dict:
     return json.loads((model_path() / "tasks.json").read_text())
@@ -74,22 +132,10 @@ def hf_ref():
 @pytest.fixture(scope="session")
 def server_url(engine):
     """A real uvicorn server on 127.0.0.1 serving the shared engine."""
-    import uvicorn
-
     from app.api.app import create_app
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        if time.time() > deadline:
-            raise RuntimeError("test server did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(create_app(engine)) as url:
+        yield url
 
 
 @pytest.fixture

@@ -8,12 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from .conftest import REPO, free_port
+from .conftest import REPO, free_port, wait_healthy
 
 pytestmark = pytest.mark.engine  # starts engines of its own
 
@@ -25,16 +24,8 @@ def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([str(exe), "serve"], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        deadline = time.time() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(1)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, lambda: (tmp_path / "serve.log").read_text()[-3000:],
+                     timeout=240, every=1)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/generate", json={"prompt": "The capital of", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and len(r.json()["token_ids"]) == 2
         proc.send_signal(signal.SIGTERM)

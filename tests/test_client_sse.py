@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -20,7 +17,7 @@ from app.client.http import RESUME_TRIES, AsyncCausalboardClient, CausalboardCli
 from app.api.sse import DONE, sse_event
 from app.client.sse import StreamTruncated, iter_events
 
-from .conftest import free_port
+from .conftest import serve_in_thread
 
 LAYERS, POSITIONS = [0, 1], [0, 1, 2]
 
@@ -149,17 +146,8 @@ def canned_app() -> FastAPI:
 def canned():
     """(base URL, app) of the canned server, running in a thread."""
     app = canned_app()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "canned server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app, "canned server", log_level="critical") as url:
+        yield url, app
 
 
 def _types(evs: list[dict]) -> list[str]:

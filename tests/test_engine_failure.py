@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from .conftest import REPO, free_port, model_path
+from .conftest import REPO, free_port, model_path, wait_healthy
 
 pytestmark = pytest.mark.engine  # starts engines of its own
 
@@ -48,16 +48,7 @@ class Server:
         return self.log_path.read_text()[-4000:]
 
     def wait_up(self, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while True:
-            assert self.proc.poll() is None, self.text()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up\n" + self.text()
-            time.sleep(0.5)
+        wait_healthy(self.url, self.proc, self.text, timeout)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -18,7 +18,7 @@ from engine_ext.reference.hf import HFReference, RefEdit
 from engine_ext.sites import HOOKS
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 
-from .conftest import free_port
+from .conftest import serve_in_thread
 
 pytestmark = pytest.mark.engine  # starts an engine of its own
 
@@ -59,21 +59,10 @@ def ref(hybrid_path):
 
 @pytest.fixture(scope="module")
 def hyb_url(hyb):
-    import uvicorn
-
     from app.api.app import create_app
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(hyb), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "test server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(create_app(hyb)) as url:
+        yield url
 
 
 def rel_l2(a, b) -> float:

@@ -18,6 +18,8 @@ from engine_ext.reference.hf import RefEdit
 from engine_ext.sites import HOOKS
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
 
+from .conftest import capture_until_evicted, drop_captures_until_evicted
+
 CAPTURE_ATOL, CAPTURE_RTOL = 2e-4, 2e-4
 LOGPROB_ATOL = 2e-3
 ONE = GenerationParams(max_tokens=1, logprobs=0)
@@ -242,17 +244,11 @@ def test_missing_or_evicted_source_voids_the_request(engine, tasks):
     first = engine.capture(prompt, ["L1.pre_attn"], "all_prompt", keep_as="evict-0", return_values=False)
     assert first.intervention.stored_as == "evict-0"
     all_sites = [f"L{L}.{h}" for L in range(engine.info.num_layers) for h in ("pre_attn", "post_attn", "post_block")]
-    evicted: list[str] = []
-    for i in range(1, 200):
-        g = engine.capture(prompt, all_sites, "all_prompt", keep_as=f"evict-{i}", return_values=False)
-        evicted += g.intervention.evicted
-        if "evict-0" in evicted:
-            break
+    evicted = capture_until_evicted(engine, prompt, all_sites, "evict-0", "evict-")
     assert "evict-0" in evicted and not engine.has_source("evict-0")
     gen = engine.generate(prompt, ONE, Interventions(patch=(Patch.make("L1.pre_attn", "all_prompt", {"run": "evict-0"}),)))
     assert gen.intervention.voided and "evict-0" in gen.intervention.errors[0]
-    for i in range(1, 200):
-        engine.drop_source(f"evict-{i}")
+    drop_captures_until_evicted(engine, "evict-")
 
 
 def test_leased_source_survives_store_pressure(engine, tasks):

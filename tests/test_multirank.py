@@ -17,8 +17,6 @@ cells are normalised differences of such logprobs). Token ids must be equal.
 
 from __future__ import annotations
 
-import threading
-import time
 
 import httpx
 import numpy as np
@@ -27,7 +25,8 @@ import pytest
 from engine_ext import GenerationParams
 from engine_ext.sites import HOOKS
 from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
-from tests.conftest import free_port, model_path
+from tests.conftest import (capture_until_evicted, drop_captures_until_evicted, free_port, model_path, serve_in_thread,
+                            wait_healthy)
 
 pytestmark = pytest.mark.multirank
 
@@ -51,22 +50,11 @@ def ranked(request):
 @pytest.fixture(scope="module")
 def ranked_http(ranked):
     """A real HTTP server on the two-rank engine."""
-    import uvicorn
-
     from app.api.app import create_app
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ranked), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "server on the multi-rank engine did not start"
-        time.sleep(0.05)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-        yield client
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(create_app(ranked), "server on the multi-rank engine") as url:
+        with httpx.Client(base_url=url, timeout=300) as client:
+            yield client
 
 
 def _vec(engine, seed: int, norm: float = 4.0) -> np.ndarray:
@@ -104,16 +92,7 @@ def test_serve_with_tensor_parallel_size_2_is_the_plain_command(tmp_path):
         proc = subprocess.Popen([str(Path(sys.executable).parent / "causalboard"), "serve", "--tensor-parallel-size", "2"],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
-            deadline = time.time() + 300
-            while True:
-                assert proc.poll() is None, log_path.read_text()[-3000:]
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.time() < deadline, "server did not come up"
-                time.sleep(1)
+            wait_healthy(f"http://127.0.0.1:{port}", proc, lambda: log_path.read_text()[-3000:], timeout=300, every=1)
             status = httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=30).json()
             assert status["topology"]["tensor_parallel_size"] == 2 and status["checksum"]["ranks"] == 2
             vec = [0.0] * status["hidden_size"]
@@ -239,12 +218,7 @@ def test_an_evicted_source_voids_the_patch_on_every_stage(ranked, tasks):
     ranked.capture(prompt, ["L0.pre_attn", f"L{n - 1}.post_block"], "all_prompt", keep_as="mr-evict-0", return_values=False)
     assert all(i is not None for i in ranked._rpc("cb_store", "info", "mr-evict-0"))
     all_sites = [f"L{L}.{h}" for L in range(n) for h in HOOKS]
-    evicted: list[str] = []
-    for i in range(1, 200):
-        g = ranked.capture(prompt, all_sites, "all_prompt", keep_as=f"mr-evict-{i}", return_values=False)
-        evicted += g.intervention.evicted
-        if "mr-evict-0" in evicted:
-            break
+    evicted = capture_until_evicted(ranked, prompt, all_sites, "mr-evict-0", "mr-evict-")
     try:
         assert "mr-evict-0" in evicted
         # every worker evicted it: no stage holds half a run
@@ -258,8 +232,8 @@ def test_an_evicted_source_voids_the_patch_on_every_stage(ranked, tasks):
         gen = ranked.generate(prompt, GenerationParams(max_tokens=1, logprobs=0), spec)
         assert gen.intervention.voided and "mr-evict-0" in " ".join(gen.intervention.errors)
     finally:
-        for i in range(200):
-            ranked.drop_source(f"mr-evict-{i}")
+        ranked.drop_source("mr-evict-0")
+        drop_captures_until_evicted(ranked, "mr-evict-")
 
 
 def test_mixed_batch_keeps_each_request_to_its_own_interventions(ranked, tasks):
