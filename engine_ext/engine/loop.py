@@ -12,6 +12,12 @@ sync client then blocks forever in `get_output` or a utility call) makes the loo
 every in-flight request, every request queued but not yet added and every pending `call` future
 fails with `EngineDeadError`, and every later entry point raises it. Sinks and call futures are
 registered before their command is queued, so none can be missed.
+
+Worker results (captures, voided status) of finished requests are fetched with one
+`cb_collect` call per step that finished any. With a multiprocess engine core the call is sent
+without waiting (`seam.start_collective_rpc`): the loop keeps stepping, and each finished
+request's final output goes to its sink together with its result once the reply is in (in the
+order the calls were sent). Its sink stays registered until then, so an engine death fails it.
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._collect: dict[str, str] = {}  # request id -> causalboard key to collect at finish
         self._calls: set[Future] = set()  # `call` futures not yet resolved
+        #: `cb_collect` calls sent without waiting, oldest first: (future, [(output, key)])
+        self._collecting: list[tuple[Future, list[tuple[Any, str]]]] = []
         #: guards `_sinks`, `_calls` and `_error` (callers register, the loop and the watchdog fail them)
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -271,11 +279,14 @@ class EngineLoop:
         self._ready.set()
         try:
             while not self._stopping and self._error is None:
-                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                busy = self.engine.has_unfinished_requests()
+                self._drain_commands(block=not busy and not self._collecting)
                 if self._stopping or self._error is not None:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
+                if self._collecting:  # idle engine: wait for the oldest reply
+                    self._deliver_collected(wait=not self.engine.has_unfinished_requests())
         except BaseException as exc:
             if self._error is None:
                 logger.exception("engine loop failed")
@@ -298,6 +309,15 @@ class EngineLoop:
     def _step(self) -> None:
         outs = self.engine.step()
         keys = [self._collect[o.request_id] for o in outs if o.finished and o.request_id in self._collect]
+        if keys:
+            from engine_ext.worker.seam import start_collective_rpc
+
+            fut = start_collective_rpc(self.engine, "cb_collect", (keys,))
+            if fut is not None:  # multiprocess: hold the finished outputs until the reply is in
+                held = [(o, self._collect.pop(o.request_id)) for o in outs if o.finished and o.request_id in self._collect]
+                self._collecting.append((fut, held))
+                outs = [o for o in outs if not (o.finished and any(o is h for h, _ in held))]
+                keys = []
         results = self._collect_results(keys) if keys else {}
         for out in outs:
             with self._lock:
@@ -313,6 +333,28 @@ class EngineLoop:
                 sink.on_output(out, result)
             except Exception:  # a consumer bug must not kill the engine for everyone
                 logger.exception("sink failed for %s", out.request_id)
+
+    def _deliver_collected(self, wait: bool) -> None:
+        """Hand the held final outputs whose `cb_collect` reply is in to their sinks, oldest call
+        first; with `wait`, block for the oldest reply. A failed call raises (the loop dies, as
+        with a blocking call)."""
+        while self._collecting:
+            fut, held = self._collecting[0]
+            if not fut.done() and not wait:
+                return
+            per_rank = fut.result()
+            self._collecting.pop(0)
+            wait = False
+            results = self.merge_results(per_rank) if per_rank else {}
+            for out, key in held:
+                with self._lock:
+                    sink = self._sinks.pop(out.request_id, None)
+                if sink is None:  # aborted (or failed) meanwhile
+                    continue
+                try:
+                    sink.on_output(out, results.get(key, {"status": "unknown", "errors": ["no worker result"]}))
+                except Exception:  # a consumer bug must not kill the engine for everyone
+                    logger.exception("sink failed for %s", out.request_id)
 
     def _collect_results(self, keys: list[str]) -> dict[str, dict]:
         """Fetch every worker's results and merge them (`merge_results`)."""

@@ -58,6 +58,16 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   also by `register_plugin`, because with several workers the scheduler runs in a process that
   never imports the worker extension.
 
+Private vLLM API replicated (not patched), engine-client side
+-------------------------------------------------------------
+* `vllm.v1.engine.core_client.SyncMPClient.call_utility` (source sha checked,
+  `CALL_UTILITY_SHA`): `start_collective_rpc` does what it does — register a Future in
+  `utility_results`, send a `UTILITY` message with `_send_input` — without waiting on the Future,
+  so the engine loop keeps stepping while the engine core answers (vLLM's own output thread
+  resolves the Future, as for its blocking call; a dead engine core's pending Futures are failed by
+  `EngineLoop`'s watchdog). Any other client (the in-process one) gets None: call
+  `collective_rpc` directly.
+
 Registered: custom ops `vllm::causalboard_site` and `vllm::causalboard_embed_site`
 (`vllm.utils.torch_utils.direct_register_custom_op`).
 
@@ -103,6 +113,10 @@ LAYER_FORWARD_SHA = {
     ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"): "ed1f90a51dab0fe3",
     ("vllm.model_executor.models.qwen3_next", "Qwen3NextDecoderLayer"): "1b819a3980e3c824",
 }
+
+#: sha256[:16] of the dedented source of `SyncMPClient.call_utility`, which
+#: `start_collective_rpc` replicates without its blocking wait
+CALL_UTILITY_SHA = "b2db728195604778"
 
 #: HF architectures whose decoder layers are patched; anything else is refused at start-up.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM")
@@ -518,6 +532,37 @@ PATCHES: tuple[Patch, ...] = (
 
 #: every vLLM symbol this module replaces (derived from `PATCHES`; see the module docstring)
 PATCHED_SYMBOLS: tuple[str, ...] = tuple(sym for p in PATCHES for sym in p.symbols)
+
+
+@functools.lru_cache(maxsize=None)
+def _call_utility_checked(cls: type) -> bool:
+    src = textwrap.dedent(inspect.getsource(cls.call_utility))
+    ok = hashlib.sha256(src.encode()).hexdigest()[:16] == CALL_UTILITY_SHA
+    if not ok:
+        logger.warning("%s.call_utility differs from the version causalboard checked; worker results are "
+                       "fetched with blocking calls", cls.__qualname__)
+    return ok
+
+
+def start_collective_rpc(engine: Any, method: str, args: tuple = ()) -> Any:
+    """Send `engine.collective_rpc(method, args=args)` to a multiprocess engine core without
+    waiting: returns a `concurrent.futures.Future` of the per-rank replies (what `collective_rpc`
+    returns), or None when the engine's client is not vLLM 0.25.1's `SyncMPClient` (call
+    `collective_rpc` then). See the module docstring."""
+    import uuid
+    from concurrent.futures import Future
+
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    core = getattr(engine, "engine_core", None)
+    if type(core) is not SyncMPClient or not _call_utility_checked(SyncMPClient):
+        return None
+    call_id = uuid.uuid1().int >> 64
+    future: Future = Future()
+    core.utility_results[call_id] = future
+    core._send_input(EngineCoreRequestType.UTILITY, (0, call_id, "collective_rpc", (method, None, args, None)))
+    return future
 
 
 def is_patched(symbol: str) -> bool:
