@@ -181,7 +181,7 @@ class Topology(BaseModel):
 class StatusResponse(BaseModel):
     status: Literal["ok", "dead"]
     model: str = Field(description="The served model's name (its folder's name; `causalboard-tiny` for the bundled one). "
-                                    "The server's filesystem path is never reported.")
+                                    "The server's filesystem path is not reported here.")
     architecture: str
     num_layers: int
     hidden_size: int
@@ -193,7 +193,7 @@ class StatusResponse(BaseModel):
     enforce_eager: bool
     batch_invariant: bool = Field(False, description="vLLM's batch-invariant kernels are on (GPU).")
     topology: Topology = Field(default_factory=Topology, description="TP x PP and the layers each pipeline stage computes.")
-    hooks: list[str] = Field(description="Residual-stream hooks the engine can intervene on, per layer.")
+    hooks: list[str] = Field(description="Hooks the engine can intervene on, per layer (residual stream and MLP branch).")
     versions: dict[str, str]
     startup_seconds: float
     in_flight_requests: int
