@@ -80,12 +80,12 @@ class GenerateResponse(BaseModel):
     finish_reason: str | None
     scores: list[dict[str, float]] = Field(
         default_factory=list, description="Per generated token: logprob of each requested score_token_ids id.")
-    intervention: InterventionResultBody | None = Field(None, description="Present when the request had interventions.")
+    intervention: InterventionResultBody | None = Field(None, description="Present when the request had interventions or dynamic steering (its own or the server's global policies).")
     num_cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache (not recomputed).")
 
 
 class CompletionRequest(SamplingFields):
-    """OpenAI-style `/v1/completions` (one prompt, n = 1), with the reference fork's extra fields
+    """OpenAI-style `/v1/completions` (a prompt or a list of them, one choice each; n = 1), with the reference fork's extra fields
     (steering vectors, patches, exact scoring, patch_source capture) and causalboard's native
     `interventions`. Fork fields causalboard cannot honour are refused with 400, never ignored."""
 
