@@ -5,7 +5,7 @@ every request against no dynamic steering, in the same process, interleaved per 
     PYTHONPATH=. python3 benchmarks/dynamic_bench.py --model DIR --device cuda   # the lead's GPU run
     PYTHONPATH=. python3 benchmarks/dynamic_bench.py --device cpu --tokens 8     # CPU smoke (bundled model)
 
-Variants (distinct random 16-token prompts, seed 132, ignore_eos, greedy):
+Variants (distinct random 16-token prompts, seed 100 + batch (132 at the default 32), ignore_eos, greedy):
   vanilla          no dynamic steering (no program at all);
   monitor_only     a threshold policy that never fires: the probe is read and scored every step,
                    no action is ever applied (the monitor's cost alone);

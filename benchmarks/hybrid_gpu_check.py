@@ -8,7 +8,8 @@ carried as for `benchmarks/gpu_sweep.py`.
 
 Builds the tiny random hybrid (`engine_ext.models.tiny_hybrid`) into a scratch folder, serves it
 on CUDA (bf16, eager; `--compiled` for torch.compile + CUDA graphs) and prints JSON lines:
-captures at every site vs the transformers oracle (bf16, on the GPU), the 1-token prompt after
+captures at every residual-stream site (`pre_attn`, `post_attn`, `post_block` of each layer; not the
+MLP-branch sites) vs the transformers oracle (bf16, on the GPU), the 1-token prompt after
 other requests with the guard on / off, the 4-arm report, then
 `benchmarks.hybrid_state_hygiene`'s guard-on/off bursts.
 """

@@ -57,7 +57,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     mp = p.add_mutually_exclusive_group()
     mp.add_argument("--multiprocess", dest="multiprocess", action="store_true", default=None,
                     help="run vLLM's engine core in its own process (default: off on CPU, vLLM's default on GPU)")
-    mp.add_argument("--no-multiprocess", dest="multiprocess", action="store_false", help="engine core in this process")
+    mp.add_argument("--no-multiprocess", dest="multiprocess", action="store_false", help="engine core in this process (on a GPU also set VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's default, on, wins)")
     par = p.add_argument_group("parallelism (vLLM's flags; docs/distributed.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks per pipeline stage")
     par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")

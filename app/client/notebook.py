@@ -16,7 +16,8 @@ Contract of `connect(url=None, ...)`:
   240), and prints `started a server at URL: ...`. If the server exits or the time runs out, it
   stops the server and raises `ServerStartError` with the server's last log lines (the log file
   is kept then; a server that stops after a good start removes its log). A second call in
-  the same process, when `url` still does not answer, reuses the server started before
+  the same process, when `url` still does not answer, reuses the server started before for the
+  same `model`, `tensor_parallel_size` and `pipeline_parallel_size`
   (`using the server this process started at URL: ...`) instead of starting another.
 * A started server is stopped by `client.close()`, when this process exits (`atexit`, i.e. when
   the kernel shuts down or restarts), or when the start is interrupted; on Linux the server also
@@ -177,8 +178,8 @@ class LocalServer:
         return f"LocalServer({self.url}, pid {self.pid}, {state}, log {self.log_path})"
 
 
-#: servers this process started, by model (None: the bundled one), for reuse by later calls
-#: servers started by `connect`, by (model, tensor_parallel_size, pipeline_parallel_size)
+#: servers `connect` started in this process, by (model (None: the bundled one),
+#: tensor_parallel_size, pipeline_parallel_size), for reuse by later calls
 _STARTED: dict[tuple[str | None, int, int], LocalServer] = {}
 
 

@@ -1,6 +1,7 @@
 """The dashboard page: a header (model, device, versions from `GET /v1/status`) and two tabs,
 "Causal tracing" (`TracingView`) and "Steering" (`SteeringView` from `app/dashboard/steering/view.py`,
-imported lazily; a placeholder explains why when it cannot be built).
+imported lazily; a placeholder explains why when it cannot be built; under it the dynamic-steering
+panel, `DynamicTraceView` from `app/dashboard/steering/dynamic.py`, when it can be built).
 
 `create_page(api_url)` builds one page per browser session (`mount` serves it at /dashboard);
 the page only talks to the API at `api_url` over HTTP. When the server guards mutating

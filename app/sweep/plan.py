@@ -22,8 +22,6 @@ from engine_ext.sites import HOOKS, Site
 from app.sweep.alignment import UNALIGNED_REASON, Alignment, align_positions
 from app.sweep.schema import LayerRange, PatchSweepRequest
 
-#: hooks of the reference fork that causalboard's decoder-layer seam does not expose
-
 
 class PlanError(Exception):
     """A refusal with a status other than 400 (404 unknown run/model, 507 store too small)."""

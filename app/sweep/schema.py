@@ -297,7 +297,7 @@ class SweepSummary(SweepSetup):
 
     grid: list[list[float | None]] = Field(description="The first hook's grid: `grid[i][j]` is `layers[i]` x `positions[j]`; null where no value (skipped, voided or not run).")
     argmax: ArgmaxCell | None = Field(None, description="The first hook's largest value, or null.")
-    hook_grids: list[HookGrid] | None = Field(None, description="One grid per hook for multi-hook sweeps; null for a single hook (as in the fork).")
+    hook_grids: list[HookGrid] | None = Field(None, description="One grid per hook when the request gave `hooks` (even one); null when it gave `hook` (as in the fork).")
     skipped: list[SkippedPosition | VoidedCell] = Field(
         default_factory=list, description="Unaligned positions (not run) and voided cells (value null), each with its reason.")
     noise_floor: float | None = Field(None, description="The noise floor in the metric's units; null when not measured.")

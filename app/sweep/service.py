@@ -4,7 +4,8 @@ A sweep has two phases:
 
 1. *Prepare* (`SweepService.start`, awaited by the HTTP handler, so every failure is a plain
    JSON error): plan (`build_plan`), capture the clean run when needed (one request that also
-   scores the clean baseline), lease the source run, score the corrupt baseline alone (one
+   scores the clean baseline; captured again, at most `CLEAN_CAPTURE_ATTEMPTS` times in all, when
+   a full store evicted it before it could be leased), lease the source run, score the corrupt baseline alone (one
    request per noise sample). Then the `start` event is logged.
 2. *Fan-out* (a background task): one request per cell (x noise samples), at most
    `max_concurrency` in flight, scored exactly on the answer/foil ids; unpatched corrupt

@@ -1,6 +1,8 @@
 """Where the capture workload's extra time goes (issue #13, P3): 1000 distinct 16-token prompts,
 capture of every layer's post_block at the last prompt token vs no capture, on an IN-PROCESS
-engine (multiprocess=False) so that cProfile sees the worker and the client in one process.
+engine so that cProfile sees the worker and the client in one process: `multiprocess=False`, and on
+a GPU also `VLLM_ENABLE_V1_MULTIPROCESSING=0` in the environment (vLLM's default, on, wins over
+`multiprocess=False`).
 
     python3 benchmarks/diag/p3_profile.py --model DIR [--device cuda] [--out FILE.txt]
 

@@ -23,7 +23,8 @@ MAX_PROBES = 256
 
 
 class DynamicControl:
-    """Dynamic steering on an `Engine` (uses its `_rpc`, `info`, `_named`, `capture`)."""
+    """Dynamic steering on an `Engine` (uses its `_rpc`, `info`, `topology`, `_named`, `generate`,
+    `intervention_status`)."""
 
     def _init_dynamic(self) -> None:
         self._probes: dict[str, Probe] = {}

@@ -16,13 +16,14 @@ worker right after the forward at position `p` and applied at position `p + 1` (
   `initial_scale`); the action adds `scale * vector` at `sites` (nothing when the scale is 0).
 * `latch` (threshold only) — `none`; `request`: once engaged, stays engaged for the rest of the
   request; `conversation`: as `request`, and later requests carrying the same
-  `conversation_id` start engaged (from their first generated position).
+  `conversation_id` and the same policy start engaged (from their first generated position).
 
 Dynamic actions apply to generated positions only (the decode phase): the first decision is made
 after the prompt's last position and applies to the first generated token fed back.
 
-Everything here has one canonical JSON form (`to_json`) that travels to the workers;
-`from_json` / `make` validate and raise `SpecError` naming the field.
+Probes and policies have one canonical JSON form (`to_json`) that travels to the workers (a
+request's: `DynamicRequest.wire`); `Probe.make`, `Policy.make` / `Policy.from_json` and
+`DynamicRequest.make` validate and raise `SpecError` naming the field.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ class EngineConfig:
     limits: Limits = field(default_factory=Limits)
     #: run vLLM's engine core in its own process, overlapping scheduling and output processing
     #: with the model (None: the VLLM_ENABLE_V1_MULTIPROCESSING setting, which vLLM defaults to on
-    #: and `runtime.prepare_environment` sets off on CPU). Several engines in one process need
-    #: True: vLLM's distributed state is process-global, so an in-process engine's shutdown
-    #: breaks the others.
+    #: and `runtime.prepare_environment` sets off on CPU; False does not override that setting:
+    #: vLLM's `from_engine_args` turns multiprocessing on whenever it is on). Several engines in one
+    #: process need True: vLLM's distributed state is process-global, so an in-process engine's
+    #: shutdown breaks the others.
     multiprocess: bool | None = None
     #: GPU only: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a request's numbers
     #: do not depend on what it is batched with (sweep cells then equal their solo runs exactly;

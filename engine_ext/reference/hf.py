@@ -3,7 +3,8 @@
 Loads the same local weights with transformers and computes, with plain PyTorch, what the vLLM
 engine must reproduce: greedy continuations and per-token logprobs (full recomputation each step,
 no KV cache, so it is simple enough to trust) — and, for causal tracing / steering, the same
-forward with interventions at residual-stream sites and captures of the stream there.
+forward with interventions at the engine's sites (residual stream and MLP branch) and captures
+of the values there.
 
 Sites
 -----
@@ -24,8 +25,8 @@ Qwen2, Qwen3, and Qwen3-Next's gated delta-net and full-attention layers alike (
 in bf16, tolerance in docs/hybrid-models.md). `run` refuses a layer whose hooks do not fire
 exactly once.
 
-Interventions (exactly the engine's `worker_state._slot_value` / `intervention_op._apply`)
---------------------------------------------------------------------------------------
+Interventions (exactly the engine's `planner._slot_value` / `intervention_op._apply`)
+----------------------------------------------------------------------------------
 Per site and absolute position `p` (prompt first, then generated tokens fed back):
 
 1. patch first — the replace edit covering `p` (the *last* one given wins, as in the engine's

@@ -2,12 +2,13 @@
 
 An applied action is one request's plan (`planner.RequestPlan`: every steer / patch / noise /
 capture entry it composed, each vector payload identified by a digest of its exact bytes, and the
-request key) applied to the rows of one step's window of positions `[p0, p1)`. Requests voided or
-left untouched (capacity) are not folded. Per step, the crc32 of the ordered list of applied
-actions (batch order) is mixed (splitmix64) into the running value together with the step
-ordinal; `action_count` counts actions. Ranks that apply the same actions in the same order
-agree; `compare_ranks` reports any disagreement (never
-raises).
+request key) applied to the rows of one step's window of positions `[p0, p1)`; a dynamic-steering
+action (`engine_ext.dynamic.worker`: one request's composed policy payloads at one generated
+position `p`, window `[p, p + 1)`) is one action too, folded after the plans'. Requests voided or
+left untouched (capacity), and dynamic actions rejected, are not folded. Per step, the crc32 of
+the ordered list of applied actions (batch order) is mixed (splitmix64) into the running value
+together with the step ordinal; `action_count` counts actions. Ranks that apply the same actions
+in the same order agree; `compare_ranks` reports any disagreement (never raises).
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ class ActionChecksum:
         self.step += 1
 
     def fold(self, kind: str, key: str, site: int, positions: Iterable[int], vector: str = "-") -> None:
-        """Fold one action described by its fields (tests and tools; the planner uses `fold_window`)."""
+        """Fold one action described by its fields (tests and tools; the planner uses `fold_step`)."""
         self._mix(zlib.crc32(f"{kind}|{key}|{site}|{','.join(map(str, positions))}|{vector}".encode()))
 
     def fold_step(self, actions: Sequence[tuple[int, int, int]]) -> None:
         """Fold the step's applied actions in application order: each a plan (its content digest,
-        which includes the request key) applied to positions `[p0, p1)`. One mix per step over
-        the crc32 of the ordered list; `action_count` grows by the number of actions."""
+        which includes the request key) or a dynamic action (its crc) applied to positions
+        `[p0, p1)`. One mix per step over the crc32 of the ordered list; `action_count` grows by
+        the number of actions."""
         arr = np.asarray(actions, dtype=np.int64)
         arr[:, 0] &= 0xFFFFFFFF
         self.value = mix64(self.value ^ ((self.step & 0xFFFFFFFF) << 32 | zlib.crc32(arr.astype("<i8").tobytes())))

@@ -11,7 +11,8 @@ When the patches run
 vLLM resolves `worker_extension_cls="engine_ext.worker.extension.CausalboardWorkerExtension"`
 (that module calls it on import) — which happens in `WorkerWrapperBase.init_worker`, *before*
 the model is built, compiled and graph-captured. The `vllm.general_plugins` entry point
-(`register_plugin`) runs in every vLLM process and only checks the version.
+(`register_plugin`) runs in every vLLM process: it checks the version and installs the
+scheduler-side patch (`KV_SALT_PATCHES`).
 
 Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` applies, and
 `PATCHED_SYMBOLS` is derived from it (all class-level, idempotent):
@@ -32,7 +33,8 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   down projection's all-reduced output), like the residual pair.
 * `GPUModelRunner.execute_model` of the V1 runner (also the CPU runner's) and of the V2 runner:
   before — register new requests' programs and retire finished ones from the `SchedulerOutput`;
-  after — start copying captured rows to the host.
+  after — score dynamic steering's monitored rows and start copying captured rows to the host
+  (`WorkerState.after_forward`).
 * V1 `GPUModelRunner._model_forward`: plan the step from `input_batch.req_ids`,
   `query_start_loc.np` and `input_batch.num_computed_tokens_cpu`, right before the forward
   (eager, compiled or graph replay).
@@ -127,7 +129,7 @@ HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 #: architectures whose vLLM module is patched only where it imports (`unavailable_architecture`)
 OPTIONAL_ARCHITECTURE_MODULES = {"Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next"}
 
-#: Every vLLM symbol this module patches or wraps (see the module docstring for why each is safe).
+#: superseded below (without the block-hash symbols): `PATCHED_SYMBOLS` is redefined from `PATCHES`
 PATCHED_SYMBOLS: tuple[str, ...] = (
     "vllm.model_executor.models.llama.LlamaDecoderLayer.__init__",
     "vllm.model_executor.models.llama.LlamaDecoderLayer.forward",

@@ -1,12 +1,14 @@
 """Everything one engine keeps inside its worker: registered requests and their plans, global
-steering, named vectors, the source store, captures in progress and the checksum.
+steering, named vectors, the source store, captures in progress, the checksum and dynamic
+steering (`dynamic`: `engine_ext.dynamic.worker.DynamicWorker`).
 
 Per step (called from the seam's runner wrappers):
 1. `on_schedule(scheduler_output)` — register the new requests (their wire program travels in
    `SamplingParams.extra_args`) and forget the finished ones;
 2. `plan_step(req_ids, query_start_loc, num_computed)` — right before the forward: the planner
    fills the op's buffers for the rows of planned requests (`planner.StepPlanner`);
-3. `after_forward()` — start copying captured rows to the host.
+3. `after_forward()` — score dynamic steering's monitored rows, and start copying captured rows
+   (and those scores) to the host.
 
 Results (status, errors, captures, stored runs) wait, by request key, until the client collects
 them (`collect`). `close()` frees the device buffers (called when the engine shuts down).

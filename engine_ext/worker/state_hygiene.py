@@ -26,7 +26,7 @@ Modes (per worker; `set_mode`, through the `cb_state_hygiene` RPC):
 of `GDNAttentionMetadataBuilder.build`), so every prefill reads its slot as if it continued an
 earlier sequence: with `zero` the output must not change (zeroing alone protects); with
 `sentinel` it must (the slots are really read). This is what the 4-arm check
-(`engine_ext.engine.state_check`) combines.
+(`engine_ext.engine.hybrid.run_state_check`) combines.
 
 Only `mamba_cache_mode="none"` (no prefix caching for the hybrid) is supported: with Mamba prefix
 caching ("all"/"align") a request's blocks carry copied state by design, and the facade refuses it.

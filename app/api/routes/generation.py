@@ -94,8 +94,8 @@ async def completions(req: CompletionRequest, engine: Engine = Depends(get_engin
     fields (`steering_vectors` and its phase variants, `steering_name`, `patch` + `patch_vectors`,
     `logprob_token_ids`, `capture: {"patch_source": ...}`, `cache_salt`, `conversation_id`) and
     the native `interventions`. `prompt` may be text, token ids, or a list of either (one choice
-    per prompt). With interventions the body also carries `intervention`; with scored ids each
-    choice carries `scores`. Fork fields causalboard cannot honour are refused (400)."""
+    per prompt). With interventions the body of a single-prompt request also carries
+    `intervention`; with scored ids each choice carries `scores`. Fork fields causalboard cannot honour are refused (400)."""
     return await run_completion(req, engine, guard, CompletionShape(), settings.capture_dir)
 
 

@@ -3,7 +3,7 @@
 * `GET /health` — 200 while the engine serves, 503 otherwise;
 * `GET /v1/status` — model, hooks, load, source store, determinism checksum, global steering,
   named vectors, API key, sweeps. The model is reported by name: no host path of the server
-  reaches a caller (the API has no authenticated reads);
+  is in this answer (the API has no authenticated reads);
 * `GET /v1/model/tasks` — the served model folder's `tasks.json` (example prompts with known
   answers, for the dashboard and notebooks), 404 when it has none.
 

@@ -80,12 +80,12 @@ class GenerateResponse(BaseModel):
     finish_reason: str | None
     scores: list[dict[str, float]] = Field(
         default_factory=list, description="Per generated token: logprob of each requested score_token_ids id.")
-    intervention: InterventionResultBody | None = Field(None, description="Present when the request had interventions.")
+    intervention: InterventionResultBody | None = Field(None, description="Present when the request had interventions or dynamic steering (its own or the server's global policies).")
     num_cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache (not recomputed).")
 
 
 class CompletionRequest(SamplingFields):
-    """OpenAI-style `/v1/completions` (one prompt, n = 1), with the reference fork's extra fields
+    """OpenAI-style `/v1/completions` (a prompt or a list of them, one choice each; n = 1), with the reference fork's extra fields
     (steering vectors, patches, exact scoring, patch_source capture) and causalboard's native
     `interventions`. Fork fields causalboard cannot honour are refused with 400, never ignored."""
 
@@ -181,7 +181,7 @@ class Topology(BaseModel):
 class StatusResponse(BaseModel):
     status: Literal["ok", "dead"]
     model: str = Field(description="The served model's name (its folder's name; `causalboard-tiny` for the bundled one). "
-                                    "The server's filesystem path is never reported.")
+                                    "The server's filesystem path is not reported here.")
     architecture: str
     num_layers: int
     hidden_size: int
@@ -193,7 +193,7 @@ class StatusResponse(BaseModel):
     enforce_eager: bool
     batch_invariant: bool = Field(False, description="vLLM's batch-invariant kernels are on (GPU).")
     topology: Topology = Field(default_factory=Topology, description="TP x PP and the layers each pipeline stage computes.")
-    hooks: list[str] = Field(description="Residual-stream hooks the engine can intervene on, per layer.")
+    hooks: list[str] = Field(description="Hooks the engine can intervene on, per layer (residual stream and MLP branch).")
     versions: dict[str, str]
     startup_seconds: float
     in_flight_requests: int
