@@ -14,6 +14,7 @@ from engine_ext.generation import MAX_TOP_LOGPROBS, GenerationParams
 
 from app.api.schemas.dynamic import DynamicSpec
 from app.api.schemas.interventions import (
+    ClampTier,
     ForkPatchEntry,
     InterventionResultBody,
     InterventionsSpec,
@@ -116,9 +117,11 @@ class CompletionRequest(SamplingFields):
                           "{'layers', 'ranges'}}, 'positions'}} stores a source run (needs the API key when one is set; "
                           "`run` defaults to the completion's id).")
     capture_wait: bool | None = Field(None, description="Fork: accepted; a capture is always durable when the response returns.")
-    steering_clamps: Any = unsupported()
-    prefill_steering_clamps: Any = unsupported()
-    decode_steering_clamps: Any = unsupported()
+    steering_clamps: ClampTier = Field(None, description="Fork: directional clamps at every position, {hook: {layer: "
+                                                         "[{'vector', 'min'?, 'max'?, 'strength'?} | {'vector', 'value'}]}} "
+                                                         "(or the fork's packed / wire-map forms).")
+    prefill_steering_clamps: ClampTier = Field(None, description="Fork: clamps at prompt positions only (after the base tier's).")
+    decode_steering_clamps: ClampTier = Field(None, description="Fork: clamps at generated positions only (after the base tier's).")
     steering: Any = unsupported("The fork's declarative steering gates. Not supported by causalboard: refused with 400 naming the field.")
     conversation_id: str | None = Field(
         None, description="Fork: the conversation this request belongs to, for the server's global dynamic-steering "
