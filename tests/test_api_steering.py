@@ -278,7 +278,10 @@ def _bad_cases(h: int, n_layers: int) -> list:
         ("POST", "/v1/steering/modules/register", {"name": "m", "kind": "sae_delta"}, 400, "kind"),
         ("POST", "/v1/steering/modules/register", {"name": "m"}, 400, "vectors"),
         ("POST", "/v1/steering/modules/register", {"name": "a/b", "vectors": {"post_block": {"1": ok}}}, 400, "name"),
-        ("POST", "/v1/steering/modules/register", {"name": "m", "vectors": {"post_block": {"1": ok}}, "clamps": {}}, 400, "clamps"),
+        ("POST", "/v1/steering/modules/register", {"name": "m", "vectors": {"post_block": {"1": ok}},
+                                                    "clamps": {"post_block": {"1": [{"vector": ok}]}}}, 400, "clamps.post_block.1[0].min"),
+        ("POST", "/v1/steering/modules/register", {"name": "m", "decode_clamps": {"post_block": {"1": [{"vector": ok, "value": 0}] * 5}}},
+         400, "decode_clamps.post_block.1"),
         ("POST", "/v1/steering/modules/unregister", {"name": "no-such-module"}, 404, "name"),
     ]
 

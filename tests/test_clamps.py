@@ -365,3 +365,38 @@ def test_global_clamps_on_steering_set_merge_list_and_clear(http, engine, hf_ref
     finally:
         assert http.post("/v1/steering/clear").status_code == 200
     assert http.get("/v1/steering").json() == {"active_layers": {}, "steer": [], "clamp": []}
+
+
+def test_steering_modules_carry_clamps_before_the_requests_own(http, engine, hf_ref, tasks):
+    prompt = fact(tasks, 17)["prompt"]
+    u, w = _unit(engine, 51), _unit(engine, 52)
+    n = len(engine.tokenize(prompt))
+    base = {"prompt": prompt, "max_tokens": 4, "logprobs": 0, "ignore_eos": True}
+    module_clamp = [{"vector": (u * 2).tolist(), "max": -0.5, "strength": 0.8}]
+    inline = {"post_block": {"1": [{"vector": w.tolist(), "value": 0.0}]}}
+    try:
+        r = http.post("/v1/steering/modules/register", json={"name": "clampy", "decode_clamps": {"post_attn": {"2": module_clamp}}})
+        assert r.status_code == 200, r.text
+        listed = http.get("/v1/steering/modules").json()
+        assert "clampy" in listed["modules"]
+        assert listed["details"]["clampy"] == [{"site": "L2.post_attn", "phase": "decode", "norm": pytest.approx(2.0, rel=1e-6),
+                                                "kind": "clamp", "min": None, "max": -0.5, "strength": 0.8}]
+        got = http.post("/v1/completions", json={**base, "steering_name": "clampy", "steering_clamps": inline})
+        assert got.status_code == 200, got.text
+        same = http.post("/v1/completions", json={**base, "interventions": {"clamp": [
+            {"sites": "L2.post_attn", "vector": (u * 2).tolist(), "max": -0.5, "strength": 0.8, "phase": "decode"},
+            {"sites": "L1.post_block", "vector": w.tolist(), "value": 0.0}]}})
+        lp = got.json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert same.json()["choices"][0]["logprobs"]["token_logprobs"] == lp
+        ref = hf_ref.generate(engine.tokenize(prompt), 4, stop_at_eos=False, edits=[
+            RefEdit.clamp((2, "post_attn"), u, max=-0.5, strength=0.8, gen=True, phase="decode"),
+            RefEdit.clamp((1, "post_block"), w, min=0.0, max=0.0, positions=range(n), gen=True)])
+        assert np.allclose(lp, ref.logprobs, atol=LOGPROB_ATOL)
+        # re-registering replaces the clamps; unregistering removes the module entirely
+        r = http.post("/v1/steering/modules/register", json={"name": "clampy", "vectors": {"post_block": {"1": (u * 0.1).tolist()}}})
+        assert r.status_code == 200 and http.get("/v1/steering/modules").json()["details"]["clampy"][0]["kind"] == "vector"
+    finally:
+        http.post("/v1/steering/modules/unregister", json={"name": "clampy"})
+    assert "clampy" not in http.get("/v1/steering/modules").json()["modules"]
+    r = http.post("/v1/completions", json={**base, "steering_name": "clampy"})
+    assert r.status_code == 400 and r.json()["field"] == "steering_name"

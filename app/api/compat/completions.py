@@ -3,7 +3,7 @@
 | fork field | becomes |
 | --- | --- |
 | `steering_vectors` / `prefill_steering_vectors` / `decode_steering_vectors` | single-site `Steer` entries at every position of phase both / prefill / decode |
-| `steering_name` | the module's vectors (`app/fork/steering_modules.py`), scale 1 |
+| `steering_name` | the module's vectors (`app/fork/steering_modules.py`), scale 1, and its clamps (before the inline ones) |
 | `patch[i]` (`layer`, `hook`, `dest_position`, one source, `alpha`) | a one-position `Patch`: `source_run` (+ `source_position`, default the destination) -> stored run; `source_module` -> `"zeros"`, a module's both-phase vector at the site, or a named vector; `source_inline` -> row of `patch_vectors` |
 | `logprob_token_ids` | `score_token_ids` (exact scoring); `logprobs` must be set (the fork's rule over HTTP) |
 | `capture: {"patch_source": {"run"?, "hooks", "positions"}}` | a `Capture` kept as `run` (default: the completion id; values not returned) |
@@ -111,7 +111,12 @@ def build(req: CompletionRequest, eng: Engine, default_run: str = "", capture_di
     clamps = list(native.clamp)
     out.clamp_origins = [f"interventions.clamp[{k}]" for k in range(len(native.clamp))]
     out.n_native_clamps = len(native.clamp)
-    fork_clamps, origins = parse_tiers(req, COMPLETION_TIERS, num_layers=info.num_layers, hidden=info.hidden_size)
+    fork_clamps, origins = [], []
+    if req.steering_name is not None:  # the module's clamps come before the inline ones (the fork's order)
+        fork_clamps = steering_modules.clamps_of(eng, req.steering_name)
+        origins = ["steering_name"] * len(fork_clamps)
+    more, more_origins = parse_tiers(req, COMPLETION_TIERS, num_layers=info.num_layers, hidden=info.hidden_size)
+    fork_clamps, origins = fork_clamps + more, origins + more_origins
     clamps += fork_clamps
     out.clamp_origins += origins
     patches = list(native.patch)

@@ -265,6 +265,8 @@ def _module_list(eng: Engine) -> ModuleList:
     for name, entries in mods.items():
         vectors = [(site, phase, eng.named_vector(v)) for site, phase, v in entries]
         details[name] = [ModuleEntry(site=str(site), phase=phase, norm=_norm(vec)) for site, phase, vec in vectors if vec is not None]
+        details[name] += [ModuleEntry(site=str(c.sites[0]), phase=c.phase, norm=_norm(c.vector), kind="clamp", min=c.min, max=c.max,
+                                      strength=c.strength) for c in steering_modules.clamps_of(eng, name)]
     return ModuleList(modules=sorted(mods), count=len(mods), details=details)
 
 
@@ -273,15 +275,27 @@ def _module_list(eng: Engine) -> ModuleList:
 def register_module(req: ModuleRegisterRequest, eng: Engine = Depends(get_engine)) -> ModuleResponse:
     """A named set of per-(hook, layer) vectors in the fork's tiers, stored as named vectors
     `module/<name>/<phase>/L<layer>.<hook>` (scales folded in). Replaces a module of the same
-    name. Use it per request with `steering_name` on `/v1/completions`, or as a patch
-    `source_module`. Clamps and `sae_delta` modules are not supported (400)."""
-    _refuse_unsupported(req, ("clamps", "prefill_clamps", "decode_clamps", "sae_manifest"))
+    name. Use it per request with `steering_name` on `/v1/completions` (its clamps act before the
+    request's own, unscaled, as in the fork), or as a patch `source_module` (vectors only).
+    `sae_delta` modules are not supported (400)."""
+    _refuse_unsupported(req, ("sae_manifest",))
     if req.kind != "additive":
         raise SpecError("kind", f"{req.kind!r} modules are not supported by causalboard (only 'additive')")
     steering_modules.check_module_name(req.name)
     steers, _ = _tier_steers(req, eng)
+    info = eng.info
+    clamps, _ = parse_tiers(req, GLOBAL_TIERS, num_layers=info.num_layers, hidden=info.hidden_size)
+    per_site: dict = {}
+    for c in clamps:  # more than K at one site could never be applied
+        key = (c.sites[0], c.phase)
+        per_site[key] = per_site.get(key, 0) + 1
+        both = per_site.get((c.sites[0], "both"), 0)
+        if per_site[key] + (both if c.phase != "both" else 0) > eng.config.limits.max_clamp_directions:
+            tier = {"both": "clamps", "prefill": "prefill_clamps", "decode": "decode_clamps"}[c.phase]
+            raise SpecError(f"{tier}.{c.sites[0].hook}.{c.sites[0].layer}",
+                            f"more than {eng.config.limits.max_clamp_directions} clamps at {c.sites[0]} (max_clamp_directions)")
     with _mutation:
-        steering_modules.register(eng, req.name, steers)
+        steering_modules.register(eng, req.name, steers, clamps)
         names = sorted(steering_modules.modules(eng))
     return ModuleResponse(name=req.name, modules=names)
 

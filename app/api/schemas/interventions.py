@@ -335,17 +335,17 @@ class VectorDeleted(BaseModel):
 
 
 class ModuleRegisterRequest(StrictModel):
-    """A steering module: per-(hook, layer) vectors in up to three tiers (fork form). Stored as
-    named vectors `module/<name>/<phase>/L<layer>.<hook>`."""
+    """A steering module: per-(hook, layer) vectors and/or directional clamps in up to three tiers
+    (fork form). Vectors are stored as named vectors `module/<name>/<phase>/L<layer>.<hook>`."""
 
     name: str = Field(..., min_length=1, max_length=64)
     kind: str = Field("additive", description="Only 'additive' ('sae_delta' is not supported).")
     vectors: VectorSpec = None
     prefill_vectors: VectorSpec = None
     decode_vectors: VectorSpec = None
-    clamps: Any = unsupported()
-    prefill_clamps: Any = unsupported()
-    decode_clamps: Any = unsupported()
+    clamps: ClampTier = Field(None, description="Directional clamps applied in both phases (the fork's tiers).")
+    prefill_clamps: ClampTier = Field(None, description="Clamps at prompt positions only.")
+    decode_clamps: ClampTier = Field(None, description="Clamps at generated positions only.")
     sae_manifest: Any = unsupported()
 
 
@@ -357,6 +357,10 @@ class ModuleEntry(BaseModel):
     site: str
     phase: str
     norm: float
+    kind: Literal["vector", "clamp"] = "vector"
+    min: float | None = Field(None, description="A clamp's lower bound (null: open).")
+    max: float | None = Field(None, description="A clamp's upper bound (null: open).")
+    strength: float | None = Field(None, description="A clamp's strength.")
 
 
 class ModuleResponse(BaseModel):
