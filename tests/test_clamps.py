@@ -400,3 +400,32 @@ def test_steering_modules_carry_clamps_before_the_requests_own(http, engine, hf_
     assert "clampy" not in http.get("/v1/steering/modules").json()["modules"]
     r = http.post("/v1/completions", json={**base, "steering_name": "clampy"})
     assert r.status_code == 400 and r.json()["field"] == "steering_name"
+
+
+def test_a_dynamic_action_is_clamped_after_it_as_the_fork_orders_them(engine, tasks):
+    """A dynamic action composed onto a position's static slot keeps that slot's clamps, applied
+    after the action's add (the fork: steer, then clamp)."""
+    from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
+
+    prompt = fact(tasks, 19)["prompt"]
+    site, key = "L2.post_attn", (2, "post_attn")
+    u = _unit(engine, 53)
+    probe = Probe.make("clamp-test-probe", "L3.post_block", direction=_unit(engine, 54))
+    engine.register_probe(probe)
+    try:
+        pol = Policy.make(probe=probe.name, sites=[site], vector=u * 30.0, on=-1e30, scale=1.0)  # always engaged
+        cap = Capture.make([site], "all")
+        params = GenerationParams(max_tokens=5, ignore_eos=True, logprobs=0)
+        n = len(engine.tokenize(prompt))
+        steered = engine.generate(prompt, params, Interventions(capture=cap), dynamic=DynamicRequest.make([pol]))
+        clamp = Clamp.make([site], u, max=0.25, positions="all_generated")
+        clamped = engine.generate(prompt, params, Interventions(capture=cap, clamp=(clamp,)), dynamic=DynamicRequest.make([pol]))
+        for g in (steered, clamped):
+            assert g.intervention.status == "ok", g.intervention.errors
+            assert all(e["engaged"] for e in g.intervention.dynamic["trace"][0][1:])
+        p_steered, p_clamped = _proj(steered.captures, key, u), _proj(clamped.captures, key, u)
+        acted = [p for p in p_steered if p > n]  # generated positions fed back after an engaged decision
+        assert acted and all(p_steered[p] > 10.0 for p in acted)
+        assert all(abs(p_clamped[p] - 0.25) < 1e-4 for p in acted), {p: p_clamped[p] for p in acted}
+    finally:
+        engine.delete_probe(probe.name)
