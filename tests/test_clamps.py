@@ -429,3 +429,34 @@ def test_a_dynamic_action_is_clamped_after_it_as_the_fork_orders_them(engine, ta
         assert all(abs(p_clamped[p] - 0.25) < 1e-4 for p in acted), {p: p_clamped[p] for p in acted}
     finally:
         engine.delete_probe(probe.name)
+
+
+def test_clamped_positions_salt_the_kv_from_the_first_one_on():
+    """The prefix cache: a clamp modifies its positions (of its phase), so KV from the first of
+    them on is salted (never shared with a request computing it differently); before it, shared."""
+    from engine_ext.program import KV_SALT_KEY, first_modified_position, program_to_extra_args
+
+    prompt = PromptInfo(list(range(6)), max_tokens=3)
+
+    def first(*clamps):
+        prog = compile_program(Interventions(clamp=clamps), prompt, DIMS, key="k", named_vector_dims=lambda n: None)
+        return first_modified_position(prog), program_to_extra_args(prog, kv_salt="s").get(KV_SALT_KEY)
+
+    assert first(Clamp.make("L1.post_block", V8, value=0.0, positions=[3, 4])) == (3, [3, "s"])
+    assert first(Clamp.make("L1.post_block", V8, value=0.0)) == (0, [0, "s"])
+    assert first(Clamp.make("L1.post_block", V8, value=0.0, phase="decode")) == (6, [6, "s"])  # generated tokens only
+    assert first(Clamp.make("L1.post_block", V8, value=0.0, positions=[4], phase="decode")) == (None, None)  # never acts
+
+
+def test_chat_completions_take_clamps_too(http, engine):
+    u = _unit(engine, 56)
+    base = {"messages": [{"role": "user", "content": "Where is Tarn?"}], "max_tokens": 2, "logprobs": True,
+            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    plain = http.post("/v1/chat/completions", json=base)
+    clamped = http.post("/v1/chat/completions", json={**base, "steering_clamps": {"post_block": {"1": [{"vector": u.tolist(), "value": 0.0}]}}})
+    assert plain.status_code == 200 and clamped.status_code == 200, clamped.text
+    assert clamped.json()["intervention"]["status"] == "ok"
+    assert clamped.json()["choices"][0]["logprobs"] != plain.json()["choices"][0]["logprobs"]
+    bad = http.post("/v1/chat/completions", json={**base, "steering_clamps": {"post_block": {"1": [{"vector": u.tolist(), "value": 0.0,
+                                                                                                    "strength": 3}]}}})
+    assert bad.status_code == 400 and bad.json()["field"] == "steering_clamps.post_block.1[0].strength"
