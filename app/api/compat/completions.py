@@ -213,7 +213,7 @@ def _fork_capture(value: dict, num_layers: int, default_run: str, capture_dir: s
     extra = sorted(set(value) - set(consumers))
     if extra:
         # the fork answers a consumer name the server did not register with a 400 as well
-        hint = " (the filesystem consumer needs a capture directory: CAUSALBOARD_CAPTURE_DIR)" if extra[0] == "filesystem" else ""
+        hint = " (the filesystem consumer needs a capture directory: causalboard serve --capture-dir DIR or CAUSALBOARD_CAPTURE_DIR)" if extra[0] == "filesystem" else ""
         raise SpecError(f"capture.{extra[0]}", f"no capture consumer {extra[0]!r} on this server "
                                                f"(available: {', '.join(consumers)}){hint}")
     if not value:
