@@ -253,9 +253,9 @@ def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *,
     return {"v": PROGRAM_VERSION, "key": key, "n_prompt": prompt.n, "max_pos": max_pos, "hash": spec_hash(body), **body}
 
 
-def clamp_counts(entries: list[dict], n_prompt: int) -> dict[int, tuple[int, list[int]]]:
-    """Per site: the most wire clamp entries acting at one position (a prompt position or any
-    generated one), and the entries (indices into `entries`) at the site."""
+def clamp_counts(entries: list[dict], n_prompt: int) -> dict[int, tuple[int, int, list[int]]]:
+    """Per site: the most wire clamp entries acting at one prompt position, at one generated
+    position, and the entries (indices into `entries`) at the site."""
     by_site: dict[int, list[int]] = {}
     for k, e in enumerate(entries):
         for site in e["sites"]:
@@ -274,21 +274,22 @@ def clamp_counts(entries: list[dict], n_prompt: int) -> dict[int, tuple[int, lis
                     explicit_gen[p] = explicit_gen.get(p, 0) + 1
             if e["gen"] and e["phase"] != "prefill":
                 gen_all += 1
-        most = max(int(prompt.max()), gen_all + max(explicit_gen.values(), default=0))
-        out[site] = (most, ks)
+        out[site] = (int(prompt.max()), gen_all + max(explicit_gen.values(), default=0), ks)
     return out
 
 
 def check_clamp_directions(entries: list[dict], n_prompt: int, limit: int, field_prefix: str = "clamp",
-                           extra: dict[int, int] | None = None) -> None:
+                           extra: dict[int, tuple[int, int]] | None = None) -> None:
     """SpecError naming the entry when more than `limit` clamps would act at one (site,
-    position); `extra`: clamps already acting at a site everywhere (the global ones)."""
-    for site, (most, ks) in sorted(clamp_counts(entries, n_prompt).items()):
-        total = most + (extra or {}).get(site, 0)
+    position); `extra`: per site, the clamps already acting at prompt and at generated
+    positions (the global ones, counted as acting everywhere in their phase)."""
+    for site, (in_prompt, in_gen, ks) in sorted(clamp_counts(entries, n_prompt).items()):
+        gp, gg = (extra or {}).get(site, (0, 0))
+        total = max(in_prompt + gp if in_prompt else 0, in_gen + gg if in_gen else 0)
         if total > limit:
             k = ks[-1]
             j = entries[k]["sites"].index(site)
-            glob = f" ({(extra or {}).get(site, 0)} of them global)" if extra and extra.get(site) else ""
+            glob = f" ({max(gp, gg)} of them global)" if gp or gg else ""
             raise SpecError(f"{field_prefix}[{k}].sites[{j}]", f"{total} clamps would act at one position of "
                             f"{site_from_index(site)}{glob}; at most {limit} (max_clamp_directions)")
 

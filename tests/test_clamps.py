@@ -272,6 +272,10 @@ def test_global_clamps_compose_with_request_clamps_and_are_cleared(engine, hf_re
         with pytest.raises(SpecError) as err:
             engine.generate(prompt, ONE, Interventions(clamp=tuple(Clamp.make("L1.post_block", ur, value=float(k)) for k in range(4))))
         assert err.value.field == "clamp[3].sites[0]" and "global" in err.value.message
+        # ... but phases that never meet do not add up: three request clamps at prompt positions are fine
+        ok = engine.generate(prompt, ONE, Interventions(clamp=tuple(Clamp.make("L1.post_block", ur, min=float(-k), phase="prefill")
+                                                                    for k in range(4))))
+        assert ok.intervention.status == "ok"
         # a vectors-only change keeps the global clamps when the caller passes none
         engine.set_global_steer([Steer.make(["L0.pre_attn"], _vec(engine, 47, 1.0))])
         assert len(engine.global_clamps) == 1

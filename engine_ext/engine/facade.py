@@ -627,12 +627,14 @@ class Engine(DynamicControl):
         vec = self._named_values.get(name)
         return None if vec is None else vec.copy()
 
-    def _global_clamp_counts(self) -> dict[int, int]:
-        """Per site index: the most global clamps acting at one position (counted as if all did)."""
-        out: dict[int, int] = {}
+    def _global_clamp_counts(self) -> dict[int, tuple[int, int]]:
+        """Per site index: the global clamps acting at prompt / at generated positions (each
+        counted as acting at every position of its phase)."""
+        out: dict[int, tuple[int, int]] = {}
         for c in self._global_clamps:
             for site in c.sites:
-                out[site.index()] = out.get(site.index(), 0) + 1
+                p, g = out.get(site.index(), (0, 0))
+                out[site.index()] = (p + (c.phase != "decode"), g + (c.phase != "prefill"))
         return out
 
     def set_global_steer(self, steers: Sequence[Steer], clamps: Sequence[Clamp] | None = None) -> None:
@@ -643,7 +645,7 @@ class Engine(DynamicControl):
         clamp_entries = None
         if clamps is not None:
             clamp_entries = []
-            per_site: dict[int, int] = {}
+            per_site: dict[int, tuple[int, int]] = {}  # clamps at prompt / generated positions
             for k, c in enumerate(clamps):
                 f = f"clamp[{k}]"
                 if c.positions not in ("all", "all_generated") and (isinstance(c.positions, str) or any(
@@ -654,8 +656,9 @@ class Engine(DynamicControl):
                 for j, site in enumerate(c.sites):
                     if site.layer >= self.info.num_layers:
                         raise SpecError(f"{f}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
-                    per_site[site.index()] = per_site.get(site.index(), 0) + 1
-                    if per_site[site.index()] > self.config.limits.max_clamp_directions:
+                    p, g = per_site.get(site.index(), (0, 0))
+                    per_site[site.index()] = (p + (c.phase != "decode"), g + (c.phase != "prefill"))
+                    if max(per_site[site.index()]) > self.config.limits.max_clamp_directions:
                         raise SpecError(f"{f}.sites[{j}]", f"more than {self.config.limits.max_clamp_directions} global clamps "
                                                            f"at {site} (max_clamp_directions)")
                     e = {"site": site.index(), "dir": c.unit().astype("<f4").tobytes(), "lo": c.min, "hi": c.max,
