@@ -350,6 +350,7 @@ def test_global_clamps_on_steering_set_merge_list_and_clear(http, engine, hf_ref
                                                 "prefill_clamps": {"post_attn": {"1": [{"vector": w.tolist(), "max": 0.0}]}}})
         assert r.status_code == 200, r.text
         assert r.json()["sites"] == ["L1.post_attn", "L2.post_block"]
+        assert http.get("/v1/status").json()["global_steering"] == ["L1.post_attn", "L2.post_block"]
         listed = http.get("/v1/steering").json()
         assert listed["active_layers"] == {} and [(c["sites"], c["min"], c["max"], c["phase"]) for c in listed["clamp"]] == [
             (["L2.post_block"], 0.0, 0.0, "both"), (["L1.post_attn"], None, 0.0, "prefill")]

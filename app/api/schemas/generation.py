@@ -204,7 +204,7 @@ class StatusResponse(BaseModel):
     checksum: dict | None = Field(
         None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches' and "
                           "'checksums', 'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
-    global_steering: list[str] = Field(default_factory=list, description="Sites the global steering touches.")
+    global_steering: list[str] = Field(default_factory=list, description="Sites the global steering (vectors and clamps) touches.")
     named_vectors: int = Field(0, description="Registered named vectors (module vectors included).")
     api_key_required: bool = Field(False, description="Whether mutating endpoints need 'Authorization: Bearer <key>'.")
     sweeps: dict | None = Field(None, description="Patch-sweep service status, when the server runs one.")
