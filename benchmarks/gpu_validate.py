@@ -19,7 +19,10 @@ Checks (bf16; tolerances printed in the result):
   mlp_out equals steering at post_block within the tolerance; steering at mlp_in vs the oracle;
 * dimension masks: a masked clean->corrupt patch at mlp_out takes the clean values on the masked
   dimensions and keeps the others, both bit-exact (single-tensor site), and scores as the oracle;
-  masked steering at post_attn vs the oracle.
+  masked steering at post_attn vs the oracle;
+* directional clamps (the Triton op's clamp rows): a one-sided clamp at post_block (pair site) and
+  mlp_in (single tensor), and one after steering at post_block, vs the oracle; the captured
+  projection stays within the bound (bf16 write-back tolerance).
 Throughput: decode tokens/s with CUDA graphs, vanilla vs every request steered, batch 1 and 32.
 """
 
@@ -73,7 +76,7 @@ def run_checks(args) -> dict:
     from engine_ext import Engine, GenerationParams
     from engine_ext.reference.hf import HFReference, RefEdit
     from engine_ext.sites import HOOKS
-    from engine_ext.specs import Capture, Interventions, Patch, Steer
+    from engine_ext.specs import Capture, Clamp, Interventions, Patch, Steer
 
     res: dict = {"model": args.model, "mode": args.mode, "runner": args.runner, "checks": {}}
     t0 = time.perf_counter()
@@ -253,12 +256,38 @@ def run_checks(args) -> dict:
         return {"ok": diff <= LOGPROB_TOL_BF16 and g.logprobs != base.logprobs, "logprob_diff": diff, "same_token_as_oracle": same,
                 "tolerance": LOGPROB_TOL_BF16}
 
+    def clamps():
+        l, n = L // 2, len(ids)
+        u = _rand(6, f"L{l}.post_block")
+        u = (u / np.linalg.norm(u)).astype(np.float32)
+        out, ok = {}, True
+        for hook, with_steer in (("post_block", False), ("mlp_in", False), ("post_block", True)):
+            site = f"L{l}.{hook}"
+            plain = eng.capture(ids, [site], "all_prompt").captures
+            proj = [float(np.dot(plain[(l, hook, p)].astype(np.float64), u)) for p in range(n)]
+            hi = float(np.median(proj))
+            steer = (Steer.make([site], u * (abs(hi) + 4.0)),) if with_steer else ()
+            clamp = (Clamp.make([site], u, max=hi),)
+            edits = [RefEdit.steer((l, hook), u * (abs(hi) + 4.0), positions=range(n), gen=True)] if with_steer else []
+            edits.append(RefEdit.clamp((l, hook), u, max=hi, positions=range(n), gen=True))
+            g, diff, same = _lp_vs_oracle(Interventions(steer=steer, clamp=clamp), edits)
+            cap = eng.generate(ids, GenerationParams(max_tokens=1), Interventions(steer=steer, clamp=clamp,
+                                                                                   capture=Capture.make([site], "all_prompt"))).captures
+            excess = max(float(np.dot(cap[(l, hook, p)].astype(np.float64), u)) - hi for p in range(n))
+            scale = max(float(np.linalg.norm(plain[(l, hook, p)])) for p in range(n))
+            name = hook + ("+steer" if with_steer else "")
+            out[name] = {"logprob_diff": diff, "same_token_as_oracle": same, "max_excess_over_bound": excess,
+                         "bound_tolerance": scale * 2 ** -7, "voided": g.intervention.voided}
+            ok = ok and diff <= LOGPROB_TOL_BF16 and excess <= scale * 2 ** -7 and not g.intervention.voided
+        return {"ok": ok, **out, "tolerance": LOGPROB_TOL_BF16}
+
     for name, fn in [("captures_vs_oracle", captures), ("self_patch_bit_exact", self_patch), ("steering_vs_oracle", steering),
                      ("corrupt_to_clean_bit_exact", corrupt_to_clean), ("neighbours_bit_exact", neighbours),
                      ("prefix_cache_isolation", prefix_cache), ("missing_source_voided", voided),
                      ("logprobs_only_on_request", logprobs_on_request), ("mlp_out_zero_vs_oracle", mlp_out_zero),
                      ("mlp_out_steer_equals_post_block", mlp_out_steer_equals_post_block), ("mlp_in_steer_vs_oracle", mlp_in_steer),
-                     ("masked_patch_bit_exact", masked_patch), ("masked_steer_vs_oracle", masked_steer)]:
+                     ("masked_patch_bit_exact", masked_patch), ("masked_steer_vs_oracle", masked_steer),
+                     ("clamps_vs_oracle", clamps)]:
         check(name, fn)
     res["all_ok"] = all(c.get("ok") for c in checks.values())
     ref = None  # free the oracle's GPU memory (the checks above are done with it)

@@ -13,6 +13,7 @@ skips it).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,9 @@ class Limits:
 
     max_site_positions: int = 65536  # sites x positions touched by steer/patch/capture entries
     max_named_vectors: int = 256
+    #: directional clamps acting at one (site, position), global ones included (the fork's
+    #: `max_clamp_directions`, K: the width of the op's clamp table)
+    max_clamp_directions: int = 4
 
 
 @dataclass
@@ -228,12 +232,66 @@ def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *,
         touched += len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))
         capture_out = {"sites": sites, "pos": pos, "gen": gen, "keep_as": c.keep_as, "return": c.return_values,
                        "values": len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))}
+    clamp_out = []
+    for k, c in enumerate(spec.clamp):
+        f = f"clamp[{k}]"
+        sites = [_check_site(site, dims, f"{f}.sites[{j}]") for j, site in enumerate(c.sites)]
+        pos, gen = resolve_positions(c.positions, prompt, f"{f}.positions")
+        _check_vec(c.vector, dims, f"{f}.vector")
+        touched += len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))
+        clamp_out.append({"sites": sites, "pos": pos, "gen": gen, "phase": c.phase, "dir": encode_vector(c.unit()),
+                          "lo": c.min, "hi": c.max, "st": c.strength})
+    if clamp_out:
+        check_clamp_directions(clamp_out, prompt.n, limits.max_clamp_directions)
     if touched > limits.max_site_positions:
         raise SpecError("interventions", f"touches {touched} site-positions; the limit is {limits.max_site_positions} (too many sites)")
     body = {"steer": steer_out, "patch": patch_out, "noise": noise_out, "capture": capture_out}
+    if clamp_out:  # absent when empty: clamp-free programs (and their hashes) are unchanged
+        body["clamp"] = clamp_out
     # the last position ever fed to the model: the last prompt token or the next-to-last generated one
     max_pos = max(prompt.n - 1, prompt.n + prompt.max_tokens - 2)
     return {"v": PROGRAM_VERSION, "key": key, "n_prompt": prompt.n, "max_pos": max_pos, "hash": spec_hash(body), **body}
+
+
+def clamp_counts(entries: list[dict], n_prompt: int) -> dict[int, tuple[int, int, list[int]]]:
+    """Per site: the most wire clamp entries acting at one prompt position, at one generated
+    position, and the entries (indices into `entries`) at the site."""
+    by_site: dict[int, list[int]] = {}
+    for k, e in enumerate(entries):
+        for site in e["sites"]:
+            by_site.setdefault(int(site), []).append(k)
+    out = {}
+    for site, ks in by_site.items():
+        prompt = np.zeros(max(n_prompt, 1), np.int64)
+        gen_all = 0
+        explicit_gen: dict[int, int] = {}
+        for k in ks:
+            e = entries[k]
+            for p in e["pos"]:
+                if p < n_prompt and e["phase"] != "decode":
+                    prompt[p] += 1
+                elif p >= n_prompt and e["phase"] != "prefill" and not e["gen"]:
+                    explicit_gen[p] = explicit_gen.get(p, 0) + 1
+            if e["gen"] and e["phase"] != "prefill":
+                gen_all += 1
+        out[site] = (int(prompt.max()), gen_all + max(explicit_gen.values(), default=0), ks)
+    return out
+
+
+def check_clamp_directions(entries: list[dict], n_prompt: int, limit: int, field_prefix: str = "clamp",
+                           extra: dict[int, tuple[int, int]] | None = None) -> None:
+    """SpecError naming the entry when more than `limit` clamps would act at one (site,
+    position); `extra`: per site, the clamps already acting at prompt and at generated
+    positions (the global ones, counted as acting everywhere in their phase)."""
+    for site, (in_prompt, in_gen, ks) in sorted(clamp_counts(entries, n_prompt).items()):
+        gp, gg = (extra or {}).get(site, (0, 0))
+        total = max(in_prompt + gp if in_prompt else 0, in_gen + gg if in_gen else 0)
+        if total > limit:
+            k = ks[-1]
+            j = entries[k]["sites"].index(site)
+            glob = f" ({max(gp, gg)} of them global)" if gp or gg else ""
+            raise SpecError(f"{field_prefix}[{k}].sites[{j}]", f"{total} clamps would act at one position of "
+                            f"{site_from_index(site)}{glob}; at most {limit} (max_clamp_directions)")
 
 
 def first_modified_position(program: dict) -> int | None:
@@ -245,6 +303,10 @@ def first_modified_position(program: dict) -> int | None:
     for s in program["steer"]:
         out += [p for p in s["pos"] if (p < n and s["phase"] != "decode") or (p >= n and s["phase"] != "prefill")]
         if s["gen"] and s["phase"] != "prefill":
+            out.append(n)
+    for c in program.get("clamp", ()):
+        out += [p for p in c["pos"] if (p < n and c["phase"] != "decode") or (p >= n and c["phase"] != "prefill")]
+        if c["gen"] and c["phase"] != "prefill":
             out.append(n)
     for p in program["patch"]:
         out += p["dst"]
@@ -265,6 +327,16 @@ def program_to_extra_args(program: dict, kv_salt: str | None = None) -> dict:
     if kv_salt is not None and first is not None:
         extra[KV_SALT_KEY] = [first, kv_salt]
     return extra
+
+
+def clamp_op(op_id: int, kind: str, site: int, e: dict) -> "ClampOp":
+    """The worker's `ClampOp` of one wire clamp entry ({pos, gen, phase, dir, lo, hi, st}, plus
+    `every` for global ones) at `site`."""
+    return ClampOp(op_id, kind, int(site), np.asarray(e.get("pos", []), np.int64), bool(e.get("gen", False)),
+                   e.get("phase", "both"), decode_vector(e["dir"]) if isinstance(e["dir"], str) else np.asarray(e["dir"], np.float32),
+                   1.0, every=bool(e.get("every", False)),
+                   lo=-math.inf if e.get("lo") is None else float(e["lo"]),
+                   hi=math.inf if e.get("hi") is None else float(e["hi"]), strength=float(e.get("st", 1.0)))
 
 
 # ---- worker side ------------------------------------------------------------------------------
@@ -321,12 +393,24 @@ class AddOp:
 
 
 @dataclass
+class ClampOp(AddOp):
+    """A directional clamp at `site` (`vec`: the float32 unit direction; `lo` / `hi`: the
+    bounds, +-inf when open; `strength`), at the positions and phase of an `AddOp`. Applied
+    after every patch and add at the same (site, position)."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    strength: float = 1.0
+
+
+@dataclass
 class WorkerProgram:
     key: str
     n_prompt: int
     max_pos: int
     hash: str
     adds: list[AddOp] = field(default_factory=list)
+    clamps: list[ClampOp] = field(default_factory=list)
     #: (site, position) -> (alpha, target, mask): target is an fp32 vector, a stored (x, r) pair,
     #: or None for zero-ablation; mask the fp32 per-dimension weights or None
     replaces: dict[tuple[int, int], tuple[float, Any, np.ndarray | None]] = field(default_factory=dict)
@@ -382,6 +466,11 @@ class WorkerProgram:
                 prog.adds.append(AddOp(op_id, "steer", site, np.asarray(s["pos"], np.int64), bool(s["gen"]),
                                        s["phase"], vec, float(s["scale"]), name=s["name"]))
                 op_id += 1
+        for c in data.get("clamp", ()):
+            for site in c["sites"]:
+                if owns_site(site):
+                    prog.clamps.append(clamp_op(op_id, "clamp", site, c))
+                    op_id += 1
         if data.get("noise") and owns_site(0):
             nz = data["noise"]
             per_pos = {int(p): decode_vector(v) for p, v in zip(nz["pos"], nz["vecs"])}

@@ -234,6 +234,71 @@ class Steer:
         return out
 
 
+def _bound(value: Any, field_name: str) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool) or not math.isfinite(value):
+        raise SpecError(field_name, f"must be a finite number (or null: unbounded), got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, eq=False)
+class Clamp:
+    """A directional clamp (the reference fork's `steering_clamps`): at `sites` and `positions`
+    during `phase`, constrain the stream's projection onto the unit direction `v = vector / |vector|`
+    to `[min, max]` (None: unbounded on that side)::
+
+        p  = s . v                                  (float32)
+        s' = s + strength * (clip(p, min, max) - p) * v
+
+    A value already inside the bounds is left untouched; `min == max` pins the projection
+    (`value` sets both), `min == max == 0` is directional ablation, `strength` in [0, 1] applies
+    part of the correction. Clamps act after every patch and add at the same site and position;
+    several clamps there are corrected together from the same `s` (the fork's rule)."""
+
+    sites: tuple[Site, ...]
+    vector: np.ndarray
+    min: float | None = None
+    max: float | None = None
+    strength: float = 1.0
+    positions: Positions = "all"
+    phase: Literal["both", "prefill", "decode"] = "both"
+
+    @classmethod
+    def make(cls, sites: Any, vector: Any, *, min: Any = None, max: Any = None, value: Any = None,
+             strength: Any = 1.0, positions: Any = "all", phase: str = "both", field_name: str = "clamp") -> "Clamp":
+        vec = as_vector(vector, f"{field_name}.vector")
+        if not float(np.linalg.norm(vec.astype(np.float64))) > 0.0:
+            raise SpecError(f"{field_name}.vector", "must be non-zero (a zero vector has no direction)")
+        if value is not None:
+            if min is not None or max is not None:
+                raise SpecError(f"{field_name}.value", "give either 'value' or 'min'/'max', not both")
+            lo = hi = _bound(value, f"{field_name}.value")
+        else:
+            lo, hi = _bound(min, f"{field_name}.min"), _bound(max, f"{field_name}.max")
+            if lo is None and hi is None:
+                raise SpecError(f"{field_name}.min", "set at least one of 'value', 'min' and 'max'")
+            if lo is not None and hi is not None and lo > hi:
+                raise SpecError(f"{field_name}.min", f"min ({lo}) must be <= max ({hi})")
+        if (not isinstance(strength, (int, float, np.floating)) or isinstance(strength, bool) or not math.isfinite(strength)
+                or not 0.0 <= strength <= 1.0):
+            raise SpecError(f"{field_name}.strength", f"must be a number in [0, 1], got {strength!r}")
+        if phase not in PHASES:
+            raise SpecError(f"{field_name}.phase", f"must be one of {', '.join(PHASES)}, got {phase!r}")
+        return cls(_sites(sites, f"{field_name}.sites"), vec, lo, hi, float(strength),
+                   positions_from_json(positions, f"{field_name}.positions"), phase)  # type: ignore[arg-type]
+
+    def unit(self) -> np.ndarray:
+        """The float32 unit direction (normalised in float64, as the fork does)."""
+        v = self.vector.astype(np.float64)
+        return (v / np.linalg.norm(v)).astype(np.float32)
+
+    def to_json(self) -> dict:
+        return {"sites": [str(s) for s in self.sites], "vector": encode_vector(self.vector), "min": self.min,
+                "max": self.max, "strength": self.strength, "positions": positions_to_json(self.positions),
+                "phase": self.phase}
+
+
 #: the one character set of user-chosen names (stored source runs `keep_as`, named vectors):
 #: letters, digits, '_', '-', '.', ':' — no '/' (a name must read back as one URL path segment)
 SAFE_NAME = re.compile(r"[\w.\-:]{1,128}")
@@ -399,21 +464,26 @@ class Interventions:
     noise: Noise | None = None
     #: score these token ids exactly at every generated step (vLLM logprob_token_ids)
     score_token_ids: tuple[int, ...] = ()
+    #: directional clamps (after every patch and add at their site)
+    clamp: tuple[Clamp, ...] = ()
 
     def is_empty(self) -> bool:
-        return not (self.steer or self.patch or self.capture or self.noise or self.score_token_ids)
+        return not (self.steer or self.patch or self.capture or self.noise or self.score_token_ids or self.clamp)
 
     def modifies_stream(self) -> bool:
-        return bool(self.steer or self.patch or self.noise)
+        return bool(self.steer or self.patch or self.noise or self.clamp)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "steer": [s.to_json() for s in self.steer],
             "patch": [p.to_json() for p in self.patch],
             "capture": self.capture.to_json() if self.capture else None,
             "noise": self.noise.to_json() if self.noise else None,
             "score_token_ids": list(self.score_token_ids),
         }
+        if self.clamp:  # absent when empty: the JSON (and hash) of clamp-free specs is unchanged
+            out["clamp"] = [c.to_json() for c in self.clamp]
+        return out
 
 
 def canonical_json(data: Any) -> str:

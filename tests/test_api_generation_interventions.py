@@ -240,7 +240,8 @@ def _bad(engine) -> list:
         (cmp, {"steering_vectors": {"post_mlp": {"1": ok}}}, "steering_vectors.post_mlp"),
         (cmp, {"steering_vectors": {"post_block": {"1": ok[:-1]}}}, "steering_vectors.post_block.1"),
         (cmp, {"prefill_steering_vectors": {"post_block": {str(n): ok}}}, f"prefill_steering_vectors.post_block.{n}"),
-        (cmp, {"steering_clamps": {"post_block": {}}}, "steering_clamps"),
+        (cmp, {"steering_clamps": {"post_block": {"1": [{"vector": ok, "min": 1.0, "max": 0.0}]}}}, "steering_clamps.post_block.1[0].min"),
+        (cmp, {"decode_steering_clamps": {"post_block": {"1": [{"vector": ok[:-1], "value": 0.0}]}}}, "decode_steering_clamps.post_block.1[0].vector"),
         (cmp, {"steering": [{"when": {}, "apply": {}}]}, "steering"),
         (cmp, {"steering_name": "no-such-module"}, "steering_name"),
         (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_module": "zeros", "mask": {"indices": [h]}}]}, "patch[0].mask.indices[0]"),
@@ -268,7 +269,7 @@ def _bad(engine) -> list:
     ]
 
 
-NOT_SUPPORTED = {"steering_vectors.post_mlp", "steering_clamps", "steering", "patch[0].hook"}
+NOT_SUPPORTED = {"steering_vectors.post_mlp", "steering", "patch[0].hook"}
 
 
 def test_bad_interventions_name_the_field_and_leave_the_engine_untouched(http, engine, tasks):

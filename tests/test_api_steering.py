@@ -72,7 +72,7 @@ def test_set_changes_generation_like_per_request_steering_and_clear_restores_bas
     after = _generate(http, prompt)
     assert after["token_ids"] == baseline["token_ids"]
     assert after["logprobs"] == baseline["logprobs"]  # bit-identical once cleared
-    assert http.get("/v1/steering").json() == {"active_layers": {}, "steer": []}
+    assert http.get("/v1/steering").json() == {"active_layers": {}, "steer": [], "clamp": []}
 
 
 def test_merge_replace_and_active_layers(http, engine, clean_steering):
@@ -256,7 +256,8 @@ def _bad_cases(h: int, n_layers: int) -> list:
         ("POST", "/v1/steering/set", {"vectors": {"post_mlp": {"2": ok}}}, 400, "vectors.post_mlp"),
         ("POST", "/v1/steering/set", {"decode_vectors": {"pre_attn": {"99": ok}}}, 400, "decode_vectors.pre_attn.99"),
         ("POST", "/v1/steering/set", {"vectors": {"pre_attn": {"x": ok}}}, 400, "vectors.pre_attn.x"),
-        ("POST", "/v1/steering/set", {"clamps": {"post_block": {}}}, 400, "clamps"),
+        ("POST", "/v1/steering/set", {"clamps": {"post_block": {"2": [{"vector": ok, "min": 1.0, "max": 0.0}]}}}, 400, "clamps.post_block.2[0].min"),
+        ("POST", "/v1/steering/set", {"prefill_clamps": {"post_block": {"2": [{"vector": [0.0] * h, "value": 0.0}]}}}, 400, "prefill_clamps.post_block.2[0].vector"),
         ("POST", "/v1/steering/set", {"vectors": {"pre_attn": {"1": ok}}, "target": "draft"}, 400, "target"),
         ("POST", "/v1/steering/set", {}, 400, "vectors"),
         ("POST", "/v1/steering/set", {"vectors": {}, "verbose": True}, 400, "verbose"),
@@ -277,7 +278,10 @@ def _bad_cases(h: int, n_layers: int) -> list:
         ("POST", "/v1/steering/modules/register", {"name": "m", "kind": "sae_delta"}, 400, "kind"),
         ("POST", "/v1/steering/modules/register", {"name": "m"}, 400, "vectors"),
         ("POST", "/v1/steering/modules/register", {"name": "a/b", "vectors": {"post_block": {"1": ok}}}, 400, "name"),
-        ("POST", "/v1/steering/modules/register", {"name": "m", "vectors": {"post_block": {"1": ok}}, "clamps": {}}, 400, "clamps"),
+        ("POST", "/v1/steering/modules/register", {"name": "m", "vectors": {"post_block": {"1": ok}},
+                                                    "clamps": {"post_block": {"1": [{"vector": ok}]}}}, 400, "clamps.post_block.1[0].min"),
+        ("POST", "/v1/steering/modules/register", {"name": "m", "decode_clamps": {"post_block": {"1": [{"vector": ok, "value": 0}] * 5}}},
+         400, "decode_clamps.post_block.1"),
         ("POST", "/v1/steering/modules/unregister", {"name": "no-such-module"}, 404, "name"),
     ]
 
@@ -337,7 +341,7 @@ def test_bad_inputs_name_the_field_and_leave_the_engine_untouched(http, engine, 
         if field in ("vectors.post_mlp", "clamps", "target", "kind"):
             assert "not supported" in http.request(method, path, json=body).json()["error"]
     # nothing was changed and the engine still serves, identically
-    assert http.get("/v1/steering").json() == {"active_layers": {}, "steer": []}
+    assert http.get("/v1/steering").json() == {"active_layers": {}, "steer": [], "clamp": []}
     assert "raw-bad" not in engine.list_vectors() and "nan-vec" not in engine.list_vectors()
     assert not any(n.startswith("module/") for n in engine.list_vectors())
     after = _generate(http, prompt)

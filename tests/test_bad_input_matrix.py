@@ -108,7 +108,9 @@ CASES = {
     "cmpl-n-two": C({"prompt": PROMPT, "n": 2}, "n"),
     "cmpl-echo": C({"prompt": PROMPT, "echo": True}, "echo"),
     "cmpl-prompt-object": C({"prompt": {"text": "a"}}, "prompt"),  # text, ids or lists of them (vLLM's forms)
-    "cmpl-clamps-unsupported": C({"prompt": PROMPT, "steering_clamps": {"x": 1}}, "steering_clamps"),
+    "cmpl-clamps-bad-hook": C({"prompt": PROMPT, "steering_clamps": {"x": 1}}, "steering_clamps.x"),
+    "cmpl-clamps-min-above-max": C({"prompt": PROMPT, "steering_clamps": {"post_block": {"1": [{"vector": OK_VEC, "min": 1, "max": 0}]}}},
+                                   "steering_clamps.post_block.1[0].min"),
     "cmpl-steering-layer-out-of-range": C({"prompt": PROMPT, "steering_vectors": {"post_block": {"99": OK_VEC}}},
                                           "steering_vectors.post_block.99"),
     "cmpl-steering-bad-hook": C({"prompt": PROMPT, "steering_vectors": {"mlp": {"1": OK_VEC}}}, "steering_vectors.mlp"),

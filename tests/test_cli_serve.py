@@ -22,12 +22,21 @@ def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
     env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
     exe = Path(sys.executable).parent / "causalboard"
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([str(exe), "serve"], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    caps = tmp_path / "caps"
+    proc = subprocess.Popen([str(exe), "serve", "--capture-dir", str(caps)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc, lambda: (tmp_path / "serve.log").read_text()[-3000:],
                      timeout=240, every=1)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/generate", json={"prompt": "The capital of", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and len(r.json()["token_ids"]) == 2
+        # --capture-dir turns on the fork's filesystem capture consumer
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "prompt": "The capital of", "max_tokens": 1,
+            "capture": {"filesystem": {"request_id": "cli-req", "hooks": {"post_block": [1]}, "positions": "last_prompt"}}})
+        assert r.status_code == 200, r.text
+        assert r.json()["capture_results"]["filesystem"]["status"] == "ok"
+        written = [p for p in caps.rglob("*") if p.is_file()]
+        assert written and all(str(p).startswith(str(caps / "default" / "cli-req")) for p in written), written
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -91,7 +91,8 @@ def test_typed_request_and_response_models(app_and_spec):
     assert "interventions" in schemas["GenerateRequest"]["properties"]
     for field in ("steering_vectors", "patch", "patch_vectors", "logprob_token_ids", "steering_clamps", "interventions"):
         assert field in schemas["CompletionRequest"]["properties"], field
-    assert "not supported" in schemas["CompletionRequest"]["properties"]["steering_clamps"]["description"].lower()
+    assert "not supported" in schemas["CompletionRequest"]["properties"]["steering"]["description"].lower()
+    assert "clamp" in schemas["InterventionsSpec"]["properties"] and "ClampSpec" in schemas
     for field in ("source_store", "checksum", "global_steering", "named_vectors", "sweeps"):
         assert field in schemas["StatusResponse"]["properties"], field
     guarded = [("post", "/v1/steering/set"), ("delete", "/v1/patch_source/{run_id}"), ("post", "/v1/capture"),

@@ -16,11 +16,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine_ext import Engine
-from engine_ext.specs import Steer, positions_to_json
+from engine_ext.specs import Clamp, Steer, positions_to_json
 from engine_ext.sites import HOOKS
 
 
-def merge_steers(current: Sequence[Steer], new: Sequence[Steer]) -> list[Steer]:
+def merge_steers(current: Sequence[Steer | Clamp], new: Sequence[Steer | Clamp]) -> list:
+    """Also merges clamps (`merge_steers(current_clamps, new_clamps)`): the fork replaces a tier's
+    clamps at a (hook, layer) by the new ones there."""
     replaced = {(site, s.phase) for s in new for site in s.sites}
     kept = []
     for s in current:
@@ -39,8 +41,9 @@ def steer_vector(s: Steer, engine: Engine) -> np.ndarray | None:
     return engine.named_vector(s.name) if s.name is not None else None
 
 
-def describe(steers: Sequence[Steer], engine: Engine) -> dict:
-    """`{"active_layers": {layer: {hook: {"norm", "prefill_norm"?, "decode_norm"?}}}, "steer": [...]}`."""
+def describe(steers: Sequence[Steer], engine: Engine, clamps: Sequence[Clamp] = ()) -> dict:
+    """`{"active_layers": {layer: {hook: {"norm", "prefill_norm"?, "decode_norm"?}}}, "steer": [...],
+    "clamp": [...]}`."""
     hidden = engine.info.hidden_size
     sums: dict[tuple[int, str, str], np.ndarray] = {}
     entries = []
@@ -62,9 +65,11 @@ def describe(steers: Sequence[Steer], engine: Engine) -> dict:
         if norm > 0.0:
             norms = active.setdefault(str(layer), {}).setdefault(hook, {})
             norms["norm" if phase == "both" else f"{phase}_norm"] = round(norm, 6)
-    return {"active_layers": active, "steer": entries}
+    clamp_entries = [{"sites": [str(site) for site in c.sites], "vector": c.vector.tolist(), "min": c.min, "max": c.max,
+                      "strength": c.strength, "positions": positions_to_json(c.positions), "phase": c.phase} for c in clamps]
+    return {"active_layers": active, "steer": entries, "clamp": clamp_entries}
 
 
-def active_sites(steers: Sequence[Steer]) -> list[str]:
+def active_sites(steers: Sequence[Steer | Clamp]) -> list[str]:
     """Every site the steering touches, in layer/hook order."""
     return [str(site) for site in sorted({site for s in steers for site in s.sites}, key=lambda x: (x.layer, HOOKS.index(x.hook)))]

@@ -70,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from app.api.app import create_app
 
-    app = create_app(config=_engine_config(args), api_key=args.api_key)
+    app = create_app(config=_engine_config(args), api_key=args.api_key, capture_dir=args.capture_dir)
     app.state.announce = f"http://{args.host}:{args.port}"
     print(f"causalboard: starting the engine, then serving on {app.state.announce}", flush=True)
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown (the lifespan then closes the engine)
@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on mutating endpoints (env CAUSALBOARD_API_KEY)")
+    serve.add_argument("--capture-dir", default=None,
+                       help="enable the reference fork's filesystem capture consumer, writing under this directory "
+                            "(env CAUSALBOARD_CAPTURE_DIR)")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

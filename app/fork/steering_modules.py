@@ -6,26 +6,52 @@ phases, `prefill_vectors`, `decode_vectors`). causalboard stores each as a named
 the engine like any named vector, count against its named-vector limit, and are listed by
 parsing those names. A scale is folded into the stored vector (the fork does the same).
 
+A module may also carry directional clamps (the fork's `clamps` / `prefill_clamps` /
+`decode_clamps` tiers; a module may hold only clamps). They are kept beside the engine's named
+vectors for the engine's lifetime (`_CLAMPS`, per engine), not as named vectors: a clamp is a
+direction with bounds, not a vector to add.
+
 Uses: `steering_name: <module>` on `/v1/completions` steers with every vector of the module at
-every position of its phase (scale 1.0, as in the fork); `source_module: <module>` in a fork
-patch entry reads the module's both-phase vector at the patched site.
+every position of its phase (scale 1.0, as in the fork) and applies its clamps before the
+request's own (the fork's order); `source_module: <module>` in a fork patch entry reads the
+module's both-phase vector at the patched site.
 """
 
 from __future__ import annotations
 
 import re
+import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from engine_ext import Engine
 from engine_ext.errors import SpecError
-from engine_ext.specs import Steer
+from engine_ext.specs import Clamp, Steer
 from engine_ext.sites import Site
 
 PREFIX = "module/"
 _NAME_RE = re.compile(r"^[\w.\-:]{1,64}$")
 _VECTOR_RE = re.compile(r"^module/([\w.\-:]{1,64})/(both|prefill|decode)/(L\d+\.\w+)$")
+#: each engine's module clamps: {module name: [Clamp, ...]} (tier order: both, prefill, decode)
+_CLAMPS: "weakref.WeakKeyDictionary[Engine, dict[str, list[Clamp]]]" = weakref.WeakKeyDictionary()
+_CLAMPS_LOCK = threading.Lock()
+
+
+def clamps_of(engine: Engine, name: str) -> list[Clamp]:
+    """The module's clamps (empty when it has none or does not exist)."""
+    with _CLAMPS_LOCK:
+        return list(_CLAMPS.get(engine, {}).get(name, ()))
+
+
+def _set_clamps(engine: Engine, name: str, clamps: Sequence[Clamp]) -> None:
+    with _CLAMPS_LOCK:
+        table = _CLAMPS.setdefault(engine, {})
+        if clamps:
+            table[name] = list(clamps)
+        else:
+            table.pop(name, None)
 
 
 def check_module_name(name: str, field: str = "name") -> str:
@@ -39,21 +65,26 @@ def vector_name(module: str, phase: str, site: Site) -> str:
 
 
 def modules(engine: Engine) -> dict[str, list[tuple[Site, str, str]]]:
-    """module name -> [(site, phase, vector name)], from the engine's named vectors."""
+    """module name -> [(site, phase, vector name)], from the engine's named vectors (a module of
+    clamps only is listed with no vectors)."""
     out: dict[str, list[tuple[Site, str, str]]] = {}
     for name in sorted(engine.list_vectors()):
         m = _VECTOR_RE.match(name)
         if m:
             out.setdefault(m.group(1), []).append((Site.parse(m.group(3)), m.group(2), name))
-    return out
+    with _CLAMPS_LOCK:
+        for name in _CLAMPS.get(engine, {}):
+            out.setdefault(name, [])
+    return dict(sorted(out.items()))
 
 
-def register(engine: Engine, name: str, steers: Sequence[Steer]) -> None:
-    """Store `steers` (single-site entries) as module `name`, replacing a module of that name.
-    Refused as a whole (SpecError) if the named-vector limit would be exceeded."""
+def register(engine: Engine, name: str, steers: Sequence[Steer], clamps: Sequence[Clamp] = ()) -> None:
+    """Store `steers` (single-site entries) and `clamps` as module `name`, replacing a module of
+    that name. Refused as a whole (SpecError) if the named-vector limit would be exceeded."""
     check_module_name(name)
-    if not steers:
-        raise SpecError("vectors", "a module needs at least one vector (vectors, prefill_vectors or decode_vectors)")
+    if not steers and not clamps:
+        raise SpecError("vectors", "a module needs at least one vector or clamp (vectors, prefill_vectors, decode_vectors, "
+                                   "clamps, prefill_clamps or decode_clamps)")
     wanted: dict[str, np.ndarray] = {}
     for s in steers:
         (site,) = s.sites
@@ -69,20 +100,24 @@ def register(engine: Engine, name: str, steers: Sequence[Steer]) -> None:
         engine.delete_vector(vname)
     for vname, vec in wanted.items():
         engine.register_vector(vname, vec)
+    _set_clamps(engine, name, clamps)
 
 
 def unregister(engine: Engine, name: str) -> bool:
-    """Delete every vector of module `name`; False if there was none."""
-    entries = modules(engine).get(name, [])
-    for _, _, vname in entries:
+    """Delete every vector and clamp of module `name`; False if there was none."""
+    mods = modules(engine)
+    if name not in mods:
+        return False
+    for _, _, vname in mods[name]:
         engine.delete_vector(vname)
-    return bool(entries)
+    _set_clamps(engine, name, ())
+    return True
 
 
 def steers_of(engine: Engine, name: str, field: str) -> list[Steer]:
     """Steering with module `name` (every vector, every position of its phase, scale 1)."""
     entries = modules(engine).get(name)
-    if not entries:
+    if entries is None:
         raise SpecError(field, f"no steering module named {name!r}")
     return [Steer((site,), None, vname, 1.0, "all", phase) for site, phase, vname in entries]
 

@@ -27,6 +27,7 @@ runs the same code, so all ranks take the same decisions; the applied-action che
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import zlib
@@ -280,8 +281,9 @@ class DynamicWorker:
                     c = v.copy() if c is None else c + v
                 if base_val is None:
                     return SlotValue(SlotMode.AFFINE, a=1.0, c=c)
-                # keep the base's per-dimension a (a dimension-masked patch) with its content key
-                return SlotValue(SlotMode.AFFINE, a=base_val.a, c=c, a_vec=base_val.a_vec, a_key=base_val.a_key)
+                # keep the base's per-dimension a (a dimension-masked patch) and its directional clamps
+                # (applied after this add, as the fork orders them), with their content keys
+                return dataclasses.replace(base_val, c=c)
 
             entries.append((site, key, make))
             desc.append(f"{site}:{','.join(f'{c:08x}' for _, c in parts)}")

@@ -13,6 +13,7 @@ token ids, so the positions the caller sees are exactly the positions the engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -36,9 +37,9 @@ from engine_ext.engine.outputs import AsyncSink, Prepared, QueueSink, delta_from
 from engine_ext.generation import Generation, GenerationDelta, GenerationParams
 from engine_ext.dynamic.engine import DynamicControl
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY
-from engine_ext.program import (KV_SALT_KEY, ModelDims, PromptInfo, check_score_token_ids, compile_program,
+from engine_ext.program import (KV_SALT_KEY, ModelDims, PromptInfo, check_clamp_directions, check_score_token_ids, compile_program,
                                 program_to_extra_args)
-from engine_ext.specs import Interventions, Steer, canonical_json, positions_from_json
+from engine_ext.specs import Clamp, Interventions, Steer, canonical_json, positions_from_json
 
 logger = logging.getLogger("causalboard.engine")
 
@@ -75,6 +76,7 @@ class Engine(DynamicControl):
         self._named: dict[str, int] = {}  # mirror of the workers' named vectors: name -> dimension
         self._named_values: dict[str, Any] = {}  # client-side copy of each named vector (float32)
         self._global: list[Steer] = []
+        self._global_clamps: list[Clamp] = []
         self._topology = Topology()
         self._mismatch_logged = float("-inf")
         self._failure: BaseException | None = None
@@ -203,6 +205,7 @@ class Engine(DynamicControl):
                 "max_capture_rows": self.config.max_capture_rows,
                 "capture_buffer_bytes": self.config.capture_buffer_bytes,
                 "source_store_bytes": self.config.source_store_bytes,
+                "max_clamp_directions": self.config.limits.max_clamp_directions,
             }},
         )
         if self.config.max_model_len:
@@ -422,12 +425,15 @@ class Engine(DynamicControl):
                     raise SpecError("logprobs", "top-k logprobs cannot be combined with score_token_ids (vLLM returns one or the other)")
                 score_ids = check_score_token_ids(spec.score_token_ids, self.info.vocab_size)
         dyn_wire = self._dynamic_wire(dynamic)
-        if (spec is not None and (spec.steer or spec.patch or spec.capture or spec.noise)) or dyn_wire is not None:
+        if (spec is not None and (spec.steer or spec.patch or spec.capture or spec.noise or spec.clamp)) or dyn_wire is not None:
             spec = spec if spec is not None else Interventions()
             prep.key = self._new_id()
             program = compile_program(spec, self._prompt_info(text, ids, params.max_tokens), self._dims,
                                       key=prep.key, named_vector_dims=self._named.get, limits=self.config.limits)
             prep.program_hash = program["hash"]
+            if program.get("clamp") and self._global_clamps:  # with the global clamps: K at most per (site, position)
+                check_clamp_directions(program["clamp"], len(ids), self.config.limits.max_clamp_directions,
+                                       extra=self._global_clamp_counts())
             # KV blocks at or after the first modified position get a salt of their own: never
             # shared with requests computed differently; the blocks before it stay shared
             extra_args = program_to_extra_args(program, kv_salt=f"cb-{program['hash']}-{prep.key}")
@@ -565,7 +571,7 @@ class Engine(DynamicControl):
     def score(self, prompt: Prompt, token_ids: Sequence[int], interventions: Interventions | None = None) -> dict[int, float]:
         """Exact logprobs of `token_ids` at the last prompt position (with interventions)."""
         spec = interventions or Interventions()
-        spec = Interventions(spec.steer, spec.patch, spec.capture, spec.noise, tuple(token_ids))
+        spec = dataclasses.replace(spec, score_token_ids=tuple(token_ids))
         gen = self.generate(prompt, GenerationParams(max_tokens=1), spec)
         if gen.intervention is not None and gen.intervention.voided:
             raise RuntimeError(f"request voided: {'; '.join(gen.intervention.errors)}")
@@ -621,9 +627,49 @@ class Engine(DynamicControl):
         vec = self._named_values.get(name)
         return None if vec is None else vec.copy()
 
-    def set_global_steer(self, steers: Sequence[Steer]) -> None:
+    def _global_clamp_counts(self) -> dict[int, tuple[int, int]]:
+        """Per site index: the global clamps acting at prompt / at generated positions (each
+        counted as acting at every position of its phase)."""
+        out: dict[int, tuple[int, int]] = {}
+        for c in self._global_clamps:
+            for site in c.sites:
+                p, g = out.get(site.index(), (0, 0))
+                out[site.index()] = (p + (c.phase != "decode"), g + (c.phase != "prefill"))
+        return out
+
+    def set_global_steer(self, steers: Sequence[Steer], clamps: Sequence[Clamp] | None = None) -> None:
         """Replace the server-wide steering (applies to every request; composes with per-request
-        steering). Positions: "all", "all_generated" or absolute indices. Resets the prefix cache."""
+        steering). Positions: "all", "all_generated" or absolute indices. `clamps`: the global
+        directional clamps (None: keep the current ones), after every add at their site. Resets
+        the prefix cache."""
+        clamp_entries = None
+        if clamps is not None:
+            clamp_entries = []
+            per_site: dict[int, tuple[int, int]] = {}  # clamps at prompt / generated positions
+            for k, c in enumerate(clamps):
+                f = f"clamp[{k}]"
+                if c.positions not in ("all", "all_generated") and (isinstance(c.positions, str) or any(
+                        not isinstance(p, int) or p < 0 for p in c.positions)):
+                    raise SpecError(f"{f}.positions", "global clamps take 'all', 'all_generated' or absolute indices")
+                if c.vector.shape[0] != self.info.hidden_size:
+                    raise SpecError(f"{f}.vector", f"has dimension {c.vector.shape[0]}, the model's hidden size is {self.info.hidden_size}")
+                for j, site in enumerate(c.sites):
+                    if site.layer >= self.info.num_layers:
+                        raise SpecError(f"{f}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
+                    p, g = per_site.get(site.index(), (0, 0))
+                    per_site[site.index()] = (p + (c.phase != "decode"), g + (c.phase != "prefill"))
+                    if max(per_site[site.index()]) > self.config.limits.max_clamp_directions:
+                        raise SpecError(f"{f}.sites[{j}]", f"more than {self.config.limits.max_clamp_directions} global clamps "
+                                                           f"at {site} (max_clamp_directions)")
+                    e = {"site": site.index(), "dir": c.unit().astype("<f4").tobytes(), "lo": c.min, "hi": c.max,
+                         "st": c.strength, "phase": c.phase}
+                    if c.positions == "all":
+                        e.update(pos=[], gen=True, every=True)
+                    elif c.positions == "all_generated":
+                        e.update(pos=[], gen=True)
+                    else:
+                        e.update(pos=sorted(set(c.positions)), gen=False)
+                    clamp_entries.append(e)
         entries = []
         for k, s in enumerate(steers):
             f = f"steer[{k}]"
@@ -649,18 +695,25 @@ class Engine(DynamicControl):
                 entries.append(e)
 
         def apply(engine: Any) -> None:
-            engine.collective_rpc("cb_set_global_steer", args=(entries,))
+            engine.collective_rpc("cb_set_global_steer", args=(entries,) if clamp_entries is None else (entries, clamp_entries))
             engine.reset_prefix_cache()
 
         self._require_loop().call(apply).result()
         self._global = list(steers)
+        if clamps is not None:
+            self._global_clamps = list(clamps)
 
     def clear_global_steer(self) -> None:
-        self.set_global_steer([])
+        """Remove every global steering entry and global clamp."""
+        self.set_global_steer([], [])
 
     @property
     def global_steer(self) -> list[Steer]:
         return list(self._global)
+
+    @property
+    def global_clamps(self) -> list[Clamp]:
+        return list(self._global_clamps)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (waits for running requests to finish first)."""

@@ -35,7 +35,12 @@ Per site and absolute position `p` (prompt first, then generated tokens fed back
    `a = f32(1 - alpha * m)`, `c = f32(alpha * m) * t` (the products in float64);
 2. then every add (steer / noise) that applies at `p`, in the order given:
    `c = c + vec * f32(scale)` (masked: `c = c + f32(vec * m) * f32(scale)`);
-3. `new = c if a == 0 else a * s + c`, all float32, written back in the model dtype.
+3. `new = c if a == 0 else a * s + c`, all float32;
+4. then the directional clamps that apply at `p` (in the order given; the engine's order is the
+   global clamps, then the request's): with unit directions `d_k` (normalised in float64, as the
+   reference fork does), every projection from the same `new`:
+   `p_k = sum(new * d_k)`, `new = new + sum_k st_k * (min(max(p_k, lo_k), hi_k) - p_k) * d_k`;
+5. written back in the model dtype.
 
 Captures record the stream after the interventions at that site. The engine applies its adds
 in this order: steering entries (in spec order, each entry's sites in order), then noise, then
@@ -56,7 +61,7 @@ from engine_ext.bundled import bundled_model_path
 from engine_ext.errors import SpecError
 from engine_ext.sites import HOOKS, PHASES, Site, site_from_index
 
-KINDS: tuple[str, ...] = ("add", "replace")
+KINDS: tuple[str, ...] = ("add", "replace", "clamp")
 
 SiteKey = tuple[int, str]
 
@@ -123,6 +128,9 @@ class RefEdit:
       ("prefill": positions < n_prompt) or to generated tokens ("decode": >= n_prompt).
     * `kind="replace"` (patch): `(1 - alpha) * s + alpha * t` at `positions`; `vectors=None`
       is zero-ablation (t = 0). Patches are explicit positions only (no `gen`, no `phase`).
+    * `kind="clamp"` (directional clamp): after the patch and adds, the projection onto the unit
+      direction of `vectors` (one vector) is clipped to [`lo`, `hi`] with `strength`; positions,
+      `gen` and `phase` as for an add.
 
     `vectors`: one vector `[H]` (or `[1, H]`) for all positions, or `[len(positions), H]`, one
     per position in the order of `positions`. Positions beyond the sequence are ignored.
@@ -140,6 +148,9 @@ class RefEdit:
     gen: bool = False
     phase: str = "both"
     mask: Any = None
+    lo: float = float("-inf")
+    hi: float = float("inf")
+    strength: float = 1.0
 
     def __post_init__(self) -> None:
         self.layer, self.hook = parse_site((self.layer, self.hook))
@@ -167,7 +178,15 @@ class RefEdit:
             if self.gen or self.phase != "both":
                 raise ValueError("a replace edit takes explicit positions only (no gen / phase)")
         elif self.vectors is None:
-            raise ValueError("an add edit needs vectors")
+            raise ValueError(f"an {self.kind} edit needs vectors")
+        if self.kind == "clamp":
+            self.lo, self.hi, self.strength = float(self.lo), float(self.hi), float(self.strength)
+            if not self.lo <= self.hi or not 0.0 <= self.strength <= 1.0 or self.mask is not None:
+                raise ValueError("a clamp needs lo <= hi, a strength in [0, 1] and no mask")
+            v = np.asarray(self.vectors.detach().cpu().numpy() if hasattr(self.vectors, "detach") else self.vectors, np.float64)
+            if v.ndim != 1 or not np.isfinite(v).all() or not np.linalg.norm(v) > 0:
+                raise ValueError("a clamp needs one finite, non-zero direction vector")
+            self.vectors = (v / np.linalg.norm(v)).astype(np.float32)
         if self.vectors is None:
             self._vecs = None
             return
@@ -201,6 +220,14 @@ class RefEdit:
     def zero(cls, site: Any, positions: Sequence[int], *, alpha: float = 1.0, mask: Any = None) -> "RefEdit":
         layer, hook = parse_site(site)
         return cls(layer, hook, positions, "replace", None, alpha=alpha, mask=mask)
+
+    @classmethod
+    def clamp(cls, site: Any, vector: Any, *, min: float | None = None, max: float | None = None, strength: float = 1.0,
+              positions: Sequence[int] = (), gen: bool = False, phase: str = "both") -> "RefEdit":
+        """A directional clamp of the projection onto `vector / |vector|` to [min, max] (None: open)."""
+        layer, hook = parse_site(site)
+        return cls(layer, hook, positions, "clamp", vector, gen=gen, phase=phase,
+                   lo=float("-inf") if min is None else min, hi=float("inf") if max is None else max, strength=strength)
 
     @classmethod
     def noise(cls, positions: Sequence[int], vectors: Any) -> "RefEdit":
@@ -288,6 +315,12 @@ def edits_from_program(program: dict, *, named_vector: Callable[[str], Any] | No
             t = None
         patches.append(RefEdit(*site_of(site), dst, "replace", None if t is None else np.stack(t), alpha=float(p["alpha"]),
                                mask=decode_mask(p.get("mask"))))
+    clamps: list[RefEdit] = []
+    for c in program.get("clamp") or []:
+        for site in c["sites"]:
+            clamps.append(RefEdit(*site_of(site), [int(x) for x in c["pos"]], "clamp", decode_vector(c["dir"]), gen=bool(c["gen"]),
+                                  phase=c["phase"], lo=float("-inf") if c["lo"] is None else c["lo"],
+                                  hi=float("inf") if c["hi"] is None else c["hi"], strength=float(c["st"])))
     for s in program.get("steer") or []:
         if s["vec"] is not None:
             vec = decode_vector(s["vec"])
@@ -303,7 +336,7 @@ def edits_from_program(program: dict, *, named_vector: Callable[[str], Any] | No
         edits.append(RefEdit.noise([int(x) for x in nz["pos"]], np.stack([decode_vector(v) for v in nz["vecs"]])))
     cap = program.get("capture")
     capture = [site_of(s) for s in cap["sites"]] if cap else []
-    return patches + edits, capture
+    return patches + edits + clamps, capture
 
 
 @dataclass
@@ -311,6 +344,13 @@ class _SitePlan:
     rows: Any  # LongTensor of positions touched
     a: Any  # float32 [k, H]
     c: Any  # float32 [k, H]
+    #: clamps: indices into `rows` of the clamped ones, their unit directions [m, K, H] (zero-padded),
+    #: bounds and strengths [m, K] (or None: no clamp at this site)
+    cl_rows: Any = None
+    cl_dirs: Any = None
+    cl_lo: Any = None
+    cl_hi: Any = None
+    cl_st: Any = None
 
 
 class HFReference:
@@ -418,15 +458,19 @@ class HFReference:
         for site, es in by_site.items():
             reps = [e for e in es if e.kind == "replace"]
             adds = [e for e in es if e.kind == "add"]
-            rows, a_list, c_list = [], [], []
+            clamps = [e for e in es if e.kind == "clamp"]
+            rows, a_list, c_list, cl = [], [], [], []
             for p in range(n):
                 rep = None
                 for e in reps:  # the last replace covering p wins (the engine's per-(site, pos) table)
                     if e.applies(p, n_prompt):
                         rep = e
                 here = [e for e in adds if e.applies(p, n_prompt)]
-                if rep is None and not here:
+                cl_here = [e for e in clamps if e.applies(p, n_prompt)]
+                if rep is None and not here and not cl_here:
                     continue
+                if cl_here:
+                    cl.append((len(rows), cl_here))
                 if rep is not None:
                     t = rep.target_at(p)
                     a, am = rep.coefficients(H)
@@ -446,6 +490,18 @@ class HFReference:
                 plans[site] = _SitePlan(torch.tensor(rows, dtype=torch.long, device=self.device),
                                         torch.from_numpy(np.stack(a_list)).to(self.device),
                                         torch.from_numpy(np.stack(c_list)).to(self.device))
+            if cl:
+                k = max(len(es_) for _, es_ in cl)
+                dirs = np.zeros((len(cl), k, H), np.float32)
+                lo = np.full((len(cl), k), -np.inf, np.float32)
+                hi = np.full((len(cl), k), np.inf, np.float32)
+                st = np.ones((len(cl), k), np.float32)
+                for i, (_, es_) in enumerate(cl):
+                    for j, e in enumerate(es_):
+                        dirs[i, j], lo[i, j], hi[i, j], st[i, j] = e.vectors, e.lo, e.hi, e.strength
+                sp = plans[site]
+                sp.cl_rows = torch.tensor([r for r, _ in cl], dtype=torch.long, device=self.device)
+                sp.cl_dirs, sp.cl_lo, sp.cl_hi, sp.cl_st = (torch.from_numpy(t).to(self.device) for t in (dirs, lo, hi, st))
         return plans
 
     @staticmethod
@@ -457,6 +513,11 @@ class HFReference:
             return
         s = h[0, plan.rows].float()
         new = torch.where(plan.a == 0, plan.c, plan.a * s + plan.c)
+        if plan.cl_rows is not None:
+            v = new[plan.cl_rows]
+            proj = (v.unsqueeze(1) * plan.cl_dirs).sum(dim=-1)
+            delta = plan.cl_st * (torch.minimum(torch.maximum(proj, plan.cl_lo), plan.cl_hi) - proj)
+            new[plan.cl_rows] = v + (delta.unsqueeze(-1) * plan.cl_dirs).sum(dim=1)
         h[0, plan.rows] = new.to(h.dtype)
 
     def run(self, ids: Sequence[int], edits: Sequence[RefEdit] = (), capture: Iterable[Any] | str = (),

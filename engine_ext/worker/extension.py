@@ -76,8 +76,8 @@ class CausalboardWorkerExtension:
     def cb_status(self) -> dict:
         return self._cb().status()
 
-    def cb_set_global_steer(self, entries: list) -> int:
-        return self._cb().set_global_steer(list(entries))
+    def cb_set_global_steer(self, entries: list, clamps: list | None = None) -> int:
+        return self._cb().set_global_steer(list(entries), None if clamps is None else list(clamps))
 
     def cb_register_vector(self, name: str, data: bytes) -> int:
         import numpy as np

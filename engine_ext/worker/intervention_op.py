@@ -17,6 +17,15 @@ slot (-1: leave the row bit-identical) and the slot's `SlotMode` says what to do
   in bf16; exactly in fp32);
 * `PAIR`   — `x = px`, `r = pr` (a stored source run's own pair: replacement is bit-exact).
 
+An `AFFINE` slot may also carry directional clamps (`slot_clamp[slot] >= 0`: a row of the clamp
+tables, shared by every slot with the same clamps): after the affine edit, with `K` unit
+directions `d_k` and bounds `[lo_k, hi_k]`, strengths `st_k` (unused entries: zero directions),
+
+    p_k = sum(new * d_k)                                  (fp32, every k from the same `new`)
+    new = new + sum_k st_k * (min(max(p_k, lo_k), hi_k) - p_k) * d_k
+
+(the reference fork's clamp: a value inside its bounds is untouched), then written back as above.
+
 Single-tensor sites (`embed_site_op`: layer 0's `pre_attn`, where the stream is the embeddings
 alone, and the MLP-branch sites `mlp_in` / `mlp_out`) have no `r`: the value is `x` itself,
 `AFFINE` writes `x = dt(new)`, `PAIR` writes `x = px`, and captures store `r = 0`.
@@ -54,7 +63,8 @@ class SiteBuffers:
     capture; never resized. Row-indexed tables are laid out `[row, site]`."""
 
     def __init__(self, num_sites: int, max_rows: int, max_slots: int, max_capture_rows: int,
-                 hidden: int, device: torch.device, dtype: torch.dtype, max_dim_rows: int = 256):
+                 hidden: int, device: torch.device, dtype: torch.dtype, max_dim_rows: int = 256,
+                 max_clamp_rows: int = 256, max_clamp_dirs: int = 4):
         self.num_sites, self.max_rows, self.max_slots = num_sites, max_rows, max_slots
         self.max_capture_rows, self.hidden, self.device, self.dtype = max_capture_rows, hidden, device, dtype
         self.row_slot = torch.full((max_rows, num_sites), -1, dtype=torch.int32, device=device)
@@ -66,6 +76,14 @@ class SiteBuffers:
         self.max_dim_rows = max_dim_rows
         self.dim_a = torch.ones(max_dim_rows, hidden, dtype=torch.float32, device=device)
         self.slot_c = torch.zeros(max_slots, hidden, dtype=torch.float32, device=device)
+        #: per slot: the row of the clamp tables holding its clamps (-1: none)
+        self.slot_clamp = torch.full((max_slots,), -1, dtype=torch.int32, device=device)
+        self.max_clamp_rows, self.max_clamp_dirs = max_clamp_rows, max_clamp_dirs
+        #: clamp rows: K unit directions each (unused entries zero), their bounds and strengths
+        self.clamp_dir = torch.zeros(max_clamp_rows, max_clamp_dirs, hidden, dtype=torch.float32, device=device)
+        self.clamp_lo = torch.full((max_clamp_rows, max_clamp_dirs), -float("inf"), dtype=torch.float32, device=device)
+        self.clamp_hi = torch.full((max_clamp_rows, max_clamp_dirs), float("inf"), dtype=torch.float32, device=device)
+        self.clamp_st = torch.ones(max_clamp_rows, max_clamp_dirs, dtype=torch.float32, device=device)
         self.slot_px = torch.zeros(max_slots, hidden, dtype=dtype, device=device)
         self.slot_pr = torch.zeros(max_slots, hidden, dtype=dtype, device=device)
         self.cap_x = torch.zeros(max_capture_rows, hidden, dtype=dtype, device=device)
@@ -77,13 +95,35 @@ class SiteBuffers:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.row_slot, self.cap_dst, self.slot_mode, self.slot_a, self.slot_adim, self.dim_a, self.slot_c,
-                self.slot_px, self.slot_pr, self.cap_x, self.cap_r)
+                self.slot_px, self.slot_pr, self.cap_x, self.cap_r, self.slot_clamp, self.clamp_dir, self.clamp_lo,
+                self.clamp_hi, self.clamp_st)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 # ---- CPU / reference implementation ------------------------------------------------------------
+def clamp_correction(new: torch.Tensor, dirs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                     st: torch.Tensor) -> torch.Tensor:
+    """`sum_k st_k * (min(max(p_k, lo_k), hi_k) - p_k) * d_k` with `p_k = sum(new * d_k)`, fp32:
+    new [n, H], dirs [n, K, H], lo / hi / st [n, K] -> [n, H]."""
+    p = (new.unsqueeze(1) * dirs).sum(dim=-1)
+    delta = st * (torch.minimum(torch.maximum(p, lo), hi) - p)
+    return (delta.unsqueeze(-1) * dirs).sum(dim=1)
+
+
+def _clamped(b: SiteBuffers, new: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`new` (fp32, rows of slots `idx`) after the clamps of those slots."""
+    cl = b.slot_clamp[idx]
+    sel = torch.nonzero(cl >= 0).flatten()
+    if not sel.numel():
+        return new
+    rows = cl[sel].long()
+    new = new.clone()
+    new[sel] = new[sel] + clamp_correction(new[sel], b.clamp_dir[rows], b.clamp_lo[rows], b.clamp_hi[rows], b.clamp_st[rows])
+    return new
+
+
 def _apply_torch(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
     if not b.active[site]:
         return
@@ -100,7 +140,7 @@ def _apply_torch(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: 
         if bool((adim >= 0).any()):
             a = torch.where((adim >= 0).unsqueeze(1), b.dim_a[adim.clamp(min=0).long()], a)
         c = b.slot_c[idx]
-        new = torch.where(a == 0, c, a * s + c)
+        new = _clamped(b, torch.where(a == 0, c, a * s + c), idx)
         pair = mode == SlotMode.PAIR
         if r is None:
             x.index_copy_(0, rows, torch.where(pair, b.slot_px[idx], new.to(x.dtype)))
@@ -130,9 +170,9 @@ def _triton_kernel():
 
     @triton.jit
     def site_kernel(x_ptr, r_ptr, row_slot_ptr, cap_dst_ptr, mode_ptr, a_ptr, adim_ptr, dima_ptr, c_ptr, px_ptr, pr_ptr,
-                    capx_ptr, capr_ptr,
+                    capx_ptr, capr_ptr, sclamp_ptr, cdir_ptr, clo_ptr, chi_ptr, cst_ptr,
                     site, num_sites, hidden, stride_x, stride_r,
-                    HAS_R: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr):
+                    HAS_R: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr, KC: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(row_slot_ptr + row * num_sites + site)
         cap = tl.load(cap_dst_ptr + row * num_sites + site)
@@ -164,6 +204,18 @@ def _triton_kernel():
                 else:
                     s = x.to(tl.float32)
                 new = tl.where(a == 0.0, c, a * s + c)
+                cl = tl.load(sclamp_ptr + slot)
+                if cl >= 0:  # directional clamps: every projection from the same `new`, then one correction
+                    live = tl.where(m, new, 0.0)
+                    corr = tl.zeros_like(live)
+                    for k in tl.static_range(KC):
+                        d = tl.load(cdir_ptr + (cl * KC + k) * hidden + offs, mask=m, other=0.0)
+                        p = tl.sum(live * d, axis=0)
+                        lo = tl.load(clo_ptr + cl * KC + k)
+                        hi = tl.load(chi_ptr + cl * KC + k)
+                        st = tl.load(cst_ptr + cl * KC + k)
+                        corr += (st * (tl.minimum(tl.maximum(p, lo), hi) - p)) * d
+                    new = new + corr
                 if HAS_R:
                     r_new = new.to(r.dtype)
                     x_new = (new - r_new.to(tl.float32)).to(x.dtype)
@@ -192,8 +244,10 @@ def _apply_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site:
     kernel = _triton_kernel()
     block = triton.next_power_of_2(b.hidden)
     kernel[(n,)](x, r if r is not None else x, b.row_slot, b.cap_dst, b.slot_mode, b.slot_a, b.slot_adim, b.dim_a,
-                 b.slot_c, b.slot_px, b.slot_pr, b.cap_x, b.cap_r, site, b.num_sites, b.hidden, x.stride(0),
+                 b.slot_c, b.slot_px, b.slot_pr, b.cap_x, b.cap_r, b.slot_clamp, b.clamp_dir, b.clamp_lo, b.clamp_hi,
+                 b.clamp_st, site, b.num_sites, b.hidden, x.stride(0),
                  r.stride(0) if r is not None else 0, HAS_R=r is not None, BLOCK=block, PAIR=int(SlotMode.PAIR),
+                 KC=b.max_clamp_dirs,
                  num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
 
 
@@ -209,6 +263,10 @@ def _apply_torch_cuda(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, s
     a = torch.where((adim >= 0).unsqueeze(1), b.dim_a[adim.clamp(min=0).long()], a)
     c = b.slot_c[idx]
     new = torch.where(a == 0, c, a * s + c)
+    cl = torch.where(slot >= 0, b.slot_clamp[idx], torch.full_like(slot, -1))
+    crow = cl.clamp(min=0).long()
+    corr = clamp_correction(new, b.clamp_dir[crow], b.clamp_lo[crow], b.clamp_hi[crow], b.clamp_st[crow])
+    new = torch.where((cl >= 0).unsqueeze(1), new + corr, new)
     pair, affine = mode == SlotMode.PAIR, mode == SlotMode.AFFINE
     if r is None:
         x.copy_(torch.where(pair, b.slot_px[idx], torch.where(affine, new.to(x.dtype), x)))

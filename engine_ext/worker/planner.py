@@ -20,6 +20,9 @@ zero-ablation: no `c`; with a dimension mask `m`, per dimension `a = f32(1 - alp
 `c = f32(alpha * m) * target`, products in float64), then every add that applies there, in order (the request's steering
 entries in spec order, its noise, then the global steering): `c = c + f32(scale * vector)`.
 A replace with alpha 1 from a stored (x, r) pair and nothing added is a `PAIR` slot (bit-exact).
+Directional clamps (`ClampOp`) that apply there come last: the slot carries them (global ones
+first, then the request's, as the fork concatenates its tiers) and the op corrects the composed
+value with all of them at once.
 
 Rows and positions: in both vLLM runners, request i of a step owns rows
 `query_start_loc[i] .. query_start_loc[i+1]`, which hold positions `num_computed[i]` onward. This
@@ -43,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_ext.program import AddOp, WorkerProgram
+from engine_ext.program import AddOp, ClampOp, WorkerProgram
 from engine_ext.worker.checksum import ActionChecksum
 from engine_ext.worker.intervention_op import SiteBuffers, SlotMode
 from engine_ext.worker.slots import SlotTable, SlotValue
@@ -64,6 +67,11 @@ def _op_identity(op: AddOp, pos: int) -> tuple:
     """Content identity of what `op` adds at `pos` (vector bytes and scale)."""
     if op.per_pos is not None:
         return ("noise", _digest(np.asarray(op.per_pos[pos], "<f4")))
+    if isinstance(op, ClampOp):
+        ident = getattr(op, "_identity", None)
+        if ident is None:
+            ident = op._identity = ("clamp", _digest(np.asarray(op.vec, "<f4"), np.asarray([op.lo, op.hi, op.strength], "<f8")))
+        return ident
     ident = getattr(op, "_identity", None)
     if ident is None:
         ident = op._identity = ("vec", _digest(np.asarray(op.vec, "<f4"), np.asarray([op.scale], "<f8")))
@@ -90,10 +98,19 @@ def _is_pair(rep: tuple[float, Any, np.ndarray | None] | None) -> bool:
 
 
 def _slot_value(rep: tuple[float, Any, np.ndarray | None] | None, ops: list[AddOp], pos: int) -> SlotValue:
+    clamps = [op for op in ops if isinstance(op, ClampOp)]
+    ops = [op for op in ops if not isinstance(op, ClampOp)]
+    cl: dict[str, Any] = {}
+    if clamps:
+        cl = {"clamp_dirs": np.stack([np.asarray(op.vec, np.float32) for op in clamps]),
+              "clamp_lo": np.asarray([op.lo for op in clamps], np.float32),
+              "clamp_hi": np.asarray([op.hi for op in clamps], np.float32),
+              "clamp_st": np.asarray([op.strength for op in clamps], np.float32),
+              "clamp_key": tuple(_op_identity(op, pos) for op in clamps)}
     a_vec, a_key = None, None
     if rep is not None:
         alpha, t, mask = rep
-        if _is_pair(rep) and not ops:
+        if _is_pair(rep) and not ops and not clamps:
             return SlotValue(SlotMode.PAIR, pair=t)
         if t is None:
             tv = None
@@ -115,7 +132,7 @@ def _slot_value(rep: tuple[float, Any, np.ndarray | None] | None, ops: list[AddO
     for op in ops:
         v = op.vector_at(pos)
         c = v.astype(np.float32) if c is None else c + v
-    return SlotValue(SlotMode.AFFINE, a=a, c=c, a_vec=a_vec, a_key=a_key)
+    return SlotValue(SlotMode.AFFINE, a=a, c=c, a_vec=a_vec, a_key=a_key, **cl)
 
 
 def _covers_prompt(op: AddOp, n_prompt: int) -> bool:
@@ -177,10 +194,12 @@ class RequestPlan:
 
     @classmethod
     def build(cls, key: str, n_prompt: int, prog: WorkerProgram | None, global_adds: list[AddOp], slots: SlotTable,
-              global_version: int = 0) -> "RequestPlan":
-        """Compose `prog` (None: no program of its own) and the global steering for a request with
-        `n_prompt` prompt tokens. Raises SlotCapacityError (nothing held) when slots run out."""
-        ops = (list(prog.adds) if prog is not None else []) + list(global_adds)
+              global_version: int = 0, global_clamps: list[ClampOp] = ()) -> "RequestPlan":
+        """Compose `prog` (None: no program of its own) and the global steering (adds, then
+        clamps) for a request with `n_prompt` prompt tokens. Raises SlotCapacityError (nothing
+        held) when slots run out, ClampCapacityError when too many clamps meet at one place."""
+        ops = ((list(prog.adds) if prog is not None else []) + list(global_adds) + list(global_clamps)
+               + (list(prog.clamps) if prog is not None else []))
         replaces = prog.replaces if prog is not None else {}
         plan = cls(key=key, n_prompt=n_prompt, global_version=global_version)
         described: list[tuple] = []

@@ -4,7 +4,9 @@ A slot holds one composed value that rows can point at (`row_slot[row, site] = s
 `AFFINE` edit `new = a * s + c` or a stored `PAIR` written back as is (see `intervention_op`).
 A dimension-masked patch has a per-dimension `a`: it lives in a second, smaller content-addressed
 table (`dim_a` rows, shared by every slot with the same `a` vector — a sweep's cells all share
-one), referenced by the slot and released with it.
+one), referenced by the slot and released with it. A slot's directional clamps live the same way
+in a third table (`clamp_dir` / `clamp_lo` / `clamp_hi` / `clamp_st` rows, content-addressed by
+`clamp_key`).
 Slots are content-addressed: requests that need the same value (the same steering vector at the
 same scale, say) share one slot, uploaded once. A request holds references to its slots from
 registration until it finishes; a slot whose last reference is released is free for reuse.
@@ -39,10 +41,21 @@ class SlotValue:
     pair: StoredPair | None = None
     a_vec: np.ndarray | None = None
     a_key: Hashable = None
+    #: directional clamps applied after the affine edit: unit directions [k, H] (fp32), bounds and
+    #: strengths [k] (fp32; +-inf when open), with their content key
+    clamp_dirs: np.ndarray | None = None
+    clamp_lo: np.ndarray | None = None
+    clamp_hi: np.ndarray | None = None
+    clamp_st: np.ndarray | None = None
+    clamp_key: Hashable = None
 
 
 class SlotCapacityError(RuntimeError):
     """Every slot is in use."""
+
+
+class ClampCapacityError(SlotCapacityError):
+    """More directional clamps at one (site, position) than the clamp table is wide."""
 
 
 class SlotTable:
@@ -63,6 +76,14 @@ class SlotTable:
         self._dim_free = list(range(self.dim_capacity - 1, -1, -1))
         self._dim_of_slot = np.full(self.capacity, -1, np.int64)
         self._dim_pending: list[tuple[int, np.ndarray]] = []
+        # clamp rows: the same scheme
+        self.clamp_capacity = buffers.max_clamp_rows
+        self._cl_by_key: dict[Hashable, int] = {}
+        self._cl_key_of: list[Hashable | None] = [None] * self.clamp_capacity
+        self._cl_refs = np.zeros(self.clamp_capacity, np.int64)
+        self._cl_free = list(range(self.clamp_capacity - 1, -1, -1))
+        self._cl_of_slot = np.full(self.capacity, -1, np.int64)
+        self._cl_pending: list[tuple[int, SlotValue]] = []
 
     def __len__(self) -> int:
         return self.capacity - len(self._free)
@@ -88,10 +109,29 @@ class SlotTable:
                     self._dim_key_of[dim] = value.a_key
                     self._dim_pending.append((dim, value.a_vec))
                 self._dim_refs[dim] += 1
+            cl = -1
+            if value.clamp_dirs is not None:
+                k = value.clamp_dirs.shape[0]
+                if k > self.b.max_clamp_dirs:
+                    self._unref_dim(dim)
+                    raise ClampCapacityError(f"{k} directional clamps at one site and position; at most "
+                                             f"{self.b.max_clamp_dirs} (max_clamp_directions)")
+                cl = self._cl_by_key.get(value.clamp_key, -1)
+                if cl < 0:
+                    if not self._cl_free:
+                        self._unref_dim(dim)
+                        raise SlotCapacityError(f"all {self.clamp_capacity} clamp rows (distinct clamp sets in use) are "
+                                                "taken; raise max_clamp_rows or use fewer distinct clamps at once")
+                    cl = self._cl_free.pop()
+                    self._cl_by_key[value.clamp_key] = cl
+                    self._cl_key_of[cl] = value.clamp_key
+                    self._cl_pending.append((cl, value))
+                self._cl_refs[cl] += 1
             slot = self._free.pop()
             self._by_key[key] = slot
             self._key_of[slot] = key
             self._dim_of_slot[slot] = dim
+            self._cl_of_slot[slot] = cl
             self._value_of[slot] = value
             self._pending.append((slot, value))
         self._refs[slot] += 1
@@ -106,13 +146,24 @@ class SlotTable:
                 self._value_of[slot] = None
                 self._free.append(slot)
                 dim = int(self._dim_of_slot[slot])
-                if dim >= 0:
-                    self._dim_of_slot[slot] = -1
-                    self._dim_refs[dim] -= 1
-                    if self._dim_refs[dim] == 0:
-                        del self._dim_by_key[self._dim_key_of[dim]]
-                        self._dim_key_of[dim] = None
-                        self._dim_free.append(dim)
+                self._dim_of_slot[slot] = -1
+                self._unref_dim(dim)
+                cl = int(self._cl_of_slot[slot])
+                if cl >= 0:
+                    self._cl_of_slot[slot] = -1
+                    self._cl_refs[cl] -= 1
+                    if self._cl_refs[cl] == 0:
+                        del self._cl_by_key[self._cl_key_of[cl]]
+                        self._cl_key_of[cl] = None
+                        self._cl_free.append(cl)
+
+    def _unref_dim(self, dim: int) -> None:
+        if dim >= 0:
+            self._dim_refs[dim] -= 1
+            if self._dim_refs[dim] == 0:
+                del self._dim_by_key[self._dim_key_of[dim]]
+                self._dim_key_of[dim] = None
+                self._dim_free.append(dim)
 
     def key_of(self, slot: int) -> Hashable | None:
         """The content key a slot in use holds (None for a free slot)."""
@@ -136,6 +187,23 @@ class SlotTable:
         b.slot_a.index_copy_(0, idx, to_device_async(torch.from_numpy(a), b.device))
         adim = self._dim_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
         b.slot_adim.index_copy_(0, idx, to_device_async(torch.from_numpy(adim), b.device))
+        scl = self._cl_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
+        b.slot_clamp.index_copy_(0, idx, to_device_async(torch.from_numpy(scl), b.device))
+        if self._cl_pending:
+            cls_, self._cl_pending = self._cl_pending, []
+            K = b.max_clamp_dirs
+            dirs = np.zeros((len(cls_), K, b.hidden), np.float32)
+            lo = np.full((len(cls_), K), -np.inf, np.float32)
+            hi = np.full((len(cls_), K), np.inf, np.float32)
+            st = np.ones((len(cls_), K), np.float32)
+            for i, (_, v) in enumerate(cls_):
+                k = v.clamp_dirs.shape[0]
+                dirs[i, :k], lo[i, :k], hi[i, :k], st[i, :k] = v.clamp_dirs, v.clamp_lo, v.clamp_hi, v.clamp_st
+            cidx = to_device_async(torch.tensor([r for r, _ in cls_], dtype=torch.long, device="cpu"), b.device)
+            b.clamp_dir.index_copy_(0, cidx, to_device_async(torch.from_numpy(dirs), b.device))
+            b.clamp_lo.index_copy_(0, cidx, to_device_async(torch.from_numpy(lo), b.device))
+            b.clamp_hi.index_copy_(0, cidx, to_device_async(torch.from_numpy(hi), b.device))
+            b.clamp_st.index_copy_(0, cidx, to_device_async(torch.from_numpy(st), b.device))
         if self._dim_pending:
             dims, self._dim_pending = self._dim_pending, []
             didx = to_device_async(torch.tensor([d for d, _ in dims], dtype=torch.long, device="cpu"), b.device)

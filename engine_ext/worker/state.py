@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engine_ext.dynamic.worker import DYNAMIC_ARGS_KEY, DynamicWorker
-from engine_ext.program import EXTRA_ARGS_KEY, AddOp, WorkerProgram
+from engine_ext.program import EXTRA_ARGS_KEY, AddOp, ClampOp, WorkerProgram, clamp_op
 from engine_ext.sites import SITES_PER_LAYER
 from engine_ext.worker.checksum import ActionChecksum
 from engine_ext.worker.intervention_op import BUFFERS, SiteBuffers
@@ -49,6 +49,9 @@ class WorkerConfig:
     max_capture_rows: int | None = None
     capture_buffer_bytes: int = 256 * 1024 * 1024
     source_store_bytes: int = 256 * 1024 * 1024
+    #: directional clamps acting at one (site, position) (K) and distinct clamp sets in use at once
+    max_clamp_directions: int = 4
+    max_clamp_rows: int = 256
 
     def capture_rows(self, hidden: int, dtype: torch.dtype) -> int:
         if self.max_capture_rows is not None:
@@ -116,7 +119,8 @@ class WorkerState:
         self.num_sites = num_layers * SITES_PER_LAYER
         self.config = config
         self.buffers = SiteBuffers(self.num_sites, max_rows, config.max_slots, config.capture_rows(hidden, dtype),
-                                   hidden, device, dtype, max_dim_rows=config.max_dim_rows)
+                                   hidden, device, dtype, max_dim_rows=config.max_dim_rows,
+                                   max_clamp_rows=config.max_clamp_rows, max_clamp_dirs=config.max_clamp_directions)
         BUFFERS[self.state_id] = self.buffers
         self.slots = SlotTable(self.buffers)
         self.checksum = ActionChecksum()
@@ -128,6 +132,7 @@ class WorkerState:
         self.by_key: dict[str, RequestState] = {}
         self.results: dict[str, dict] = {}            # finished-and-collected results waiting, by key
         self.global_adds: list[AddOp] = []
+        self.global_clamps: list[ClampOp] = []
         self.global_version = 0
         self._recompose = False
         self.named: dict[str, np.ndarray] = {}
@@ -165,7 +170,7 @@ class WorkerState:
             extra = sp.extra_args if sp is not None else None
             if extra and EXTRA_ARGS_KEY in extra:
                 self.register(new.req_id, extra)
-            elif self.global_adds:
+            elif self.global_adds or self.global_clamps:
                 self._plan_global_only(new.req_id)
 
     def register(self, req_id: str, extra_args: dict | None) -> None:
@@ -202,7 +207,7 @@ class WorkerState:
             return
         try:
             self.plans[req_id] = RequestPlan.build(st.program.key, st.program.n_prompt, st.program, self.global_adds,
-                                                   self.slots, self.global_version)
+                                                   self.slots, self.global_version, self.global_clamps)
         except SlotCapacityError as exc:
             st.program.errors.append(str(exc))
 
@@ -212,7 +217,7 @@ class WorkerState:
             self.slots.release(old.held)
         try:
             self.plans[req_id] = RequestPlan.build(f"global:{req_id}", self.prompt_lens.get(req_id, 0), None,
-                                                   self.global_adds, self.slots, self.global_version)
+                                                   self.global_adds, self.slots, self.global_version, self.global_clamps)
         except SlotCapacityError as exc:
             logger.error("global steering not applied to request %s: %s", req_id, exc)
 
@@ -315,9 +320,15 @@ class WorkerState:
         return out
 
     # ---- control plane ----------------------------------------------------------------------
-    def set_global_steer(self, entries: list[dict]) -> int:
+    def set_global_steer(self, entries: list[dict], clamps: list[dict] | None = None) -> int:
         """Replace the global steering set. Entries: {site, vec (fp32 bytes) | name, scale, phase,
-        pos (list), gen (bool), every (bool), mask (fp32 bytes | None)}. Plans are recomposed before the next step."""
+        pos (list), gen (bool), every (bool), mask (fp32 bytes | None)}; `clamps` (None: keep the
+        current ones): {site, dir (fp32 bytes: a unit vector), lo, hi (None: open), st, phase,
+        pos, gen, every}. Plans are recomposed before the next step."""
+        if clamps is not None:
+            self.global_clamps = [clamp_op(k, "global_clamp", int(e["site"]),
+                                           {**e, "dir": np.frombuffer(e["dir"], dtype="<f4").copy()})
+                                  for k, e in enumerate(clamps)]
         adds = []
         for k, e in enumerate(entries):
             vec = np.frombuffer(e["vec"], dtype="<f4").copy() if e.get("vec") is not None else self.named.get(e["name"])
@@ -331,7 +342,7 @@ class WorkerState:
         self.global_adds = adds
         self.global_version += 1
         self._recompose = True
-        if adds:  # requests without a program of their own get a global-only plan
+        if adds or self.global_clamps:  # requests without a program of their own get a global-only plan
             for rid in self.prompt_lens:
                 if rid not in self.requests and rid not in self.plans:
                     self._plan_global_only(rid)
@@ -343,6 +354,7 @@ class WorkerState:
     def status(self) -> dict:
         return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, **self.checksum.status(),
                 "registered_requests": len(self.requests), "global_steer_entries": len(self.global_adds),
+                "global_clamp_entries": len(self.global_clamps),
                 "named_vectors": sorted(self.named), "store": self.store.usage(), "steps": self.planner.steps,
                 "steps_with_interventions": self.planner.applied_steps, "slots_in_use": len(self.slots),
                 "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status()}

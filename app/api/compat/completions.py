@@ -3,14 +3,15 @@
 | fork field | becomes |
 | --- | --- |
 | `steering_vectors` / `prefill_steering_vectors` / `decode_steering_vectors` | single-site `Steer` entries at every position of phase both / prefill / decode |
-| `steering_name` | the module's vectors (`app/fork/steering_modules.py`), scale 1 |
+| `steering_name` | the module's vectors (`app/fork/steering_modules.py`), scale 1, and its clamps (before the inline ones) |
 | `patch[i]` (`layer`, `hook`, `dest_position`, one source, `alpha`) | a one-position `Patch`: `source_run` (+ `source_position`, default the destination) -> stored run; `source_module` -> `"zeros"`, a module's both-phase vector at the site, or a named vector; `source_inline` -> row of `patch_vectors` |
 | `logprob_token_ids` | `score_token_ids` (exact scoring); `logprobs` must be set (the fork's rule over HTTP) |
 | `capture: {"patch_source": {"run"?, "hooks", "positions"}}` | a `Capture` kept as `run` (default: the completion id; values not returned) |
+| `steering_clamps` / `prefill_steering_clamps` / `decode_steering_clamps` | single-site `Clamp` entries at every position of phase both / prefill / decode (`app/fork/clamps.py`) |
 
 They compose with the native `interventions` field (steer and patch entries are concatenated;
 capture and scoring may come from one side only). Fork fields with no faithful counterpart
-(clamps, declarative `steering` gates, the `post_mlp` hook, capture consumers this server does not
+(declarative `steering` gates, the `post_mlp` hook, capture consumers this server does not
 run) are refused with a 400 naming the field. Engine errors about the combined spec are
 re-labelled with the request field the entry came from (`patch[1].dest_position`).
 """
@@ -26,13 +27,14 @@ from engine_ext.specs import Capture, Interventions, Patch, RunSource, InlineSou
 from engine_ext.sites import Site
 
 from app.fork import steering_modules
+from app.fork.clamps import COMPLETION_TIERS, parse_tiers
 from app.api.compat.capture_files import LAYOUTS, FileCapture, slug
 from app.fork.masks import fork_mask
 from app.api.field_names import by_index, by_prefix
 from app.fork.vectors import check_hook, check_layer, parse_patch_vectors, parse_vector_spec
 from app.api.schemas.generation import CompletionRequest
 
-UNSUPPORTED_FIELDS = ("steering_clamps", "prefill_steering_clamps", "decode_steering_clamps", "steering")
+UNSUPPORTED_FIELDS = ("steering",)
 #: the fork's cap on logprob_token_ids (its sampler's row width)
 MAX_LOGPROB_TOKEN_IDS = 128
 TIERS = {"steering_vectors": "both", "prefill_steering_vectors": "prefill", "decode_steering_vectors": "decode"}
@@ -44,6 +46,8 @@ class CompletionInterventions:
 
     spec: Interventions
     steer_origins: list[str] = field(default_factory=list)
+    clamp_origins: list[str] = field(default_factory=list)
+    n_native_clamps: int = 0
     patch_origins: list[str] = field(default_factory=list)
     capture_origin: str = "interventions.capture"
     score_origin: str = "interventions.score_token_ids"
@@ -62,6 +66,10 @@ class CompletionInterventions:
     def relabel(self, exc: SpecError) -> SpecError:
         """An engine SpecError about the combined spec -> the request field it came from."""
         exc = by_index(exc, "steer", self.steer_origins)
+        k = self.n_native_clamps
+        exc = by_index(exc, "clamp", self.clamp_origins[:k])
+        exc = by_index(exc, "clamp", self.clamp_origins[k:], offset=k,
+                       suffix=lambda rest: "" if rest.startswith(".sites") else rest)
         n = self.n_native_patches
         exc = by_index(exc, "patch", self.patch_origins[:n])
         exc = by_index(exc, "patch", self.patch_origins[n:], offset=n, suffix=_fork_patch_suffix)
@@ -100,6 +108,17 @@ def build(req: CompletionRequest, eng: Engine, default_run: str = "", capture_di
         for s in steering_modules.steers_of(eng, req.steering_name, "steering_name"):
             steers.append(s)
             out.steer_origins.append("steering_name")
+    clamps = list(native.clamp)
+    out.clamp_origins = [f"interventions.clamp[{k}]" for k in range(len(native.clamp))]
+    out.n_native_clamps = len(native.clamp)
+    fork_clamps, origins = [], []
+    if req.steering_name is not None:  # the module's clamps come before the inline ones (the fork's order)
+        fork_clamps = steering_modules.clamps_of(eng, req.steering_name)
+        origins = ["steering_name"] * len(fork_clamps)
+    more, more_origins = parse_tiers(req, COMPLETION_TIERS, num_layers=info.num_layers, hidden=info.hidden_size)
+    fork_clamps, origins = fork_clamps + more, origins + more_origins
+    clamps += fork_clamps
+    out.clamp_origins += origins
     patches = list(native.patch)
     out.patch_origins = [f"interventions.patch[{k}]" for k in range(len(native.patch))]
     out.n_native_patches = len(native.patch)
@@ -124,7 +143,7 @@ def build(req: CompletionRequest, eng: Engine, default_run: str = "", capture_di
             raise SpecError("logprob_token_ids", f"{len(ids)} ids; at most {MAX_LOGPROB_TOKEN_IDS}")
         score = tuple(ids)
         out.score_origin = "logprob_token_ids"
-    out.spec = Interventions(tuple(steers), tuple(patches), capture, native.noise, tuple(score))
+    out.spec = Interventions(tuple(steers), tuple(patches), capture, native.noise, tuple(score), tuple(clamps))
     out.requested = out.requested or not out.spec.is_empty()
     return out
 
@@ -194,7 +213,7 @@ def _fork_capture(value: dict, num_layers: int, default_run: str, capture_dir: s
     extra = sorted(set(value) - set(consumers))
     if extra:
         # the fork answers a consumer name the server did not register with a 400 as well
-        hint = " (the filesystem consumer needs a capture directory: CAUSALBOARD_CAPTURE_DIR)" if extra[0] == "filesystem" else ""
+        hint = " (the filesystem consumer needs a capture directory: causalboard serve --capture-dir DIR or CAUSALBOARD_CAPTURE_DIR)" if extra[0] == "filesystem" else ""
         raise SpecError(f"capture.{extra[0]}", f"no capture consumer {extra[0]!r} on this server "
                                                f"(available: {', '.join(consumers)}){hint}")
     if not value:

@@ -37,7 +37,7 @@ router = APIRouter(tags=["generation"])
 ERRORS = {**{code: {"model": ErrorResponse} for code in (400, 404, 413, 503)},
           401: {"model": ErrorResponse, **UNAUTHORIZED[401]}}
 #: engine field names of a native spec -> the request field that holds it
-NATIVE_FIELDS = {k: f"interventions.{k}" for k in ("steer", "patch", "capture", "noise", "score_token_ids")}
+NATIVE_FIELDS = {k: f"interventions.{k}" for k in ("steer", "patch", "capture", "noise", "score_token_ids", "clamp")}
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 

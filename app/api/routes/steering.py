@@ -20,6 +20,7 @@ from engine_ext.specs import Steer, check_safe_name
 from engine_ext.sites import HOOKS
 
 from app.fork import steering_modules
+from app.fork.clamps import GLOBAL_TIERS, parse_tiers
 from app.api.auth import UNAUTHORIZED, require_api_key
 from app.api.errors import error_response
 from app.api.field_names import by_index
@@ -97,34 +98,49 @@ def set_steering(req: SteeringSetRequest, eng: Engine = Depends(get_engine)) -> 
     `{hook: {layer: [floats] | {"vector": [...], "scale": s}}}` or the packed
     `{hook: {"dtype", "shape", "layer_indices", "data", "scales"?}}`; and/or native `steer`
     entries. `replace: false` merges: an entry replaces the current steering at the same site
-    and phase. Resets the prefix cache (cached KV was computed under the old steering)."""
-    _refuse_unsupported(req, ("clamps", "prefill_clamps", "decode_clamps"))
+    and phase. Directional clamps: the fork tiers `clamps`, `prefill_clamps`, `decode_clamps`
+    (`{hook: {layer: [{"vector", "min"?, "max"?, "strength"?} | {"vector", "value"}]}}` or the
+    fork's packed forms) and/or native `clamp` entries; merged the same way (new clamps replace
+    the current ones at the same site and phase). Resets the prefix cache (cached KV was
+    computed under the old steering)."""
     if req.target not in (None, "main"):
         raise SpecError("target", f"{req.target!r} is not supported: causalboard serves one model (use 'main' or omit it)")
     new, origins = _tier_steers(req, eng)
     if req.steer:
         origins += [f"steer[{k}]" for k in range(len(req.steer))]
         new += [s.to_steer(f"steer[{k}]") for k, s in enumerate(req.steer)]
-    if not new:
-        raise SpecError("vectors", "no vectors given: set at least one of vectors, prefill_vectors, decode_vectors or steer")
+    info = eng.info
+    new_clamps, clamp_origins = parse_tiers(req, GLOBAL_TIERS, num_layers=info.num_layers, hidden=info.hidden_size)
+    if req.clamp:
+        clamp_origins += [f"clamp[{k}]" for k in range(len(req.clamp))]
+        new_clamps += [c.to_clamp(f"clamp[{k}]") for k, c in enumerate(req.clamp)]
+    if not new and not new_clamps:
+        raise SpecError("vectors", "no vectors or clamps given: set at least one of vectors, prefill_vectors, decode_vectors, "
+                                   "steer, clamps, prefill_clamps, decode_clamps or clamp")
     with _mutation:
         merged = list(new) if req.replace else merge_steers(eng.global_steer, new)
+        merged_clamps = list(new_clamps) if req.replace else merge_steers(eng.global_clamps, new_clamps)
         try:
-            eng.set_global_steer(merged)
+            eng.set_global_steer(merged, merged_clamps)
         except SpecError as exc:
-            raise by_index(exc, "steer", origins, offset=len(merged) - len(new)) from None
+            exc = by_index(exc, "steer", origins, offset=len(merged) - len(new))
+            off, n_fork = len(merged_clamps) - len(new_clamps), len(new_clamps) - len(req.clamp or ())
+            exc = by_index(exc, "clamp", clamp_origins[:n_fork], offset=off,  # single-site fork entries: no `.sites[0]`
+                           suffix=lambda rest: "" if rest.startswith(".sites") else rest)
+            raise by_index(exc, "clamp", clamp_origins[n_fork:], offset=off + n_fork) from None
+    named = [*new, *new_clamps]
     return SteeringSetResponse(
-        hook_points=sorted({site.hook for s in new for site in s.sites}),
-        layers_updated=sorted({site.layer for s in new for site in s.sites}),
-        sites=active_sites(merged),
+        hook_points=sorted({site.hook for s in named for site in s.sites}),
+        layers_updated=sorted({site.layer for s in named for site in s.sites}),
+        sites=active_sites([*merged, *merged_clamps]),
     )
 
 
 @router.post("/v1/steering/clear", response_model=StatusOk, responses=GUARDED,
              dependencies=[Depends(require_api_key)], summary="Clear global steering")
 def clear_steering(eng: Engine = Depends(get_engine)) -> StatusOk:
-    """Remove every global steering entry (per-request steering is unaffected); resets the
-    prefix cache. Any body is ignored (the fork accepts an optional `{"target": ...}`)."""
+    """Remove every global steering entry and global clamp (per-request steering is unaffected);
+    resets the prefix cache. Any body is ignored (the fork accepts an optional `{"target": ...}`)."""
     with _mutation:
         eng.clear_global_steer()
     return StatusOk()
@@ -135,7 +151,7 @@ def get_steering(eng: Engine = Depends(get_engine)) -> SteeringStatusResponse:
     """The fork's `active_layers` (per layer and hook: the norm of the summed both-phase vectors,
     and `prefill_norm` / `decode_norm` where phase-specific entries exist) plus the native
     entries (`steer`), which POST back to `/v1/steering/set` unchanged."""
-    return SteeringStatusResponse(**describe(eng.global_steer, eng))
+    return SteeringStatusResponse(**describe(eng.global_steer, eng, eng.global_clamps))
 
 
 @router.get("/v1/steering/layers", response_model=SteeringLayersResponse, responses=BAD, summary="Steerable layers and hooks")
@@ -249,6 +265,8 @@ def _module_list(eng: Engine) -> ModuleList:
     for name, entries in mods.items():
         vectors = [(site, phase, eng.named_vector(v)) for site, phase, v in entries]
         details[name] = [ModuleEntry(site=str(site), phase=phase, norm=_norm(vec)) for site, phase, vec in vectors if vec is not None]
+        details[name] += [ModuleEntry(site=str(c.sites[0]), phase=c.phase, norm=_norm(c.vector), kind="clamp", min=c.min, max=c.max,
+                                      strength=c.strength) for c in steering_modules.clamps_of(eng, name)]
     return ModuleList(modules=sorted(mods), count=len(mods), details=details)
 
 
@@ -257,15 +275,27 @@ def _module_list(eng: Engine) -> ModuleList:
 def register_module(req: ModuleRegisterRequest, eng: Engine = Depends(get_engine)) -> ModuleResponse:
     """A named set of per-(hook, layer) vectors in the fork's tiers, stored as named vectors
     `module/<name>/<phase>/L<layer>.<hook>` (scales folded in). Replaces a module of the same
-    name. Use it per request with `steering_name` on `/v1/completions`, or as a patch
-    `source_module`. Clamps and `sae_delta` modules are not supported (400)."""
-    _refuse_unsupported(req, ("clamps", "prefill_clamps", "decode_clamps", "sae_manifest"))
+    name. Use it per request with `steering_name` on `/v1/completions` (its clamps act before the
+    request's own, unscaled, as in the fork), or as a patch `source_module` (vectors only).
+    `sae_delta` modules are not supported (400)."""
+    _refuse_unsupported(req, ("sae_manifest",))
     if req.kind != "additive":
         raise SpecError("kind", f"{req.kind!r} modules are not supported by causalboard (only 'additive')")
     steering_modules.check_module_name(req.name)
     steers, _ = _tier_steers(req, eng)
+    info = eng.info
+    clamps, _ = parse_tiers(req, GLOBAL_TIERS, num_layers=info.num_layers, hidden=info.hidden_size)
+    per_site: dict = {}
+    for c in clamps:  # more than K at one site could never be applied
+        key = (c.sites[0], c.phase)
+        per_site[key] = per_site.get(key, 0) + 1
+        both = per_site.get((c.sites[0], "both"), 0)
+        if per_site[key] + (both if c.phase != "both" else 0) > eng.config.limits.max_clamp_directions:
+            tier = {"both": "clamps", "prefill": "prefill_clamps", "decode": "decode_clamps"}[c.phase]
+            raise SpecError(f"{tier}.{c.sites[0].hook}.{c.sites[0].layer}",
+                            f"more than {eng.config.limits.max_clamp_directions} clamps at {c.sites[0]} (max_clamp_directions)")
     with _mutation:
-        steering_modules.register(eng, req.name, steers)
+        steering_modules.register(eng, req.name, steers, clamps)
         names = sorted(steering_modules.modules(eng))
     return ModuleResponse(name=req.name, modules=names)
 

@@ -14,6 +14,7 @@ from engine_ext.generation import MAX_TOP_LOGPROBS, GenerationParams
 
 from app.api.schemas.dynamic import DynamicSpec
 from app.api.schemas.interventions import (
+    ClampTier,
     ForkPatchEntry,
     InterventionResultBody,
     InterventionsSpec,
@@ -116,9 +117,11 @@ class CompletionRequest(SamplingFields):
                           "{'layers', 'ranges'}}, 'positions'}} stores a source run (needs the API key when one is set; "
                           "`run` defaults to the completion's id).")
     capture_wait: bool | None = Field(None, description="Fork: accepted; a capture is always durable when the response returns.")
-    steering_clamps: Any = unsupported()
-    prefill_steering_clamps: Any = unsupported()
-    decode_steering_clamps: Any = unsupported()
+    steering_clamps: ClampTier = Field(None, description="Fork: directional clamps at every position, {hook: {layer: "
+                                                         "[{'vector', 'min'?, 'max'?, 'strength'?} | {'vector', 'value'}]}} "
+                                                         "(or the fork's packed / wire-map forms).")
+    prefill_steering_clamps: ClampTier = Field(None, description="Fork: clamps at prompt positions only (after the base tier's).")
+    decode_steering_clamps: ClampTier = Field(None, description="Fork: clamps at generated positions only (after the base tier's).")
     steering: Any = unsupported("The fork's declarative steering gates. Not supported by causalboard: refused with 400 naming the field.")
     conversation_id: str | None = Field(
         None, description="Fork: the conversation this request belongs to, for the server's global dynamic-steering "
@@ -201,7 +204,7 @@ class StatusResponse(BaseModel):
     checksum: dict | None = Field(
         None, description="Cross-rank determinism of applied interventions: {'consistent', 'action_count' | 'mismatches' and "
                           "'checksums', 'ranks', 'workers': [per-worker checksum, action_count, tp_rank, pp_rank]}.")
-    global_steering: list[str] = Field(default_factory=list, description="Sites the global steering touches.")
+    global_steering: list[str] = Field(default_factory=list, description="Sites the global steering (vectors and clamps) touches.")
     named_vectors: int = Field(0, description="Registered named vectors (module vectors included).")
     api_key_required: bool = Field(False, description="Whether mutating endpoints need 'Authorization: Bearer <key>'.")
     sweeps: dict | None = Field(None, description="Patch-sweep service status, when the server runs one.")

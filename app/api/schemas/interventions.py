@@ -20,8 +20,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, WithJsonSchema
 
 from engine_ext.sites import HOOKS, Site
-from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
+from engine_ext.specs import Capture, Clamp, Interventions, Noise, Patch, Steer
 
+from app.fork.clamps import CLAMP_SPEC_SCHEMA
 from app.fork.vectors import VECTOR_SPEC_SCHEMA
 from app.wire import MAX_PROMPT_CHARS, SpanSpec, StrictModel
 
@@ -88,6 +89,26 @@ class SteerSpec(StrictModel):
                           field_name=field_name)
 
 
+class ClampSpec(StrictModel):
+    """Directional clamp: at `sites` and `positions` during `phase`, the projection of the stream
+    onto `vector / |vector|` is clipped to [`min`, `max`] (`value`: both) with `strength`:
+    `s + strength * (clip(p, min, max) - p) * v`. After every patch and add at the site."""
+
+    sites: Sites
+    vector: list[float] = Field(..., min_length=1, description="Direction (length = hidden size; normalised here).")
+    min: float | None = Field(None, description="Lower bound of the projection (null: open).")
+    max: float | None = Field(None, description="Upper bound of the projection (null: open).")
+    value: float | None = Field(None, description="Pin the projection: min = max = value.")
+    strength: float = Field(1.0, description="Fraction of the correction applied, in [0, 1].")
+    positions: Positions = "all"
+    phase: Literal["both", "prefill", "decode"] = Field("both", description="prefill = prompt positions, decode = generated ones.")
+
+    def to_clamp(self, field_name: str) -> Clamp:
+        return Clamp.make(engine_sites(self.sites), self.vector, min=self.min, max=self.max, value=self.value,
+                          strength=self.strength, positions=engine_positions(self.positions), phase=self.phase,
+                          field_name=field_name)
+
+
 class PatchSpec(StrictModel):
     """At one `site` and destination `positions`: `(1 - alpha) * h + alpha * t`, `t` from `source`
     (with a `mask`, per dimension `(1 - alpha * m) * h + alpha * m * t`: other dimensions are kept)."""
@@ -141,6 +162,7 @@ class InterventionsSpec(StrictModel):
     capture: CaptureSpec | None = None
     noise: EmbeddingNoiseSpec | None = None
     score_token_ids: list[int] = Field(default_factory=list, description="Exact logprobs of these ids at every generated step.")
+    clamp: list[ClampSpec] = Field(default_factory=list, description="Directional clamps (after patches and steering).")
 
     def to_spec(self, field_name: str = "interventions") -> Interventions:
         """The engine's `Interventions`, built entry by entry; `SpecError` fields start with
@@ -152,6 +174,7 @@ class InterventionsSpec(StrictModel):
             capture=self.capture.to_capture(f"{f}.capture") if self.capture is not None else None,
             noise=self.noise.to_noise(f"{f}.noise") if self.noise is not None else None,
             score_token_ids=tuple(self.score_token_ids),
+            clamp=tuple(c.to_clamp(f"{f}.clamp[{k}]") for k, c in enumerate(self.clamp)),
         )
 
     def keeps_source(self) -> bool:
@@ -182,6 +205,7 @@ class InterventionResultBody(BaseModel):
 
 # ---- the fork's vector tiers and per-request extras -------------------------------------------------
 VectorSpec = Annotated[Any, WithJsonSchema(VECTOR_SPEC_SCHEMA)]
+ClampTier = Annotated[Any, WithJsonSchema(CLAMP_SPEC_SCHEMA)]
 
 
 class PackedTable(StrictModel):
@@ -223,9 +247,11 @@ class SteeringSetRequest(StrictModel):
         None, description="Native entries; positions 'all', 'all_generated' or absolute indices.")
     replace: bool = Field(False, description="Replace the whole global steering instead of merging.")
     target: str | None = Field(None, description="'main' or omitted ('draft' models are not supported).")
-    clamps: Any = unsupported()
-    prefill_clamps: Any = unsupported()
-    decode_clamps: Any = unsupported()
+    clamps: ClampTier = Field(None, description="Fork: global directional clamps at every position (both phases).")
+    prefill_clamps: ClampTier = Field(None, description="Fork: global clamps at prompt positions only.")
+    decode_clamps: ClampTier = Field(None, description="Fork: global clamps at generated positions only.")
+    clamp: list[ClampSpec] | None = Field(
+        None, description="Native clamp entries; positions 'all', 'all_generated' or absolute indices.")
 
 
 class SteeringSetResponse(BaseModel):
@@ -247,11 +273,25 @@ class ActiveSteer(BaseModel):
     norm: float = Field(description="|scale * vector| of this entry.")
 
 
+class ActiveClamp(BaseModel):
+    """One global clamp (the native form; POST it back to /v1/steering/set as `clamp`)."""
+
+    sites: list[str]
+    vector: list[float]
+    min: float | None
+    max: float | None
+    strength: float
+    positions: Any
+    phase: str
+
+
 class SteeringStatusResponse(BaseModel):
     active_layers: dict[str, dict[str, dict[str, float]]] = Field(
         description="Fork shape: layer -> hook -> {'norm': |sum of both-phase vectors|, 'prefill_norm', "
-                    "'decode_norm'}, each rounded to 6 decimals and left out when zero.")
+                    "'decode_norm'}, each rounded to 6 decimals and left out when zero (clamps are not listed "
+                    "here, as in the fork).")
     steer: list[ActiveSteer]
+    clamp: list[ActiveClamp] = Field(default_factory=list, description="The global directional clamps.")
 
 
 class LayerHooks(BaseModel):
@@ -295,17 +335,17 @@ class VectorDeleted(BaseModel):
 
 
 class ModuleRegisterRequest(StrictModel):
-    """A steering module: per-(hook, layer) vectors in up to three tiers (fork form). Stored as
-    named vectors `module/<name>/<phase>/L<layer>.<hook>`."""
+    """A steering module: per-(hook, layer) vectors and/or directional clamps in up to three tiers
+    (fork form). Vectors are stored as named vectors `module/<name>/<phase>/L<layer>.<hook>`."""
 
     name: str = Field(..., min_length=1, max_length=64)
     kind: str = Field("additive", description="Only 'additive' ('sae_delta' is not supported).")
     vectors: VectorSpec = None
     prefill_vectors: VectorSpec = None
     decode_vectors: VectorSpec = None
-    clamps: Any = unsupported()
-    prefill_clamps: Any = unsupported()
-    decode_clamps: Any = unsupported()
+    clamps: ClampTier = Field(None, description="Directional clamps applied in both phases (the fork's tiers).")
+    prefill_clamps: ClampTier = Field(None, description="Clamps at prompt positions only.")
+    decode_clamps: ClampTier = Field(None, description="Clamps at generated positions only.")
     sae_manifest: Any = unsupported()
 
 
@@ -317,6 +357,10 @@ class ModuleEntry(BaseModel):
     site: str
     phase: str
     norm: float
+    kind: Literal["vector", "clamp"] = "vector"
+    min: float | None = Field(None, description="A clamp's lower bound (null: open).")
+    max: float | None = Field(None, description="A clamp's upper bound (null: open).")
+    strength: float | None = Field(None, description="A clamp's strength.")
 
 
 class ModuleResponse(BaseModel):
