@@ -36,6 +36,8 @@ def test_root_tokenize_detokenize_and_models_in_vllms_shapes(http, engine):
     assert model["object"] == "list" and len(model["data"]) == 1
     card = model["data"][0]
     assert card["id"] == engine.info.model and card["object"] == "model" and card["max_model_len"] == engine.info.max_model_len
+    # no host path in any answer (issue 18): `root` is the model's name, not its folder
+    assert card["root"] == engine.info.model and engine.info.model_path not in http.get("/v1/models").text
     text = "The capital of Tarn is"
     tok = ok(http.post("/tokenize", json={"model": card["id"], "prompt": text}))
     assert tok == {"count": len(engine.tokenize(text)), "max_model_len": engine.info.max_model_len, "tokens": engine.tokenize(text)}

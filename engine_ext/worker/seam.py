@@ -129,25 +129,6 @@ HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 #: architectures whose vLLM module is patched only where it imports (`unavailable_architecture`)
 OPTIONAL_ARCHITECTURE_MODULES = {"Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next"}
 
-#: superseded below (without the block-hash symbols): `PATCHED_SYMBOLS` is redefined from `PATCHES`
-PATCHED_SYMBOLS: tuple[str, ...] = (
-    "vllm.model_executor.models.llama.LlamaDecoderLayer.__init__",
-    "vllm.model_executor.models.llama.LlamaDecoderLayer.forward",
-    "vllm.model_executor.models.qwen2.Qwen2DecoderLayer.__init__",
-    "vllm.model_executor.models.qwen2.Qwen2DecoderLayer.forward",
-    "vllm.model_executor.models.qwen3.Qwen3DecoderLayer.__init__",
-    "vllm.model_executor.models.qwen3.Qwen3DecoderLayer.forward",
-    "vllm.model_executor.models.qwen3_next.Qwen3NextDecoderLayer.__init__",
-    "vllm.model_executor.models.qwen3_next.Qwen3NextDecoderLayer.forward",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
-    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model",
-    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_inputs",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._update_states",
-    "vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder.build",
-)
-
-
 #: Bump when the patches change: part of the compile-cache key (additional_config).
 SEAM_FINGERPRINT = "causalboard-seam-5"
 

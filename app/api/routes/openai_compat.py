@@ -143,10 +143,11 @@ async def detokenize(req: VllmDetokenizeRequest, engine: Engine = Depends(get_en
 
 @router.get("/v1/models", responses=ERRORS)
 async def models(engine: Engine = Depends(get_engine)) -> dict:
-    """vLLM's model list: the one served model (`id` is the name `model` fields accept)."""
+    """vLLM's model list: the one served model (`id` is the name `model` fields accept; `root` is
+    that name too, not the folder it was loaded from: host paths stay out of answers)."""
     info = engine.info
     card = {"id": info.model, "object": "model", "created": _STARTED, "owned_by": "causalboard",
-            "root": info.model_path, "parent": None, "max_model_len": info.max_model_len, "permission": []}
+            "root": info.model, "parent": None, "max_model_len": info.max_model_len, "permission": []}
     return {"object": "list", "data": [card]}
 
 

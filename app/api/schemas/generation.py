@@ -184,7 +184,7 @@ class Topology(BaseModel):
 class StatusResponse(BaseModel):
     status: Literal["ok", "dead"]
     model: str = Field(description="The served model's name (its folder's name; `causalboard-tiny` for the bundled one). "
-                                    "The server's filesystem path is not reported here.")
+                                    "The server's filesystem path is never reported.")
     architecture: str
     num_layers: int
     hidden_size: int
