@@ -46,6 +46,7 @@ field.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -120,7 +121,10 @@ def site_index(layer: int, hook: str) -> int:
     return layer * SITES_PER_LAYER + HOOK_INDEX[hook]
 
 
+@functools.lru_cache(maxsize=4096)
 def site_from_index(index: int) -> Site:
+    """The site of a flat index (cached: `Site` is immutable, and result conversion calls this
+    once per captured value)."""
     return Site(index // SITES_PER_LAYER, HOOKS[index % SITES_PER_LAYER])
 
 
