@@ -52,8 +52,8 @@ print(json.dumps({"growth_mib": (after - before) / 2**20}))
 
 def test_short_soak(tmp_path):
     out = tmp_path / "soak.json"
-    # RSS flatness needs the long run (`make soak`; its growth is an open finding, docs/reliability.md):
-    # a 60 s run is mostly warm-up, so only a gross leak fails it here
+    # RSS flatness needs the long run (`make soak`, docs/reliability.md): a 60 s run is mostly
+    # warm-up, so only a gross leak fails it here (the heap test below catches the oneDNN cache)
     proc = subprocess.run([sys.executable, "benchmarks/soak.py", "--duration", str(DURATION_S), "--workers", "4",
                            "--rss-tolerance-mb", "256",
                            "--out", str(out), "--log", str(tmp_path / "server.log")],
