@@ -15,6 +15,10 @@ from typing import Literal
 
 Device = Literal["cpu", "cuda"]
 
+#: CPU: entries of oneDNN's process-wide primitive cache (its default, 1024, grows the heap by
+#: ~200 MiB under a long mixed load; see `prepare_environment`)
+ONEDNN_PRIMITIVE_CACHE_CAPACITY = 16
+
 
 @dataclass(frozen=True)
 class RuntimeDefaults:
@@ -66,6 +70,12 @@ def prepare_environment(device: Device) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # One process instead of three: 2-3x faster start-up on CPU.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # oneDNN's process-wide primitive cache (1024 entries by default) keeps a compiled matmul
+        # for every linear layer and every batch token count it has seen: under a long mixed load
+        # (sweeps batch many different token counts) it grows the server's heap by ~200 MiB before
+        # it is full. vLLM's CPU GEMM handlers keep their own per-layer cache (32 token counts
+        # each), so a small global cache costs nothing measurable (docs/reliability.md, "Soak").
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
     else:
         if importlib.util.find_spec("flashinfer") is None:
             # The V2 runner's sampler imports flashinfer unless told not to (GPU bundle has none).
