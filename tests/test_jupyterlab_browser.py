@@ -11,6 +11,7 @@ locators reach into Bokeh's shadow DOM; `bokeh_columns` reads the browser-side h
 
 from __future__ import annotations
 
+import csv
 import re
 
 import pytest
@@ -81,27 +82,30 @@ def test_01_causal_tracing_runs_and_shows_its_figures(jupyterlab, page, http):
             return [v for cols in bokeh_columns(page, "status_text") for v in cols["value"]]
 
         status = view.locator('[data-cb="progress"]')
-        try:
-            wait_until(lambda: len(heatmap_values()) == done and None not in heatmap_values(), timeout=60,
-                       message=f"the view's heatmap to hold the {done} cells of its sweep")
-            # the status block, as the browser shows it: the finished sweep with all its cells
-            wait_until(lambda: status.count() == 1 and status.get_attribute("data-final") == "1", timeout=120,
-                       message="the view's status block to show the finished sweep")
-        except AssertionError as exc:
-            # everything above (Run All without errors, the printed results, figures, progress bar)
-            # held; what the live view shows after Run All does not always arrive in the browser
-            pytest.xfail(f"known defect (issue #20, docs/notebooks.md): the live TracingView's updates made during "
-                         f"Run All do not always reach JupyterLab's browser side: {exc}")
+        wait_until(lambda: len(heatmap_values()) == done and None not in heatmap_values(), timeout=60,
+                   message=f"the view's heatmap to hold the {done} cells of its sweep")
+        # the status block, as the browser shows it: the finished sweep with all its cells
+        wait_until(lambda: status.count() == 1 and status.get_attribute("data-final") == "1", timeout=60,
+                   message="the view's status block to show the finished sweep")
         assert status.get_attribute("data-done") == str(done) == status.get_attribute("data-total")
         assert view.locator('[data-cb="phase"]').inner_text() == "finished"
+        sweep_id = view.locator('[data-cb="sweep-id"]').inner_text()
+        assert nb.kernel_exec("print(tracing.sweep_id)") == f"{sweep_id}\n"
         screenshot(page, "jupyterlab-01-tracing", full_page=False)
+
+        # an export button of the view, clicked in the browser: the kernel builds the file and the
+        # browser downloads it (the CSV of the shown sweep, one row per cell)
+        with page.expect_download(timeout=60_000) as dl:
+            view.get_by_role("button", name="CSV").click()
+        assert dl.value.suggested_filename == f"sweep-{sweep_id}.csv"
+        with open(dl.value.path(), encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+        assert len(rows) == done and {r["status"] for r in rows} <= {"ok", "within_noise"}
         assert not page_errors(page), page_errors(page)
     finally:
         nb.shutdown()
 
 
-@pytest.mark.xfail(strict=False, reason="known defect (issue #20, docs/notebooks.md): in JupyterLab the last steps of a "
-                                       "slider move sometimes never reach the kernel; failed in a clean-clone CI run on 2026-11-25")
 def test_02_steering_slider_moved_in_the_browser_regenerates(jupyterlab, page, http):
     nb = jupyterlab.open(page, "02_steering_sliders.ipynb")
     try:

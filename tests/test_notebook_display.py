@@ -114,17 +114,29 @@ def test_in_a_kernel_a_sweep_shows_one_updating_bar_and_its_result_shows_heatmap
 
 # ---- a view's copy in the browser (app/dashboard/notebook.py), kernel side --------------------------
 class RecordingComm:
-    """A Jupyter comm as Panel's notebook push sees it: `_comm` is None until the browser opened
-    it; what is sent is recorded (the JSON parts of each Bokeh message)."""
+    """A pyviz_comms JupyterComm as Panel's notebook push sees it: `_comm` is None until the
+    browser opened it (`init()`), and `send` goes through `_comm`; what reaches the browser is
+    recorded (the JSON parts of each Bokeh message)."""
 
     def __init__(self, open_: bool):
         from pyviz_comms import Comm
 
         self.id = Comm().id
-        self._comm = object() if open_ else None
         self.sent: list[str] = []
+        self._comm = _Wire(self.sent) if open_ else None
+
+    def init(self):
+        self._comm = _Wire(self.sent)
 
     def send(self, data=None, metadata=None, buffers=()):
+        self._comm.send(data, metadata=metadata, buffers=buffers)
+
+
+class _Wire:
+    def __init__(self, sent: list[str]):
+        self.sent = sent
+
+    def send(self, data=None, metadata=None, buffers=None):
         if data is not None:
             self.sent.append(data)
 
@@ -159,37 +171,133 @@ def test_direct_bokeh_changes_reach_an_open_output_at_once():
     assert not any("ColumnsPatched" in m for m in comm.sent)  # held in the document: a browser message would drop it
     sync.changed()
     assert any("ColumnsPatched" in m and "0.75" in m for m in comm.sent)
-    assert not sync.stale and sync.resends == 0
+    assert not sync.stale
 
 
-def test_a_view_updated_before_its_output_opened_is_resent_once_it_is_open():
-    import asyncio
-
+def test_updates_before_the_browser_opened_the_output_reach_it_in_order_once_it_does():
+    """Run All: the view changes before the browser opened the output's comm. Panel would retry
+    each message on its own (arbitrary order once open); here they wait in order and go first."""
     import panel as pn
+    from bokeh.models import ColumnDataSource
+    from bokeh.plotting import figure
 
-    from app.dashboard import notebook
+    from app.dashboard.notebook import BrowserSync, PendingSends
 
     status = pn.pane.HTML("starting")
-    layout = pn.Column(status, pn.widgets.FloatSlider(value=0.5, start=0, end=1))
+    maps = pn.Column(pn.pane.HTML("no heatmap yet"))
+    layout = pn.Column(status, maps)
     comm = RecordingComm(open_=False)
     _shown(layout, comm)
-    sync = notebook.BrowserSync(layout)
+    sync = BrowserSync(layout)
+    sync.attach()  # as the view's _repr_mimebundle_ does
+    assert isinstance(comm._comm, PendingSends)
+
+    source = ColumnDataSource({"x": [0, 1], "y": [0, 0], "value": [0.0, 0.0]})
+    fig = figure(width=200, height=200, title="the heatmap")
+    fig.rect(x="x", y="y", width=1, height=1, source=source)
+    status.object = "running: 0/2 cells"
+    maps.objects = [pn.pane.Bokeh(fig)]  # a new figure: its models are defined by this message
+    source.patch({"value": [(0, 0.5)]})
+    sync.changed()
+    status.object = "finished: 2/2 cells"
+    source.patch({"value": [(1, 0.75)]})
+    sync.changed()
+    assert comm.sent == [] and sync.stale  # nothing reaches a browser that has not opened the comm
+
+    comm.init()  # the browser drew the output and opened the comm (pyviz: the client comm's on_open)
+    assert not sync.stale and sync.links and next(iter(sync.links.values())).sent_on_open > 0
+    patches = [m for m in comm.sent if '"events"' in m]
+
+    def first(text: str) -> int:
+        return next(i for i, m in enumerate(patches) if text in m)
+
+    cell_patches = [i for i, m in enumerate(patches) if "ColumnsPatched" in m]
+    # in the order the kernel made them: the figure is defined before its cells are patched
+    assert first("running: 0/2") <= first("the heatmap") <= cell_patches[0] < first("finished: 2/2") < cell_patches[-1]
+    assert "0.75" in patches[cell_patches[-1]] and len(cell_patches) == 2
+
+    status.object = "a later update"  # once open: sent at once, after the queue
+    assert any("a later update" in m for m in comm.sent[-3:])
+
+
+class _ClientComm:
+    """pyviz_comms' JupyterCommJS as OutputLink sees it, already open (messages are handed to
+    `_handle_msg`, which calls `_on_msg` and then acknowledges)."""
+
+    def __init__(self, on_msg):
+        self._on_msg = on_msg
+        self._comm = self
+        self.handler = None
+        self.id, self.manager = "client", None
+        self.acks: list[tuple[str, int]] = []
+
+    def on_msg(self, handler):  # the ipykernel comm's on_msg
+        self.handler = handler
+
+    def _handle_msg(self, msg):
+        import threading
+
+        self._on_msg(msg)
+        self.acks.append(("Ready", threading.get_ident()))
+
+
+def test_browser_messages_run_on_the_views_loop_and_reach_every_callback():
+    """A slider move sends `value` and `value_throttled` (several steps batched): every change
+    reaches the kernel (Panel's handler dropped all but the first callback's of a message), and a
+    message received on another thread (a JupyterLab subshell) is handled on the view's loop."""
+    import asyncio
+    import functools
+    import threading
+
+    import panel as pn
+    import param
+    from bokeh.models import Slider
+    from panel.models.comm_manager import CommManager
+
+    from app.dashboard.notebook import OutputLink
+
+    class Control(param.Parameterized):
+        scale = param.Number(default=1.5)
+
+    control = Control()
+    slider = pn.widgets.FloatSlider.from_param(control.param.scale, start=-4, end=4, step=0.1)
+    heard: list[tuple[float, int]] = []
+    control.param.watch(lambda e: heard.append((e.new, threading.get_ident())), "scale")
+    layout = pn.Column(slider)
+    comm = RecordingComm(open_=True)
+    _doc, root = _shown(layout, comm)
+    ref = root.ref["id"]
+    model = root.select_one({"type": Slider})
+    client = _ClientComm(functools.partial(layout._on_msg, ref, CommManager(comm_id=comm.id, plot_id=ref)))
+
+    def message(*steps):
+        events = [{"kind": "ModelChanged", "model": {"id": model.id}, "attr": attr, "new": v}
+                  for v in steps for attr in ("value", "value_throttled")]
+        return {"content": {"data": {"header": {"msgid": "m", "msgtype": "PATCH-DOC"}, "metadata": {},
+                                     "content": {"events": events}}}, "buffers": []}
 
     async def scenario():
-        status.object = "finished: 40/40 cells"  # Panel queues it (comm closed) and retries it on its own
-        sync.changed()
-        assert sync.stale
-        await asyncio.sleep(3 * notebook.POLL_S)
-        assert sync.resends == 0 and not comm.sent  # still closed: nothing sent, nothing re-sent
-        comm._comm = object()  # the browser drew the output and opened the comm
-        await asyncio.sleep(notebook.SETTLE_S + 3 * notebook.POLL_S)
+        loop_thread = threading.get_ident()
+        link = OutputLink(ref, None, client, asyncio.get_running_loop(), loop_thread)
+        assert client.handler is not None
+        for steps in ((1.4, 1.3), (1.2, 1.1, 1.0), (0.9, 0.8, 0.7, 0.6, 0.5)):  # from a subshell's thread
+            worker = threading.Thread(target=client.handler, args=(message(*steps),))
+            worker.start()
+            worker.join()
+        while len(client.acks) < 3:
+            await asyncio.sleep(0.01)
+        return link, loop_thread
 
-    asyncio.run(scenario())
-    assert sync.resends == 1 and not sync.stale
-    # Panel's queued update landed first; then one patch with the kernel's current state of every
-    # model: the status text, the slider's value
-    patches = [m for m in comm.sent if '"kind":"ModelChanged"' in m]
-    assert len(patches) == 2 and patches[0].count('"kind":"ModelChanged"') == 1
-    resent = patches[1]
-    assert resent.count('"kind":"ModelChanged"') > 5 and "finished: 40/40 cells" in resent
-    assert re.search(r'"(attr":"value","new|value)":0\.5', resent)
+    client._handle_msg = _decoding(client._handle_msg)
+    _link, loop_thread = asyncio.run(scenario())
+    assert control.scale == 0.5 and slider.value == 0.5 and slider.value_throttled == 0.5
+    assert [v for v, _t in heard] == [1.3, 1.0, 0.5]
+    assert {t for _v, t in heard} == {loop_thread} and {t for _a, t in client.acks} == {loop_thread}
+
+
+def _decoding(handle):
+    """pyviz_comms' JupyterCommJSBinary.decode in front of `handle` (the message as it arrives)."""
+    def decoded(msg):
+        return handle(dict(msg["content"]["data"], _buffers={}))
+
+    return decoded

@@ -6,7 +6,8 @@ from `prompt` with that policy (`POST /v1/generate`, streamed, with `dynamic`) a
 with, under it, the strip plot of the trace: per generated token the probe's score, the
 threshold and whether steering was engaged (shaded). The rows are `app.figures.dynamic_trace`'s,
 so the screen shows what the exported figure shows. Tests and notebooks drive it by setting
-parameters and awaiting `run()`.
+parameters and awaiting `run()`. In a notebook cell its output's comms are taken over as it is
+displayed (`app.dashboard.notebook.NotebookOutputs`: a click is handled on the kernel's main loop).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import panel as pn
 import param
 
 from app.client.factory import async_client
+from app.dashboard.notebook import NotebookOutputs
 from app.figures.dynamic_trace import ENGAGED_FILL, SCORE_COLOR, THRESHOLD_COLOR, trace_rows
 from app.figures.presentation import token_label
 from engine_ext.sites import HOOKS, Site
 
 
-class DynamicTraceView(pn.viewable.Viewer):
+class DynamicTraceView(NotebookOutputs, pn.viewable.Viewer):
     """Probe-gated / closed-loop steering of one generation, with its per-token trace."""
 
     prompt = param.String(default="The capital of Thaethas is")

@@ -22,8 +22,10 @@ Behaviour
   the running asyncio loop (the Bokeh server's, or the notebook kernel's); Panel applies the
   parameter/pane updates under the document lock. Without a running loop, call
   `await view.update()` / `await view.build_vector()` yourself.
-* In a notebook cell, `browser` (`app.dashboard.notebook.BrowserSync`) re-sends the view once
-  its output's comm is open when it was updated before the browser had drawn it (Run All).
+* In a notebook cell, `browser` (`app.dashboard.notebook.BrowserSync`) takes the output's comms
+  over as it is displayed: a slider move is handled on the kernel's main loop (where the streams
+  run), not on the JupyterLab subshell thread that received it, and updates made before the
+  browser opened the output (Run All) reach it in order.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import panel as pn
 import param
 
 from app.client.factory import async_client
-from app.dashboard.notebook import BrowserSync
+from app.dashboard.notebook import BrowserSync, NotebookOutputs
 from app.dashboard.steering.vectors import (CAPTURE_MODES, NORMALISATIONS, ContrastiveVector,
                       abuild_contrastive_vector, check_vector_name, contrast_defaults,
                       parse_prompt_lines, steer_entry, steering_interventions)
@@ -115,7 +117,7 @@ class VectorControl(param.Parameterized):
         return pn.Column(self.info, self.slider, pn.Row(self.layer_select, self.hook_select), margin=(0, 0, 8, 0))
 
 
-class SteeringView(pn.viewable.Viewer):
+class SteeringView(NotebookOutputs, pn.viewable.Viewer):
     """Pick or build steering vectors, move their scales, watch baseline vs steered generations."""
 
     # ---- generation

@@ -35,9 +35,10 @@ ONE method (`_push_cells`: one `ColumnDataSource.patch` per heatmap, at most eve
 `HEATMAP_PUSH_MS` while the sweep runs). The view talks to the API over HTTP only.
 
 In a notebook cell, `browser` (`app.dashboard.notebook.BrowserSync`) keeps the output's copy in
-the browser in step after each render: direct Bokeh changes are pushed at once, and a view
-updated before the browser had drawn it (Run All) is re-sent from the kernel's state (every
-heatmap's data, the status, ...) once its comm is open.
+the browser in step: the output's comms are taken over as it is displayed (the browser's messages
+are handled on the kernel's main loop, not on a JupyterLab subshell's thread; updates made before
+the browser opened the output, as with Run All, are sent in order once it does), and after each
+render what the document holds (the heatmaps' cell patches) is pushed at once.
 
 Contracts
 ---------
@@ -73,7 +74,7 @@ import param
 
 from app.client import CausalboardError
 from app.client.factory import async_client, sync_twin
-from app.dashboard.notebook import BrowserSync
+from app.dashboard.notebook import BrowserSync, NotebookOutputs
 from app.dashboard.tracing.downloads import EXPORTS, export_filename, export_payload, export_stem
 from app.dashboard.tracing.form import CORRUPT_PROMPT, METRICS, NOISE_SPAN, SweepForm, default_form, zoom_request
 from app.dashboard.tracing.heatmap import SweepHeatmap, block_of, legend_html
@@ -99,7 +100,7 @@ SUMMARY_TIMEOUT_S = 60.0
 _EVENT, _ENDED, _FAILED = "event", "ended", "failed"
 
 
-class TracingView(pn.viewable.Viewer):
+class TracingView(NotebookOutputs, pn.viewable.Viewer):
     """The causal-tracing form, live per-hook heatmaps, status, zoom and export."""
 
     # ---- the form ---------------------------------------------------------------------------
