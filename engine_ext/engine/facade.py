@@ -637,6 +637,18 @@ class Engine(DynamicControl):
                 out[site.index()] = (p + (c.phase != "decode"), g + (c.phase != "prefill"))
         return out
 
+    def _check_global_entry(self, field: str, what: str, positions: Any, vector: Any, sites: Sequence[Any]) -> None:
+        """A global steer's or clamp's positions (no relative forms), width and layers, or a
+        SpecError naming the field."""
+        if positions not in ("all", "all_generated") and (isinstance(positions, str) or any(
+                not isinstance(p, int) or p < 0 for p in positions)):
+            raise SpecError(f"{field}.positions", f"{what} takes 'all', 'all_generated' or absolute indices")
+        if vector is not None and vector.shape[0] != self.info.hidden_size:
+            raise SpecError(f"{field}.vector", f"has dimension {vector.shape[0]}, the model's hidden size is {self.info.hidden_size}")
+        for j, site in enumerate(sites):
+            if site.layer >= self.info.num_layers:
+                raise SpecError(f"{field}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
+
     def set_global_steer(self, steers: Sequence[Steer], clamps: Sequence[Clamp] | None = None) -> None:
         """Replace the server-wide steering (applies to every request; composes with per-request
         steering). Positions: "all", "all_generated" or absolute indices. `clamps`: the global
@@ -648,51 +660,27 @@ class Engine(DynamicControl):
             per_site: dict[int, tuple[int, int]] = {}  # clamps at prompt / generated positions
             for k, c in enumerate(clamps):
                 f = f"clamp[{k}]"
-                if c.positions not in ("all", "all_generated") and (isinstance(c.positions, str) or any(
-                        not isinstance(p, int) or p < 0 for p in c.positions)):
-                    raise SpecError(f"{f}.positions", "global clamps take 'all', 'all_generated' or absolute indices")
-                if c.vector.shape[0] != self.info.hidden_size:
-                    raise SpecError(f"{f}.vector", f"has dimension {c.vector.shape[0]}, the model's hidden size is {self.info.hidden_size}")
+                self._check_global_entry(f, "global clamps", c.positions, c.vector, c.sites)
                 for j, site in enumerate(c.sites):
-                    if site.layer >= self.info.num_layers:
-                        raise SpecError(f"{f}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
                     p, g = per_site.get(site.index(), (0, 0))
                     per_site[site.index()] = (p + (c.phase != "decode"), g + (c.phase != "prefill"))
                     if max(per_site[site.index()]) > self.config.limits.max_clamp_directions:
                         raise SpecError(f"{f}.sites[{j}]", f"more than {self.config.limits.max_clamp_directions} global clamps "
                                                            f"at {site} (max_clamp_directions)")
                     e = {"site": site.index(), "dir": c.unit().astype("<f4").tobytes(), "lo": c.min, "hi": c.max,
-                         "st": c.strength, "phase": c.phase}
-                    if c.positions == "all":
-                        e.update(pos=[], gen=True, every=True)
-                    elif c.positions == "all_generated":
-                        e.update(pos=[], gen=True)
-                    else:
-                        e.update(pos=sorted(set(c.positions)), gen=False)
+                         "st": c.strength, "phase": c.phase, **_global_positions(c.positions)}
                     clamp_entries.append(e)
         entries = []
         for k, s in enumerate(steers):
             f = f"steer[{k}]"
-            if s.positions not in ("all", "all_generated") and (isinstance(s.positions, str) or any(
-                    not isinstance(p, int) or p < 0 for p in s.positions)):
-                raise SpecError(f"{f}.positions", "global steering takes 'all', 'all_generated' or absolute indices")
             if s.name is not None and s.name not in self._named:
                 raise SpecError(f"{f}.name", f"no registered vector named {s.name!r}")
-            if s.vector is not None and s.vector.shape[0] != self.info.hidden_size:
-                raise SpecError(f"{f}.vector", f"has dimension {s.vector.shape[0]}, the model's hidden size is {self.info.hidden_size}")
-            for j, site in enumerate(s.sites):
-                if site.layer >= self.info.num_layers:
-                    raise SpecError(f"{f}.sites[{j}]", f"layer {site.layer} is out of range: the model has layers 0..{self.info.num_layers - 1}")
-                e = {"site": site.index(), "scale": s.scale, "phase": s.phase,
-                     "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name,
-                     "mask": s.mask.values(self.info.hidden_size, f"{f}.mask").astype("<f4").tobytes() if s.mask is not None else None}
-                if s.positions == "all":
-                    e.update(pos=[], gen=True, every=True)
-                elif s.positions == "all_generated":
-                    e.update(pos=[], gen=True)
-                else:
-                    e.update(pos=sorted(set(s.positions)), gen=False)
-                entries.append(e)
+            self._check_global_entry(f, "global steering", s.positions, s.vector, s.sites)
+            for site in s.sites:
+                entries.append({"site": site.index(), "scale": s.scale, "phase": s.phase,
+                                "vec": s.vector.astype("<f4").tobytes() if s.vector is not None else None, "name": s.name,
+                                "mask": s.mask.values(self.info.hidden_size, f"{f}.mask").astype("<f4").tobytes()
+                                if s.mask is not None else None, **_global_positions(s.positions)})
 
         def apply(engine: Any) -> None:
             engine.collective_rpc("cb_set_global_steer", args=(entries,) if clamp_entries is None else (entries, clamp_entries))
@@ -780,3 +768,12 @@ def _stream_splitting_features(engine: Any) -> list[str]:
         if getattr(passes, name, False) and par.tensor_parallel_size > 1:
             found.append(f"compilation_config.pass_config.{name}")
     return found
+
+
+def _global_positions(positions: Any) -> dict:
+    """The worker's position fields of a global steer or clamp entry (`cb_set_global_steer`)."""
+    if positions == "all":
+        return {"pos": [], "gen": True, "every": True}
+    if positions == "all_generated":
+        return {"pos": [], "gen": True}
+    return {"pos": sorted(set(positions)), "gen": False}
