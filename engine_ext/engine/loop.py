@@ -316,7 +316,8 @@ class EngineLoop:
             if fut is not None:  # multiprocess: hold the finished outputs until the reply is in
                 held = [(o, self._collect.pop(o.request_id)) for o in outs if o.finished and o.request_id in self._collect]
                 self._collecting.append((fut, held))
-                outs = [o for o in outs if not (o.finished and any(o is h for h, _ in held))]
+                held_ids = {id(o) for o, _ in held}
+                outs = [o for o in outs if id(o) not in held_ids]
                 keys = []
         results = self._collect_results(keys) if keys else {}
         for out in outs:
