@@ -293,7 +293,7 @@ def test_op_paths_agree_on_per_dimension_a_and_rows_are_shared_and_released():
     assert np.array_equal(outs[0][2][keep], s[2][keep]) and np.array_equal(outs[0][2][~keep], (0.25 * s[2])[~keep])
     assert np.allclose(outs[0][3], 0.5 * s[3] + 1.0)
     slots.release([s0, s1, s2])
-    assert len(slots._dim_free) == 2 and not slots._dim_by_key
+    assert len(slots._dims.free) == 2 and not slots._dims.by_key
 
 
 def test_dynamic_steering_on_top_of_a_masked_patch_keeps_the_mask(engine, hf_ref, tasks):

@@ -68,22 +68,14 @@ class SlotTable:
         self._refs = np.zeros(self.capacity, np.int64)
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out low ids first
         self._pending: list[tuple[int, SlotValue]] = []
-        # per-dimension `a` rows: content-addressed, reference-counted by the slots using them
-        self.dim_capacity = buffers.max_dim_rows
-        self._dim_by_key: dict[Hashable, int] = {}
-        self._dim_key_of: list[Hashable | None] = [None] * self.dim_capacity
-        self._dim_refs = np.zeros(self.dim_capacity, np.int64)
-        self._dim_free = list(range(self.dim_capacity - 1, -1, -1))
+        # per-dimension `a` rows and clamp rows: content-addressed, reference-counted by the slots
+        # using them; pending: (row, what to upload) since the last flush
+        self._dims = _RowPool(buffers.max_dim_rows, "per-dimension rows (distinct dimension masks x alpha in use)",
+                              "max_dim_rows", "masks")
         self._dim_of_slot = np.full(self.capacity, -1, np.int64)
-        self._dim_pending: list[tuple[int, np.ndarray]] = []
-        # clamp rows: the same scheme
-        self.clamp_capacity = buffers.max_clamp_rows
-        self._cl_by_key: dict[Hashable, int] = {}
-        self._cl_key_of: list[Hashable | None] = [None] * self.clamp_capacity
-        self._cl_refs = np.zeros(self.clamp_capacity, np.int64)
-        self._cl_free = list(range(self.clamp_capacity - 1, -1, -1))
+        self._clamps = _RowPool(buffers.max_clamp_rows, "clamp rows (distinct clamp sets in use)", "max_clamp_rows",
+                                "clamps")
         self._cl_of_slot = np.full(self.capacity, -1, np.int64)
-        self._cl_pending: list[tuple[int, SlotValue]] = []
 
     def __len__(self) -> int:
         return self.capacity - len(self._free)
@@ -97,36 +89,18 @@ class SlotTable:
                 raise SlotCapacityError(f"all {self.capacity} intervention slots are in use; raise max_slots "
                                         "or send fewer distinct intervention values at once")
             value = make()
-            dim = -1
-            if value.a_vec is not None:
-                dim = self._dim_by_key.get(value.a_key, -1)
-                if dim < 0:
-                    if not self._dim_free:
-                        raise SlotCapacityError(f"all {self.dim_capacity} per-dimension rows (distinct dimension masks x "
-                                                "alpha in use) are taken; raise max_dim_rows or use fewer distinct masks at once")
-                    dim = self._dim_free.pop()
-                    self._dim_by_key[value.a_key] = dim
-                    self._dim_key_of[dim] = value.a_key
-                    self._dim_pending.append((dim, value.a_vec))
-                self._dim_refs[dim] += 1
+            dim = self._dims.acquire(value.a_key, value.a_vec) if value.a_vec is not None else -1
             cl = -1
             if value.clamp_dirs is not None:
                 k = value.clamp_dirs.shape[0]
-                if k > self.b.max_clamp_dirs:
-                    self._unref_dim(dim)
-                    raise ClampCapacityError(f"{k} directional clamps at one site and position; at most "
-                                             f"{self.b.max_clamp_dirs} (max_clamp_directions)")
-                cl = self._cl_by_key.get(value.clamp_key, -1)
-                if cl < 0:
-                    if not self._cl_free:
-                        self._unref_dim(dim)
-                        raise SlotCapacityError(f"all {self.clamp_capacity} clamp rows (distinct clamp sets in use) are "
-                                                "taken; raise max_clamp_rows or use fewer distinct clamps at once")
-                    cl = self._cl_free.pop()
-                    self._cl_by_key[value.clamp_key] = cl
-                    self._cl_key_of[cl] = value.clamp_key
-                    self._cl_pending.append((cl, value))
-                self._cl_refs[cl] += 1
+                try:
+                    if k > self.b.max_clamp_dirs:
+                        raise ClampCapacityError(f"{k} directional clamps at one site and position; at most "
+                                                 f"{self.b.max_clamp_dirs} (max_clamp_directions)")
+                    cl = self._clamps.acquire(value.clamp_key, value)
+                except SlotCapacityError:
+                    self._dims.release(dim)
+                    raise
             slot = self._free.pop()
             self._by_key[key] = slot
             self._key_of[slot] = key
@@ -145,25 +119,10 @@ class SlotTable:
                 self._key_of[slot] = None
                 self._value_of[slot] = None
                 self._free.append(slot)
-                dim = int(self._dim_of_slot[slot])
+                self._dims.release(int(self._dim_of_slot[slot]))
                 self._dim_of_slot[slot] = -1
-                self._unref_dim(dim)
-                cl = int(self._cl_of_slot[slot])
-                if cl >= 0:
-                    self._cl_of_slot[slot] = -1
-                    self._cl_refs[cl] -= 1
-                    if self._cl_refs[cl] == 0:
-                        del self._cl_by_key[self._cl_key_of[cl]]
-                        self._cl_key_of[cl] = None
-                        self._cl_free.append(cl)
-
-    def _unref_dim(self, dim: int) -> None:
-        if dim >= 0:
-            self._dim_refs[dim] -= 1
-            if self._dim_refs[dim] == 0:
-                del self._dim_by_key[self._dim_key_of[dim]]
-                self._dim_key_of[dim] = None
-                self._dim_free.append(dim)
+                self._clamps.release(int(self._cl_of_slot[slot]))
+                self._cl_of_slot[slot] = -1
 
     def key_of(self, slot: int) -> Hashable | None:
         """The content key a slot in use holds (None for a free slot)."""
@@ -189,8 +148,8 @@ class SlotTable:
         b.slot_adim.index_copy_(0, idx, to_device_async(torch.from_numpy(adim), b.device))
         scl = self._cl_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
         b.slot_clamp.index_copy_(0, idx, to_device_async(torch.from_numpy(scl), b.device))
-        if self._cl_pending:
-            cls_, self._cl_pending = self._cl_pending, []
+        if self._clamps.pending:
+            cls_, self._clamps.pending = self._clamps.pending, []
             K = b.max_clamp_dirs
             dirs = np.zeros((len(cls_), K, b.hidden), np.float32)
             lo = np.full((len(cls_), K), -np.inf, np.float32)
@@ -204,8 +163,8 @@ class SlotTable:
             b.clamp_lo.index_copy_(0, cidx, to_device_async(torch.from_numpy(lo), b.device))
             b.clamp_hi.index_copy_(0, cidx, to_device_async(torch.from_numpy(hi), b.device))
             b.clamp_st.index_copy_(0, cidx, to_device_async(torch.from_numpy(st), b.device))
-        if self._dim_pending:
-            dims, self._dim_pending = self._dim_pending, []
+        if self._dims.pending:
+            dims, self._dims.pending = self._dims.pending, []
             didx = to_device_async(torch.tensor([d for d, _ in dims], dtype=torch.long, device="cpu"), b.device)
             rows = np.stack([np.asarray(v, np.float32) for _, v in dims])
             b.dim_a.index_copy_(0, didx, to_device_async(torch.from_numpy(rows), b.device))
@@ -236,3 +195,38 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class _RowPool:
+    """Content-addressed, reference-counted rows of a device table (the per-dimension `a` rows,
+    the clamp rows): `acquire(key, payload)` gives the row holding `key` (a new one gets `payload`
+    queued in `pending` for the next upload), `release(row)` drops one reference (-1: none)."""
+
+    def __init__(self, capacity: int, what: str, knob: str, fewer: str):
+        self.capacity = capacity
+        self.by_key: dict[Hashable, int] = {}
+        self.key_of: list[Hashable | None] = [None] * capacity
+        self.refs = np.zeros(capacity, np.int64)
+        self.free = list(range(capacity - 1, -1, -1))  # pop() hands out low rows first
+        self.pending: list[tuple[int, Any]] = []
+        self._full = f"all {capacity} {what} are taken; raise {knob} or use fewer distinct {fewer} at once"
+
+    def acquire(self, key: Hashable, payload: Any) -> int:
+        row = self.by_key.get(key, -1)
+        if row < 0:
+            if not self.free:
+                raise SlotCapacityError(self._full)
+            row = self.free.pop()
+            self.by_key[key] = row
+            self.key_of[row] = key
+            self.pending.append((row, payload))
+        self.refs[row] += 1
+        return row
+
+    def release(self, row: int) -> None:
+        if row >= 0:
+            self.refs[row] -= 1
+            if self.refs[row] == 0:
+                del self.by_key[self.key_of[row]]
+                self.key_of[row] = None
+                self.free.append(row)
