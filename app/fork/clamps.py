@@ -31,7 +31,7 @@ from engine_ext.errors import SpecError
 from engine_ext.specs import Clamp
 from engine_ext.sites import Site
 
-from app.fork.vectors import check_hook, check_layer, decode_packed
+from app.fork.vectors import check_hook, check_layer, decode_packed, packed_shape
 
 #: fork clamp tiers -> the `phase` of the Clamp entries they become
 COMPLETION_TIERS = {"steering_clamps": "both", "prefill_steering_clamps": "prefill", "decode_steering_clamps": "decode"}
@@ -103,13 +103,7 @@ def parse_clamp_spec(spec: Any, field: str, *, phase: str, num_layers: int, hidd
             check_hook(hook, hf)
             if not isinstance(table, dict) or set(table) != _WIRE_KEYS:
                 raise SpecError(hf, f"a clamp table has exactly the fields {', '.join(sorted(_WIRE_KEYS))}")
-            shape = table["shape"]
-            if (not isinstance(shape, list) or len(shape) != 2
-                    or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
-                raise SpecError(f"{hf}.shape", f"must be [n_rows, hidden] with positive integers, got {shape!r}")
-            n, width = shape
-            if width != hidden:
-                raise SpecError(f"{hf}.shape", f"rows have dimension {width}, the model's hidden size is {hidden}")
+            n, width = packed_shape(table["shape"], f"{hf}.shape", hidden)
             rows = _rows_f64(table["data"], f"{hf}.data", n, width)
             layers = _list(table["layer_indices"], f"{hf}.layer_indices", n)
             los, his, sts = (_list(table[k], f"{hf}.{k}", n) for k in ("lo", "hi", "strength"))

@@ -98,6 +98,18 @@ def is_packed(value: Any) -> bool:
     return isinstance(value, dict) and "data" in value and "dtype" in value
 
 
+def packed_shape(shape: Any, field: str, hidden: int) -> tuple[int, int]:
+    """A packed table's `shape`: `[n_rows, hidden]` with positive integers and the model's width,
+    or a SpecError naming `field`."""
+    if (not isinstance(shape, list) or len(shape) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
+        raise SpecError(field, f"must be [n_rows, hidden] with positive integers, got {shape!r}")
+    n, width = shape
+    if width != hidden:
+        raise SpecError(field, f"rows have dimension {width}, the model's hidden size is {hidden}")
+    return n, width
+
+
 def decode_packed(blob: Any, field: str, *, hidden: int, with_layers: bool) -> tuple[np.ndarray, list | None, list[float] | None]:
     """(rows float32 [n, hidden], layer_indices or None, scales or None) of one packed blob."""
     if not isinstance(blob, dict):
@@ -109,13 +121,7 @@ def decode_packed(blob: Any, field: str, *, hidden: int, with_layers: bool) -> t
     dtype = blob.get("dtype")
     if dtype not in PACKED_DTYPES:
         raise SpecError(f"{field}.dtype", f"must be one of {', '.join(PACKED_DTYPES)}, got {dtype!r}")
-    shape = blob.get("shape")
-    if (not isinstance(shape, list) or len(shape) != 2
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
-        raise SpecError(f"{field}.shape", f"must be [n_rows, hidden] with positive integers, got {shape!r}")
-    n, width = shape
-    if width != hidden:
-        raise SpecError(f"{field}.shape", f"rows have dimension {width}, the model's hidden size is {hidden}")
+    n, width = packed_shape(blob.get("shape"), f"{field}.shape", hidden)
     data = blob.get("data")
     if not isinstance(data, str):
         raise SpecError(f"{field}.data", "must be a base64 string")
@@ -125,7 +131,7 @@ def decode_packed(blob: Any, field: str, *, hidden: int, with_layers: bool) -> t
         raise SpecError(f"{field}.data", "is not valid base64") from None
     itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
     if len(raw) != n * width * itemsize:
-        raise SpecError(f"{field}.data", f"holds {len(raw)} bytes; shape {shape} of {dtype} needs {n * width * itemsize}")
+        raise SpecError(f"{field}.data", f"holds {len(raw)} bytes; shape {[n, width]} of {dtype} needs {n * width * itemsize}")
     if dtype == "bfloat16":
         rows = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
     else:
