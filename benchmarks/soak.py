@@ -6,7 +6,7 @@ concurrent load for a fixed duration, every result checked against its solo run.
 
 What it does:
 
-1. starts `causalboard serve` on 127.0.0.1 (a free port) with a small source-run store
+1. starts `causalboard serve` on 127.0.0.1 (`--port 0`: a free port the server binds) with a small source-run store
    (`--source-store-mb`, default 0.5 MiB) so that stored runs are evicted during the run;
 2. solo references, one request at a time: a patch sweep per fact pair, a steered generation per
    prompt, a capture per prompt, and a generation patched from a stored capture;
@@ -37,8 +37,8 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,12 +59,6 @@ PATCH_SITE = "L3.post_block"
 SETTLE_S = 30.0
 #: the report keeps every n-th RSS sample (one a second)
 RSS_SERIES_EVERY = 15
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -402,19 +396,23 @@ class Soak:
 
 
 def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    """`causalboard serve --port 0`: the server binds a free port before its engine starts and
+    prints it (a port picked here could be taken by another process while the engine loads)."""
     # this checkout's CLI (`-m` from the repository root), whichever checkout the venv's script points at
-    cmd = [sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--log-level", "warning",
+    cmd = [sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--log-level", "warning",
            "--source-store-mb", str(args.source_store_mb)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=REPO, env=env)
     deadline = time.time() + args.start_timeout
+    url = None
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
+        if url is None:
+            found = re.search(r"then serving on (http://\S+)", log_path.read_text())
+            url = found.group(1) if found else None
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if url is not None and httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             pass

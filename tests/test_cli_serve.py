@@ -1,4 +1,5 @@
-"""`causalboard serve` (what `make run` starts): serves, honours HOST/PORT, stops on SIGTERM."""
+"""`causalboard serve` (what `make run` starts): serves, honours HOST/PORT, binds its port before
+the engine starts, stops on SIGTERM."""
 
 from __future__ import annotations
 
@@ -51,3 +52,20 @@ def test_version_command():
     exe = Path(sys.executable).parent / "causalboard"
     out = subprocess.run([str(exe), "version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and '"vllm_checked": "0.25.1"' in out.stdout
+
+
+def test_a_port_in_use_fails_before_the_engine_starts(tmp_path):
+    """The port is bound before the engine loads (so nothing can take it meanwhile, `--port 0`
+    included): an address in use is reported at once, exit 1, and no engine is started."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+                              "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert "address already in use" in text.lower(), text
+    assert "Loading" not in text and "engine ready" not in text, text  # failed before the model loaded

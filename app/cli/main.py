@@ -71,19 +71,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.api.app import create_app
 
     app = create_app(config=_engine_config(args), api_key=args.api_key, capture_dir=args.capture_dir)
-    app.state.announce = f"http://{args.host}:{args.port}"
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    # Bind the port before the engine starts (seconds to minutes): a port in use fails at once,
+    # `--port 0` gets a free port that is announced, and nothing else on the host — vLLM's own
+    # distributed-init ports included — can take the port while the engine loads. Connections are
+    # refused (not accepted) until the engine is ready. Forked engine processes drop their copy.
+    try:
+        sock = config.bind_socket()  # logs the OSError, then exits
+    except SystemExit:
+        print(f"causalboard: cannot serve on {args.host}:{args.port} (see the error above); the engine was not started",
+              file=sys.stderr, flush=True)
+        return 1
+    os.register_at_fork(after_in_child=sock.close)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    app.state.announce = f"http://{host}:{sock.getsockname()[1]}"
     print(f"causalboard: starting the engine, then serving on {app.state.announce}", flush=True)
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown (the lifespan then closes the engine)
     # and afterwards re-raises the signal to the handler that was installed before it: make that
     # a clean exit, so a stopped server reports success.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=10))
+    server = uvicorn.Server(config)
     # the engine died (docs/reliability.md): stop serving once the in-flight requests got their
     # 503s, and exit 1 so a supervisor restarts the server (as `vllm serve` does)
     app.state.on_engine_death = lambda: setattr(server, "should_exit", True)
-    server.run()
+    server.run(sockets=[sock])
     if not server.started:  # the engine (or the socket) failed at start-up
         return 1
     failure = app.state.engine.failure
@@ -122,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the HTTP API")
     serve.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
-    serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")),
+                       help="TCP port, bound before the engine starts (0: a free one, printed at start-up)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on mutating endpoints (env CAUSALBOARD_API_KEY)")
     serve.add_argument("--capture-dir", default=None,
