@@ -234,6 +234,44 @@ def test_vectors_and_steering_round_trip(cb, engine, tasks):
     assert cb.delete_vector(name) is False
 
 
+def test_global_clamps_round_trip_sync_and_async(cb, server_url, engine, tasks):
+    """`set_global_steer(clamp=...)`: a server-wide directional clamp changes generation, is
+    listed by `global_steer()` in the form that posts back, and `clear_global_steer` removes it;
+    a bad clamp raises with the field."""
+    prompt = tasks["facts"][0]["prompt"]
+    last = engine.info.num_layers - 1
+    direction = np.random.default_rng(11).standard_normal(engine.info.hidden_size).astype(np.float32)
+    clamp = [{"sites": [f"L{last}.post_block"], "vector": direction.tolist(), "value": 0.0}]
+    base = cb.generate(prompt, max_tokens=3, logprobs=1)
+    try:
+        cb.set_global_steer(clamp=clamp)
+        listed = cb.global_steer()
+        assert listed["steer"] == [] and len(listed["clamp"]) == 1
+        assert listed["clamp"][0]["min"] == 0.0 and listed["clamp"][0]["max"] == 0.0
+        clamped = cb.generate(prompt, max_tokens=3, logprobs=1)
+        per_request = cb.generate(prompt, max_tokens=3, logprobs=1, interventions={"clamp": clamp})
+        assert clamped["logprobs"] != pytest.approx(base["logprobs"], abs=1e-4)  # the clamp did something
+        cb.clear_global_steer()
+        alone = cb.generate(prompt, max_tokens=3, logprobs=1, interventions={"clamp": clamp})
+        assert alone["logprobs"] == pytest.approx(clamped["logprobs"], abs=1e-4)  # global == per-request
+        assert per_request["intervention"]["status"] == "ok"
+
+        async def main():
+            async with AsyncCausalboardClient(server_url) as acb:
+                await acb.set_global_steer(clamp=clamp)
+                assert len((await acb.global_steer())["clamp"]) == 1
+                await acb.clear_global_steer()
+                return (await acb.global_steer())["clamp"]
+
+        assert asyncio.run(main()) == []
+        with pytest.raises(CausalboardError) as bad:
+            cb.set_global_steer(clamp=[{"sites": [f"L{last}.post_block"], "vector": direction.tolist()}])
+        assert bad.value.status == 400 and bad.value.field.startswith("clamp"), bad.value
+    finally:
+        cb.clear_global_steer()  # the engine is shared by the whole session
+    assert cb.generate(prompt, max_tokens=3, logprobs=1)["logprobs"] == pytest.approx(base["logprobs"], abs=1e-5)
+
+
 def test_async_capture_and_vectors(server_url, engine, tasks):
     prompt = tasks["facts"][1]["prompt"]
 

@@ -272,8 +272,11 @@ class _Ops:
         return _Call("DELETE", f"/v1/steering/vectors/{_seg(name, keep_slash=True)}", parse=lambda r: True, on_404=False)
 
     @staticmethod
-    def set_global_steer(steer: list[dict], replace: bool) -> _Call:
-        return _Call("POST", "/v1/steering/set", jsonable({"steer": steer, "replace": replace}))
+    def set_global_steer(steer: list[dict], clamp: list[dict] | None, replace: bool) -> _Call:
+        body = {"steer": steer, "replace": replace}
+        if clamp:
+            body["clamp"] = clamp
+        return _Call("POST", "/v1/steering/set", jsonable(body))
 
     @staticmethod
     def clear_global_steer() -> _Call:
@@ -545,10 +548,13 @@ class CausalboardClient:
         global steering uses it)."""
         return self._do(_Ops.delete_vector(name))
 
-    def set_global_steer(self, steer: list[dict], *, replace: bool = True) -> dict:
+    def set_global_steer(self, steer: list[dict] | None = None, *, clamp: list[dict] | None = None,
+                         replace: bool = True) -> dict:
         """Server-wide steering, native form `[{"sites", "vector" | "name", "scale", "positions",
-        "phase"}]`; `replace=False` merges with the current steering (same site + phase replaced)."""
-        return self._do(_Ops.set_global_steer(steer, replace))
+        "phase"}]`, and/or directional clamps `[{"sites", "vector", "min", "max" | "value",
+        "strength", "positions", "phase"}]` (docs/api.md: clamps); at least one of the two.
+        `replace=False` merges with the current entries (same site + phase replaced)."""
+        return self._do(_Ops.set_global_steer(list(steer or ()), clamp, replace))
 
     def clear_global_steer(self) -> dict:
         return self._do(_Ops.clear_global_steer())
@@ -702,8 +708,9 @@ class AsyncCausalboardClient:
     async def delete_vector(self, name: str) -> bool:
         return await self._do(_Ops.delete_vector(name))
 
-    async def set_global_steer(self, steer: list[dict], *, replace: bool = True) -> dict:
-        return await self._do(_Ops.set_global_steer(steer, replace))
+    async def set_global_steer(self, steer: list[dict] | None = None, *, clamp: list[dict] | None = None,
+                               replace: bool = True) -> dict:
+        return await self._do(_Ops.set_global_steer(list(steer or ()), clamp, replace))
 
     async def clear_global_steer(self) -> dict:
         return await self._do(_Ops.clear_global_steer())
