@@ -130,7 +130,8 @@ class CompletionRequest(SamplingFields):
                           "'clamp' gates are refused (400), as in the fork.")
     conversation_id: str | None = Field(
         None, description="Fork: the conversation this request belongs to, for the server's global dynamic-steering "
-                          "policies (`latch: conversation`); echoed in the response.")
+                          "policies (`latch: conversation`) and the `rest_of_conversation` gates of `steering`; echoed "
+                          "in the response.")
     # ---- causalboard
     interventions: InterventionsSpec | None = Field(None, description="Native per-request interventions (as on /v1/generate).")
 
