@@ -274,6 +274,12 @@ def test_rest_of_conversation_latches_by_name_and_disengages_on_new_content(http
         assert _tokens(_complete(http, {"conversation_id": "gates-c1"})) == plain
         # without a conversation_id, rest_of_conversation steers the request only
         assert _tokens(_complete(http, {"steering": [gate]})) == steered
+        # a streamed turn latches as well
+        body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True, "steering": [gate],
+                "conversation_id": "gates-c3"}
+        with http.stream("POST", "/v1/completions", json=body) as s:
+            assert s.status_code == 200 and "gates" in "".join(s.iter_lines())
+        assert _tokens(_complete(http, {"conversation_id": "gates-c3"})) == steered
     finally:
         http.post("/v1/steering/vectors/unregister", json={"name": "gates-conv", "kind": "steer"})
 
@@ -351,3 +357,63 @@ def test_refused_gates_are_a_400_naming_the_field_and_the_engine_keeps_serving(h
     assert http.get("/v1/status").json()["in_flight_requests"] == 0
     # an empty list is no gates (the fork's `if not raw`)
     assert "intervention" not in _complete(http, {"steering": []})
+
+
+# ---- the decision rule alone (no engine) ------------------------------------------------------------
+def _gate(scope: str, when: str = "always", apply: str = "add", strength: float = 1.0, threshold: float = 0.0,
+          sharpness: float = 1.0):
+    from engine_ext.dynamic.gates import Gate, SiteVectors
+    from engine_ext.dynamic.specs import Probe
+    from engine_ext.sites import Site
+
+    probe = Probe("~p", Site(3, "post_block"), "direction", np.ones((1, 4), np.float32), np.zeros(1, np.float32)) if when == "probe" else None
+    steer = SiteVectors((Site(2, "post_attn"),), (np.ones(4, np.float32),)) if apply == "add" else None
+    return Gate(scope, when, probe, threshold, sharpness, apply, strength, steer, None)
+
+
+def _run(gs: GateSet, scores_per_pos: list[list[float | None]], n: int = 5) -> list[tuple[float, ...]]:
+    """Decisions from the prompt's last position (n - 1) on; returns the scales at n, n + 1, ..."""
+    st = GateState(gs, n)
+    return [st.decide(n - 1 + i, s) for i, s in enumerate(scores_per_pos)]
+
+
+def test_gates_arm_together_once_and_the_widest_scope_sets_the_lifetime():
+    pulse, sticky = _gate("next_step"), _gate("rest_of_request", "probe", threshold=1.0)
+    # the probe does not fire at the arming evaluation: the pulse arms the request alone, and a
+    # later firing of the probe changes nothing (gates are not evaluated once armed)
+    got = _run(GateSet((pulse, sticky)), [[None, 9.0], [None, 0.0], [None, 9.0], [None, 9.0]])
+    assert got == [(0.0, 0.0), (1.0, 0.0), (0.0, 0.0), (0.0, 0.0)]
+    # both fire at once: the widest scope wins and the pulse's vector stays too (one override in the fork)
+    got = _run(GateSet((pulse, sticky)), [[None, 0.0], [None, 9.0], [None, 0.0], [None, 0.0]])
+    assert got == [(0.0, 0.0), (1.0, 1.0), (1.0, 1.0), (1.0, 1.0)]
+
+
+def test_probe_trigger_is_strict_and_sharpness_zero_counts_as_one():
+    at = _gate("rest_of_request", "probe", threshold=2.0, sharpness=0.0)
+    # the prompt's 5.0 is not evaluated, 2.0 == threshold does not fire, 2.5 does (sharpness 0 would never)
+    assert _run(GateSet((at,)), [[5.0], [2.0], [2.5], [0.0]]) == [(0.0,), (0.0,), (1.0,), (1.0,)]
+    # the prompt's last position is never evaluated (the fork's decode phase)
+    assert _run(GateSet((_gate("next_step"),)), [[None], [None], [None]]) == [(0.0,), (1.0,), (0.0,)]
+
+
+def test_attenuate_is_sticky_alone_ends_with_a_pulse_and_scales_the_adds():
+    from engine_ext.dynamic.gates import SiteVectors
+    from engine_ext.sites import Site
+
+    static = SiteVectors((Site(2, "post_attn"),), (np.ones(4, np.float32),))
+    att = _gate("next_step", apply="attenuate", strength=0.25)
+    assert _run(GateSet((att,), static), [[None]] * 4) == [(0.0,), (-0.75,), (-0.75,), (-0.75,)]
+    both = GateSet((_gate("next_step", strength=2.0), att), static)
+    assert _run(both, [[None, None]] * 4) == [(0.0, 0.0), (0.5, -0.75), (0.0, 0.0), (0.0, 0.0)]
+    # a negative strength is clipped at 0 (the fork's max(0, strength))
+    neg = GateSet((_gate("rest_of_request", apply="attenuate", strength=-3.0),), static)
+    assert _run(neg, [[None]] * 3)[-1] == (-1.0,)
+
+
+def test_a_bridged_request_ignores_its_own_gates():
+    from engine_ext.dynamic.gates import SiteVectors
+    from engine_ext.sites import Site
+
+    latched = SiteVectors((Site(2, "post_attn"),), (np.ones(4, np.float32),))
+    gs = GateSet((_gate("next_step", strength=3.0),), None, ((latched, 0.5),))
+    assert _run(gs, [[None]] * 4) == [(0.0, 0.0), (0.5, 0.0), (0.5, 0.0), (0.5, 0.0)]
