@@ -284,6 +284,31 @@ def test_rest_of_conversation_latches_by_name_and_disengages_on_new_content(http
         http.post("/v1/steering/vectors/unregister", json={"name": "gates-conv", "kind": "steer"})
 
 
+def test_named_probe_and_steer_sources_resolve_in_the_fork_registry(http, engine, steer_vec, probe_vec, from_second):
+    r = http.post("/v1/steering/vectors/register", json={"name": "gates-probe", "kind": "probe",
+                                                         "packed": packed(probe_vec, PROBE_LAYER, PROBE_HOOK)})
+    assert r.status_code == 200, r.text
+    _register(http, "gates-named", steer_vec)
+    try:
+        when = {"kind": "probe", "probe": {"kind": "name", "name": "gates-probe"}, "threshold": -1e30}
+        body = _complete(http, {"steering": [add_gate("rest_of_request", {"kind": "name", "name": "gates-named"}, when=when)]})
+        gates = body["intervention"]["dynamic"]["gates"]
+        n = gates["trace"][1]["position"]
+        assert gates["armed_at"] == n and _tokens(body) == engine.token_strings(from_second)
+        # the probe's score is the registered direction's projection (the same as an inline source's)
+        inline_body = _complete(http, {"steering": [add_gate("rest_of_request", inline(steer_vec),
+                                                              when=probe_when(probe_vec, -1e30))]})
+        assert [e["scores"] for e in inline_body["intervention"]["dynamic"]["gates"]["trace"]] == \
+            [e["scores"] for e in gates["trace"]]
+        # a probe name is not a steer name (two namespaces, as in the fork)
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "steering": [
+            add_gate("rest_of_request", {"kind": "name", "name": "gates-probe"})]})
+        assert r.status_code == 400 and r.json()["field"] == "steering[0].apply.steer.name"
+    finally:
+        http.post("/v1/steering/vectors/unregister", json={"name": "gates-probe", "kind": "probe"})
+        http.post("/v1/steering/vectors/unregister", json={"name": "gates-named", "kind": "steer"})
+
+
 def test_chat_completions_take_the_gates(http, engine, steer_vec):
     from tests.test_api_fork_surface import TEMPLATE
 
