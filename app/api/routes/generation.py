@@ -26,7 +26,7 @@ from engine_ext.dynamic.specs import DynamicRequest
 from engine_ext.errors import EngineDeadError, SpecError
 
 from app.api.auth import UNAUTHORIZED, ApiKeyGuard, api_key_guard
-from app.api.compat import capture_files
+from app.api.compat import capture_files, capture_log
 from app.api.compat import completions as completion_extras
 from app.api.compat import gates as gate_compat
 from app.api.deps import ApiSettings, get_engine, get_settings
@@ -136,6 +136,7 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
     cid = f"{shape.id_prefix}-{time.time_ns():x}"
     params = req.params()
     state = request.app.state if request is not None else SimpleNamespace()
+    log = getattr(getattr(state, "settings", None), "capture_log", None)
     registry = registry_of_state(state)
     latches = gate_compat.latches_of(state)
     extras = completion_extras.build(req, engine, default_run=cid, capture_dir=capture_dir, resolve=registry.resolve)
@@ -144,7 +145,9 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
     if extras.fork_capture:
         if len(prompts) > 1:
             raise SpecError("capture.patch_source.run", "one stored run per request: give a single prompt with a capture")
-    spec = None if extras.spec.is_empty() else extras.spec
+    # the fork's server-wide logging consumer captures every completion without a capture of its own
+    logged_spec, log_added = capture_log.with_capture(extras.spec, log, info.num_layers)
+    spec = None if logged_spec.is_empty() else logged_spec
     # the fork's conversation_id: the conversation of the server's global dynamic-steering
     # policies (`latch: conversation`), as its dynamic-steering consumers read it
     dynamic = None
@@ -182,6 +185,8 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
         out: dict = {}
         if extras.requested:
             out["intervention"] = gen.to_dict().get("intervention")
+            if log_added and out["intervention"] is not None:
+                out["intervention"]["captures"] = []  # the logging consumer's values are not the client's
         if extras.fork_capture_run is not None:
             iv = gen.intervention
             ok = iv is not None and iv.stored_as == extras.fork_capture_run
@@ -220,8 +225,10 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
 
     if not req.stream:
         gens = await asyncio.gather(*(engine.agenerate(p, params, spec, dynamic=dynamic) for p in prompts))
-        for g in gens:
+        for k, g in enumerate(gens):
             gate_compat.record(g, req.conversation_id, latches)
+            if log is not None:
+                capture_log.write(g, cid if single else f"{cid}-{k}", log, log_added, info.num_layers)
         if extras.file_capture is not None:
             await write_files(gens[0])
         n_prompt = sum(len(g.prompt_token_ids) for g in gens)
@@ -245,6 +252,8 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
                     chunk = {**common(), "object": shape.chunk_object, "choices": [with_scores(choice, d)]}
                     if d.finished:
                         gate_compat.record(gen, req.conversation_id, latches)
+                        if log is not None:
+                            capture_log.write(gen, cid if single else f"{cid}-{k}", log, log_added, info.num_layers)
                     if d.finished and single:
                         if extras.file_capture is not None:
                             await write_files(gen)
