@@ -37,7 +37,6 @@ from app.api.field_names import by_index, by_prefix
 from app.fork.vectors import check_hook, check_layer, parse_patch_vectors, parse_vector_spec
 from app.api.schemas.generation import CompletionRequest
 
-UNSUPPORTED_FIELDS: tuple[str, ...] = ()
 #: the fork's cap on logprob_token_ids (its sampler's row width)
 MAX_LOGPROB_TOKEN_IDS = 128
 TIERS = {"steering_vectors": "both", "prefill_steering_vectors": "prefill", "decode_steering_vectors": "decode"}
@@ -100,9 +99,6 @@ def build(req: CompletionRequest, eng: Engine, default_run: str = "", capture_di
     """Validate the fork fields and the native `interventions` of `req` into one spec
     (`default_run`: the run id of a `patch_source` capture without `run`, the fork's request id;
     `resolve`: the fork registry's lookup for the gates' named vectors)."""
-    for name in UNSUPPORTED_FIELDS:
-        if getattr(req, name) is not None:
-            raise SpecError(name, "is not supported by causalboard (the request is refused rather than run without it)")
     info = eng.info
     native = req.interventions.to_spec("interventions") if req.interventions is not None else Interventions()
     out = CompletionInterventions(spec=native, requested=req.interventions is not None)
