@@ -49,6 +49,8 @@ logger = logging.getLogger("causalboard.dynamic")
 
 #: conversations whose latches are remembered (least recently used dropped beyond)
 MAX_CONVERSATIONS = 4096
+#: probes of the fork's gates kept on the device while no request uses them (least recently used dropped beyond)
+IDLE_GATE_PROBES = 64
 
 
 @dataclass
@@ -153,8 +155,10 @@ class DynamicWorker:
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
-        #: gate probes travel with their requests: worker probe name -> requests using it
+        #: gate probes travel with their requests: worker probe name -> requests using it; the
+        #: last unused ones stay on the device (no upload when the next request brings them again)
         self._gate_probe_refs: dict[str, int] = {}
+        self._idle_gate_probes: OrderedDict[str, None] = OrderedDict()
 
     # ---- registry -------------------------------------------------------------------------
     def set_probe(self, data: dict) -> int:
@@ -192,6 +196,7 @@ class DynamicWorker:
             gs = GateSet.from_wire(data["gates"])
             names = []
             for probe in gs.probes():  # content-addressed names ('~…'): equal names, equal probes
+                self._idle_gate_probes.pop(probe.name, None)
                 if probe.name not in self.probes:
                     self.set_probe(probe.to_json())
                 self._gate_probe_refs[probe.name] = self._gate_probe_refs.get(probe.name, 0) + 1
@@ -213,7 +218,9 @@ class DynamicWorker:
             left = self._gate_probe_refs.get(name, 1) - 1
             if left <= 0:
                 self._gate_probe_refs.pop(name, None)
-                self.probes.pop(name, None)
+                self._idle_gate_probes[name] = None
+                while len(self._idle_gate_probes) > IDLE_GATE_PROBES:
+                    self.probes.pop(self._idle_gate_probes.popitem(last=False)[0], None)
             else:
                 self._gate_probe_refs[name] = left
 
