@@ -242,7 +242,8 @@ def _bad(engine) -> list:
         (cmp, {"prefill_steering_vectors": {"post_block": {str(n): ok}}}, f"prefill_steering_vectors.post_block.{n}"),
         (cmp, {"steering_clamps": {"post_block": {"1": [{"vector": ok, "min": 1.0, "max": 0.0}]}}}, "steering_clamps.post_block.1[0].min"),
         (cmp, {"decode_steering_clamps": {"post_block": {"1": [{"vector": ok[:-1], "value": 0.0}]}}}, "decode_steering_clamps.post_block.1[0].vector"),
-        (cmp, {"steering": [{"when": {}, "apply": {}}]}, "steering"),
+        (cmp, {"steering": [{"when": {}, "scope": "next_step", "apply": {}}]}, "steering[0].when.kind"),
+        (cmp, {"steering": [{"when": {"kind": "always"}, "scope": "next_step", "apply": {"kind": "clamp"}}]}, "steering[0].apply.kind"),
         (cmp, {"steering_name": "no-such-module"}, "steering_name"),
         (cmp, {"patch": [{"layer": 1, "dest_position": 1, "source_module": "zeros", "mask": {"indices": [h]}}]}, "patch[0].mask.indices[0]"),
         (cmp, {"patch": [{"layer": 1, "hook": "post_mlp", "dest_position": 1, "source_module": "zeros"}]}, "patch[0].hook"),
@@ -269,7 +270,7 @@ def _bad(engine) -> list:
     ]
 
 
-NOT_SUPPORTED = {"steering_vectors.post_mlp", "steering", "patch[0].hook"}
+NOT_SUPPORTED = {"steering_vectors.post_mlp", "steering[0].apply.kind", "patch[0].hook"}
 
 
 def test_bad_interventions_name_the_field_and_leave_the_engine_untouched(http, engine, tasks):

@@ -118,6 +118,10 @@ CASES = {
                              "patch[0].dest_position"),
     "cmpl-logprob-ids-vocab": C({"prompt": PROMPT, "logprob_token_ids": [-4]}, "logprob_token_ids"),
     "cmpl-unknown-steering-name": C({"prompt": PROMPT, "steering_name": "no-such-module"}, "steering_name"),
+    "cmpl-gate-clamp": C({"prompt": PROMPT, "steering": [{"when": {"kind": "always"}, "scope": "next_step",
+                                                          "apply": {"kind": "clamp"}}]}, "steering[0].apply.kind"),
+    "cmpl-gate-unknown-steer": C({"prompt": PROMPT, "steering": [{"when": {"kind": "always"}, "scope": "next_step", "apply": {
+        "kind": "add", "steer": {"kind": "name", "name": "no-such-steer"}}}]}, "steering[0].apply.steer.name"),
     # ---- /v1/patch_sweep
     "sweep-layers-out-of-range": S({"layers": [0, 99]}, "layers"),
     "sweep-layers-str": S({"layers": "all"}, "layers"),

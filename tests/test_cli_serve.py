@@ -24,7 +24,8 @@ def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
     exe = Path(sys.executable).parent / "causalboard"
     log = open(tmp_path / "serve.log", "w+")
     caps = tmp_path / "caps"
-    proc = subprocess.Popen([str(exe), "serve", "--capture-dir", str(caps)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen([str(exe), "serve", "--capture-dir", str(caps), "--capture-log", '{"hooks": {"post_block": [1, 2]}}'],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc, lambda: (tmp_path / "serve.log").read_text()[-3000:],
                      timeout=240, every=1)
@@ -38,6 +39,10 @@ def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
         assert r.json()["capture_results"]["filesystem"]["status"] == "ok"
         written = [p for p in caps.rglob("*") if p.is_file()]
         assert written and all(str(p).startswith(str(caps / "default" / "cli-req")) for p in written), written
+        # --capture-log turns on the fork's server-wide logging consumer: one line per capture key
+        plain = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={"prompt": "The capital of", "max_tokens": 1})
+        assert plain.status_code == 200, plain.text
+        cmpl_id = plain.json()["id"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
@@ -46,6 +51,9 @@ def test_serve_starts_answers_and_stops_on_sigterm(tmp_path):
     text = (tmp_path / "serve.log").read_text()
     assert f"http://127.0.0.1:{port}" in text  # the URL is printed
     assert "Application shutdown complete" in text
+    assert f"capture key=('{cmpl_id}', 1, 'post_block') rows=1 dtype=float32" in text
+    assert f"capture key=('{cmpl_id}', 2, 'post_block') rows=1 dtype=float32" in text
+    assert f"capture request={r.json()['id']} own capture, not logged" in text
 
 
 def test_version_command():

@@ -1,5 +1,6 @@
 """Dynamic steering at tensor-parallel size 2 on CPU (real vLLM, bundled model, fp32) against one
-rank: the same policies on the same prompts take the same decisions and produce the same tokens;
+rank: the same policies (and the reference fork's declarative gates) on the same prompts take the
+same decisions and produce the same tokens;
 the ranks' applied-action checksums (dynamic actions included, payload bytes and all) agree; a
 dynamic action skipped on one rank only is reported as `consistent: false` with both checksums.
 
@@ -46,12 +47,29 @@ def _proportional(target: float) -> Policy:
                        gain=0.9 / float(np.linalg.norm(_vec(1, 4.0))), min_scale=-20.0, max_scale=20.0)
 
 
+def _gates(on0: float, on: float) -> list:
+    """The fork's gates per prompt: a host probe (rest_of_request), an always pulse, a soft this_token gate."""
+    from app.fork.gates import parse_gates
+    from app.fork.vectors import pack_vectors
+    from engine_ext.dynamic.gates import GateSet
+
+    steer = {"kind": "inline", "packed": {"post_attn": pack_vectors(_vec(1, 4.0)[None], [2])}}
+    probe = {"kind": "inline", "packed": {"post_block": pack_vectors(_vec(0)[None], [3])}}
+    raw = [[{"when": {"kind": "probe", "probe": probe, "threshold": on0}, "scope": "rest_of_request",
+             "apply": {"kind": "add", "steer": steer}}],
+           [{"when": {"kind": "always"}, "scope": "next_step", "apply": {"kind": "add", "steer": steer, "strength": 2.0}}],
+           [{"when": {"kind": "probe", "probe": probe, "threshold": on, "sharpness": 0.05}, "scope": "this_token",
+             "apply": {"kind": "add", "steer": steer}}]]
+    return [DynamicRequest(gates=GateSet(tuple(parse_gates(r, lambda n, k: None, num_layers=6, hidden=192)))) for r in raw]
+
+
 def _run(eng, policies_per_prompt) -> list:
-    """The prompts in one batch, each with its own policies."""
+    """The prompts in one batch, each with its own policies (or its own `DynamicRequest`)."""
     import concurrent.futures as cf
 
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futs = [pool.submit(eng.generate, p, PARAMS, None, dynamic=DynamicRequest.make(pols))
+        futs = [pool.submit(eng.generate, p, PARAMS, None,
+                            dynamic=pols if isinstance(pols, DynamicRequest) else DynamicRequest.make(pols))
                 for p, pols in zip(PROMPTS, policies_per_prompt)]
         gens = [f.result() for f in futs]
     for g in gens:
@@ -84,10 +102,18 @@ def one_rank():
         target = float(np.mean([e["score"] for e in _run(eng, [[_proportional(0.0)]] * 3)[0].intervention.dynamic["trace"][0]])) + 20.0
         policies = [[_threshold(on)], [_proportional(target)], [_threshold(on), _proportional(target)]]
         gens = _run(eng, policies)
+        # the first prompt's gate: a threshold among its own generated positions' scores
+        own = [e["score"] for e in base[0].intervention.dynamic["trace"][0][1:]]
+        on0 = float(np.median(own))
+        while min(abs(x - on0) for x in own) < MARGIN:
+            on0 += 0.37
+        gates = _gates(on0, on)
+        gate_gens = _run(eng, gates)
         status = eng.dynamic_status()
     finally:
         eng.close()
-    return {"on": on, "target": target, "policies": policies, "gens": gens, "status": status}
+    return {"on": on, "target": target, "policies": policies, "gens": gens, "status": status, "gates": gates,
+            "gate_gens": gate_gens}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +143,19 @@ def test_decisions_and_outputs_equal_the_one_rank_run(one_rank, tp2):
     assert {(w["tp_rank"], w["pp_rank"]) for w in st["workers"]} == {(0, 0), (1, 0)}
     assert len({w["action_checksum"] for w in st["workers"]}) == 1
     assert all(w["dynamic_actions"] > 0 for w in st["workers"])
+
+
+def test_the_forks_gates_decide_alike_at_two_ranks(one_rank, tp2):
+    gens = _run(tp2, one_rank["gates"])
+    for g1, g2 in zip(one_rank["gate_gens"], gens):
+        a, b = g1.intervention.dynamic["gates"], g2.intervention.dynamic["gates"]
+        assert g2.token_ids == g1.token_ids
+        assert a["armed_at"] is not None and b["armed_at"] == a["armed_at"] and b["fired"] == a["fired"]
+        assert [e["position"] for e in b["trace"]] == [e["position"] for e in a["trace"]]
+        assert np.allclose([e["scales"] for e in b["trace"]], [e["scales"] for e in a["trace"]], rtol=1e-3, atol=1e-3)
+    assert any(0.0 < e["scales"][0] < 1.0 for e in one_rank["gate_gens"][2].intervention.dynamic["gates"]["trace"])
+    st = tp2.dynamic_status()
+    assert st["determinism"]["consistent"] is True, st["determinism"]
 
 
 def test_a_dynamic_action_skipped_on_one_rank_is_reported(one_rank, tp2):

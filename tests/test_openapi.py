@@ -91,7 +91,7 @@ def test_typed_request_and_response_models(app_and_spec):
     assert "interventions" in schemas["GenerateRequest"]["properties"]
     for field in ("steering_vectors", "patch", "patch_vectors", "logprob_token_ids", "steering_clamps", "interventions"):
         assert field in schemas["CompletionRequest"]["properties"], field
-    assert "not supported" in schemas["CompletionRequest"]["properties"]["steering"]["description"].lower()
+    assert "gates" in schemas["CompletionRequest"]["properties"]["steering"]["description"].lower()
     assert "clamp" in schemas["InterventionsSpec"]["properties"] and "ClampSpec" in schemas
     for field in ("source_store", "checksum", "global_steering", "named_vectors", "sweeps"):
         assert field in schemas["StatusResponse"]["properties"], field

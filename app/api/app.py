@@ -29,6 +29,7 @@ from engine_ext import Engine, EngineConfig
 
 from app.api.auth import resolve_api_key
 from app.api.body_limit import install_body_limit
+from app.api.compat import capture_log as capture_log_consumer
 from app.api.deps import ApiSettings, engine_of, install_state, sweep_service_of
 from app.api.errors import install_error_handlers
 from app.api.routes import (capture, dynamic, fork_registry, generation, openai_compat, state_check, status, steering, sweep,
@@ -48,11 +49,13 @@ ROUTERS = (status.router, tokens.router, openai_compat.router, generation.router
 
 
 def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None,
-               capture_dir: str | None = None) -> FastAPI:
+               capture_dir: str | None = None, capture_log: str | dict | None = None) -> FastAPI:
     """The API app on `engine` (already started; the caller closes it), or on a new engine
     built from `config` (default: the bundled model) that the lifespan starts and closes.
     `capture_dir` (else the `CAUSALBOARD_CAPTURE_DIR` environment variable) enables the fork's
-    `filesystem` capture consumer, writing under that directory."""
+    `filesystem` capture consumer, writing under that directory; `capture_log` (else
+    `CAUSALBOARD_CAPTURE_LOG`), the fork's server-wide `logging` consumer's params as JSON
+    (`app/api/compat/capture_log.py`)."""
     owns_engine = engine is None
     app = FastAPI(
         title="causalboard",
@@ -61,7 +64,8 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None,
         lifespan=_lifespan(owns_engine),
     )
     engine = engine if engine is not None else Engine(config)
-    settings = ApiSettings(api_key=resolve_api_key(api_key), capture_dir=capture_dir or os.environ.get("CAUSALBOARD_CAPTURE_DIR") or None)
+    settings = ApiSettings(api_key=resolve_api_key(api_key), capture_dir=capture_dir or os.environ.get("CAUSALBOARD_CAPTURE_DIR") or None,
+                           capture_log=capture_log_consumer.parse(capture_log or os.environ.get("CAUSALBOARD_CAPTURE_LOG")))
     install_state(app, engine, settings, SweepService(engine))
     install_error_handlers(app)
     install_body_limit(app, settings.max_body_bytes)
@@ -84,6 +88,8 @@ def _lifespan(owns_engine: bool):
             import anyio
 
             await anyio.to_thread.run_sync(engine.start)
+        if app.state.settings.capture_log is not None:  # a layer the model lacks fails the start-up
+            capture_log_consumer.setup(app.state.settings.capture_log, engine.info.num_layers)
         announce = getattr(app.state, "announce", None)
         if announce:
             print(f"causalboard: serving {engine.info.model} on {engine.info.device} at {announce}", flush=True)

@@ -17,6 +17,7 @@ without a started engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 
@@ -38,6 +39,8 @@ class ApiSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     #: root of the fork's `filesystem` capture consumer (None: the consumer is not offered)
     capture_dir: str | None = None
+    #: the fork's server-wide `logging` capture consumer (`app/api/compat/capture_log.py`), or None
+    capture_log: Any = None
 
 
 def install_state(app: FastAPI, engine: Engine, settings: ApiSettings, sweep_service: SweepService) -> None:

@@ -120,7 +120,12 @@ class DynamicControl:
             dynamic = DynamicRequest()
         for k, p in enumerate(dynamic.policies):
             self._check_policy(p, f"dynamic.policies[{k}]")
-        if not dynamic.policies and not (dynamic.use_global and self._dyn_global):
+        if dynamic.gates is not None:
+            dynamic.gates.check(self.info.num_layers, self.info.hidden_size)
+            if dynamic.gates.probes() and self.topology.pipeline_parallel_size > 1:
+                raise SpecError("steering", "probe-triggered gates need pipeline_parallel_size 1 (a probe and the "
+                                            "sites it steers must be on one stage)")
+        if not dynamic.policies and not (dynamic.use_global and self._dyn_global) and dynamic.gates is None:
             return None
         if len(dynamic.policies) + (len(self._dyn_global) if dynamic.use_global else 0) > MAX_POLICIES:
             raise SpecError("dynamic.policies", f"at most {MAX_POLICIES} policies per request, global ones included")

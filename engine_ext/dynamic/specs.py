@@ -339,6 +339,8 @@ class DynamicRequest:
     conversation_id: str | None = None
     #: also apply the engine's global policies to this request
     use_global: bool = True
+    #: the reference fork's declarative gates (`engine_ext.dynamic.gates.GateSet`), or None
+    gates: Any = None
 
     @classmethod
     def make(cls, policies: Any = (), conversation_id: Any = None, use_global: bool = True,
@@ -353,4 +355,7 @@ class DynamicRequest:
 
     def wire(self, global_policies: tuple[Policy, ...] = ()) -> dict:
         pols = (list(global_policies) if self.use_global else []) + list(self.policies)
-        return {"policies": [p.to_json() for p in pols], "conversation_id": self.conversation_id}
+        out = {"policies": [p.to_json() for p in pols], "conversation_id": self.conversation_id}
+        if self.gates is not None:
+            out["gates"] = self.gates.to_json()
+        return out

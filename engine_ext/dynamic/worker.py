@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_ext.dynamic.gates import GateSet, GateState
 from engine_ext.dynamic.policy import PolicyState
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, Policy, Probe, policy_from_wire  # noqa: F401 (re-export)
 from engine_ext.specs import spec_hash
@@ -48,6 +49,8 @@ logger = logging.getLogger("causalboard.dynamic")
 
 #: conversations whose latches are remembered (least recently used dropped beyond)
 MAX_CONVERSATIONS = 4096
+#: probes of the fork's gates kept on the device while no request uses them (least recently used dropped beyond)
+IDLE_GATE_PROBES = 64
 
 
 @dataclass
@@ -59,20 +62,35 @@ class _Probe:
 
 @dataclass
 class _Policy:
-    spec: Policy
+    """An action source: a policy (one vector at all its sites) or a gate component (`spec`
+    None: one vector per site, `vecs`)."""
+
+    spec: Policy | None
     ident: str
-    vec: np.ndarray  # fp32
+    vec: np.ndarray | None  # fp32
     sites: list[int]
+    vecs: list[np.ndarray] | None = None
     _payloads: dict = field(default_factory=dict)
 
     def payload(self, scale: float) -> tuple[np.ndarray, int]:
         """(`vec * f32(scale)`, crc32 of its bytes), cached per scale."""
+        return self.parts(scale)[0][1:]
+
+    def parts(self, scale: float) -> list[tuple[int, np.ndarray, int]]:
+        """Per site: (site, `vector * f32(scale)`, crc32 of its bytes), cached per scale."""
         got = self._payloads.get(scale)
         if got is None:
-            v = (self.vec * np.float32(scale)).astype(np.float32)
+            vecs = self.vecs if self.vecs is not None else [self.vec] * len(self.sites)
+            done: dict[int, tuple[np.ndarray, int]] = {}
+            got = []
+            for site, vec in zip(self.sites, vecs):
+                if id(vec) not in done:
+                    v = (vec * np.float32(scale)).astype(np.float32)
+                    done[id(vec)] = (v, zlib.crc32(v.astype("<f4").tobytes()))
+                got.append((site, *done[id(vec)]))
             if len(self._payloads) > 64:
                 self._payloads.clear()
-            got = self._payloads[scale] = (v, zlib.crc32(v.astype("<f4").tobytes()))
+            self._payloads[scale] = got
         return got
 
 
@@ -96,9 +114,29 @@ class DynRequest:
     #: (scales, base slot keys per site) -> (per site: (slot key, make), the action's crc); an
     #: action repeated with the same inputs (a threshold policy holding) is composed once
     actions_cache: dict = field(default_factory=dict)
+    #: the fork's declarative gates: their decision state and their components (applied after
+    #: the policies; `decided` tuples hold the policies' scales, then the components')
+    gate: GateState | None = None
+    gate_actions: list[_Policy] = field(default_factory=list)
+    gate_trace: list[dict] = field(default_factory=list)
+    #: the inline probes of its gates (worker probe names), released when it finishes
+    gate_probes: tuple[str, ...] = ()
 
     def engaged(self) -> bool:
-        return any(s.current_scale() != 0.0 for s in self.states)
+        return (any(s.current_scale() != 0.0 for s in self.states)
+                or (self.gate is not None and any(self.gate.current_scales())))
+
+    def actors(self) -> list[_Policy]:
+        """Every action source, in the order of the `decided` tuples."""
+        return self.policies + self.gate_actions
+
+    def score_refs(self) -> list[tuple[str, int]]:
+        """(probe, component) of every score a decision needs: the policies', then each
+        probe-triggered gate's."""
+        refs = [(p.spec.probe, p.spec.component) for p in self.policies]
+        if self.gate is not None:
+            refs += [(g.probe.name, 0) for g in self.gate.gs.gates if g.probe is not None]
+        return refs
 
 
 class DynamicWorker:
@@ -117,6 +155,10 @@ class DynamicWorker:
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
+        #: gate probes travel with their requests: worker probe name -> requests using it; the
+        #: last unused ones stay on the device (no upload when the next request brings them again)
+        self._gate_probe_refs: dict[str, int] = {}
+        self._idle_gate_probes: OrderedDict[str, None] = OrderedDict()
 
     # ---- registry -------------------------------------------------------------------------
     def set_probe(self, data: dict) -> int:
@@ -149,23 +191,49 @@ class DynamicWorker:
             states.append(PolicyState.start(pol, latched=latched))
         if conv is not None and conv in self.latches:
             self.latches.move_to_end(conv)
-        dr = DynRequest(req_id, key, n_prompt, conv, pols, states, trace=[[] for _ in pols],
-                        monitor_sites=tuple(sorted({self.probes[p.spec.probe].spec.site.index() for p in pols})))
+        dr = DynRequest(req_id, key, n_prompt, conv, pols, states, trace=[[] for _ in pols])
+        if data.get("gates"):
+            gs = GateSet.from_wire(data["gates"])
+            names = []
+            for probe in gs.probes():  # content-addressed names ('~…'): equal names, equal probes
+                self._idle_gate_probes.pop(probe.name, None)
+                if probe.name not in self.probes:
+                    self.set_probe(probe.to_json())
+                self._gate_probe_refs[probe.name] = self._gate_probe_refs.get(probe.name, 0) + 1
+                names.append(probe.name)
+            dr.gate_probes = tuple(names)
+            dr.gate = GateState(gs, n_prompt)
+            for sv, role in gs.components():
+                dr.gate_actions.append(_Policy(None, role, None, [s.index() for s in sv.sites],
+                                               vecs=[np.asarray(v, np.float32) for v in sv.vectors]))
+        dr.monitor_sites = tuple(sorted({self.probes[name].spec.site.index() for name, _ in dr.score_refs()}))
         if any(s.current_scale() != 0.0 for s in states):
-            dr.decided[n_prompt] = tuple(s.current_scale() for s in states)
+            dr.decided[n_prompt] = tuple(s.current_scale() for s in states) + (0.0,) * len(dr.gate_actions)
         self.requests[req_id] = dr
 
     def finish(self, req_id: str) -> None:
         self.decide_pending()
-        self.requests.pop(req_id, None)
+        dr = self.requests.pop(req_id, None)
+        for name in dr.gate_probes if dr is not None else ():
+            left = self._gate_probe_refs.get(name, 1) - 1
+            if left <= 0:
+                self._gate_probe_refs.pop(name, None)
+                self._idle_gate_probes[name] = None
+                while len(self._idle_gate_probes) > IDLE_GATE_PROBES:
+                    self.probes.pop(self._idle_gate_probes.popitem(last=False)[0], None)
+            else:
+                self._gate_probe_refs[name] = left
 
     def result(self, req_id: str) -> dict | None:
         self.decide_pending()
         dr = self.requests.get(req_id)
         if dr is None:
             return None
-        return {"policies": [p.spec.to_api() for p in dr.policies], "trace": dr.trace, "actions": dr.actions,
-                "conversation_id": dr.conversation_id, "latched": [s.latched for s in dr.states], "errors": list(dr.errors)}
+        out = {"policies": [p.spec.to_api() for p in dr.policies], "trace": dr.trace, "actions": dr.actions,
+               "conversation_id": dr.conversation_id, "latched": [s.latched for s in dr.states], "errors": list(dr.errors)}
+        if dr.gate is not None:
+            out["gates"] = {**dr.gate.summary(), "trace": dr.gate_trace}
+        return out
 
     # ---- per step ---------------------------------------------------------------------------
     def idle(self) -> None:
@@ -187,7 +255,7 @@ class DynamicWorker:
         if self.requests:
             for i, rid in enumerate(req_ids):
                 dr = self.requests.get(rid)
-                if dr is None or not dr.policies:
+                if dr is None or not (dr.policies or dr.gate_actions):
                     continue
                 row0, p0 = int(qsl[i]), int(num_computed[i])
                 n = int(qsl[i + 1]) - row0
@@ -209,7 +277,10 @@ class DynamicWorker:
                         dr.actions += 1
                         max_row = max(max_row, row0 + p - p0 + 1)
                 last = p1 - 1
-                if last >= dr.n_prompt - 1 and last > dr.last_scored:
+                if last >= dr.n_prompt - 1 and last > dr.last_scored and not dr.monitor_sites:
+                    # gates that read no probe (`always`): decided without a score
+                    self._decide(dr, last, [])
+                elif last >= dr.n_prompt - 1 and last > dr.last_scored:
                     row = row0 + n - 1
                     for site in dr.monitor_sites:
                         if not self.st.owns_site(site):
@@ -252,7 +323,7 @@ class DynamicWorker:
         action's crc (request key, sites, payload crcs); or the reason it cannot be composed.
         Cached per (scales, the content keys of the slots already on the row's sites)."""
         slots = self.st.slots
-        sites = sorted({site for pol, scale in zip(dr.policies, scales) if scale != 0.0
+        sites = sorted({site for pol, scale in zip(dr.actors(), scales) if scale != 0.0
                         for site in pol.sites if self.st.owns_site(site)})
         bases = tuple(int(hs[row, site]) for site in sites)
         sig = (scales, tuple(slots.key_of(b) if b >= 0 else None for b in bases))
@@ -260,11 +331,10 @@ class DynamicWorker:
         if got is not None:
             return got
         by_site: dict[int, list[tuple[np.ndarray, int]]] = {}
-        for pol, scale in zip(dr.policies, scales):
+        for pol, scale in zip(dr.actors(), scales):
             if scale == 0.0:
                 continue
-            vec, crc = pol.payload(scale)
-            for site in pol.sites:
+            for site, vec, crc in pol.parts(scale):
                 if self.st.owns_site(site):
                     by_site.setdefault(site, []).append((vec, crc))
         desc = [dr.key]
@@ -316,8 +386,8 @@ class DynamicWorker:
         row_of: dict[tuple[int, int], int] = {}  # (id(request), site) -> row in vals
         for j, (dr, _, site, _) in enumerate(monitors):
             row_of[(id(dr), site)] = j
-            for pol in dr.policies:
-                pr = self.probes.get(pol.spec.probe)
+            for name, _ in dr.score_refs():
+                pr = self.probes.get(name)
                 if pr is not None and pr.spec.site.index() == site:
                     rows = wanted.setdefault(pr.spec.name, [])
                     if j not in rows:
@@ -339,10 +409,10 @@ class DynamicWorker:
                 continue
             done.add(id(dr))
             picks: list[int | None] = []
-            for pol in dr.policies:
-                pr = self.probes.get(pol.spec.probe)
+            for name, component in dr.score_refs():
+                pr = self.probes.get(name)
                 j = row_of.get((id(dr), pr.spec.site.index())) if pr is not None else None
-                picks.append(None if j is None else layout[(pr.spec.name, j)] + pol.spec.component)
+                picks.append(None if j is None else layout[(pr.spec.name, j)] + component)
             work.append((dr, pos, picks))
         flat = torch.cat(blocks) if blocks else torch.zeros(0, device=b.device)
         if b.device.type == "cuda":  # the step's one small device-to-host copy, not waited for
@@ -364,26 +434,39 @@ class DynamicWorker:
             event.synchronize()
         flat = host.tolist()
         for dr, pos, picks in work:
-            dr.last_scored = max(dr.last_scored, pos)
-            applied = dr.decided.get(pos)
-            nxt = []
-            for k, (pol, state, pick) in enumerate(zip(dr.policies, dr.states, picks)):
-                if pick is None:
-                    msg = f"dynamic policy {k}: probe {pol.spec.probe!r} was deleted while the request ran"
-                    if msg not in dr.errors:
-                        dr.errors.append(msg)
-                    nxt.append(state.current_scale())
-                    continue
-                score = flat[pick]
-                threshold = state.threshold()
-                scale_here = applied[k] if applied is not None else 0.0
-                new = state.decide(score)
-                nxt.append(new)
-                dr.trace[k].append({"position": pos, "score": score, "threshold": threshold,
-                                    "engaged": scale_here != 0.0, "scale": scale_here})
-                if state.latched and pol.spec.latch == "conversation" and dr.conversation_id is not None:
-                    self._latch(dr.conversation_id, pol.ident)
-            dr.decided[pos + 1] = tuple(nxt)
+            self._decide(dr, pos, [None if pick is None else flat[pick] for pick in picks])
+
+    def _decide(self, dr: DynRequest, pos: int, scores: list[float | None]) -> None:
+        """The decisions taken on position `pos` (`scores`: one per `dr.score_refs()`), applied at
+        `pos + 1`."""
+        dr.last_scored = max(dr.last_scored, pos)
+        applied = dr.decided.get(pos)
+        nxt = []
+        for k, (pol, state, pick) in enumerate(zip(dr.policies, dr.states, scores)):
+            if pick is None:
+                msg = f"dynamic policy {k}: probe {pol.spec.probe!r} was deleted while the request ran"
+                if msg not in dr.errors:
+                    dr.errors.append(msg)
+                nxt.append(state.current_scale())
+                continue
+            score = pick
+            threshold = state.threshold()
+            scale_here = applied[k] if applied is not None else 0.0
+            new = state.decide(score)
+            nxt.append(new)
+            dr.trace[k].append({"position": pos, "score": score, "threshold": threshold,
+                                "engaged": scale_here != 0.0, "scale": scale_here})
+            if state.latched and pol.spec.latch == "conversation" and dr.conversation_id is not None:
+                self._latch(dr.conversation_id, pol.ident)
+        if dr.gate is not None:
+            gate_scores = list(scores[len(dr.policies):])
+            per_gate = [gate_scores.pop(0) if g.probe is not None else None for g in dr.gate.gs.gates]
+            here = applied[len(dr.policies):] if applied is not None else (0.0,) * len(dr.gate_actions)
+            new = dr.gate.decide(pos, per_gate)
+            nxt += list(new)
+            dr.gate_trace.append({"position": pos, "scores": per_gate, "armed": dr.gate.armed,
+                                  "scales": list(here)})
+        dr.decided[pos + 1] = tuple(nxt)
 
     def _latch(self, conv: str, ident: str) -> None:
         self.latches.setdefault(conv, set()).add(ident)
@@ -394,7 +477,7 @@ class DynamicWorker:
     # ---- status -----------------------------------------------------------------------------
     def status(self) -> dict:
         self.decide_pending()
-        return {"probes": sorted(self.probes), "requests": len(self.requests),
+        return {"probes": sorted(n for n in self.probes if not n.startswith("~")), "requests": len(self.requests),
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
                 "latched_conversations": len(self.latches), "dynamic_actions": self.actions,
                 "rejected_actions": self.rejected}

@@ -8,11 +8,12 @@
 | `logprob_token_ids` | `score_token_ids` (exact scoring); `logprobs` must be set (the fork's rule over HTTP) |
 | `capture: {"patch_source": {"run"?, "hooks", "positions"}}` | a `Capture` kept as `run` (default: the completion id; values not returned) |
 | `steering_clamps` / `prefill_steering_clamps` / `decode_steering_clamps` | single-site `Clamp` entries at every position of phase both / prefill / decode (`app/fork/clamps.py`) |
+| `steering` (declarative gates) | `engine_ext.dynamic.gates.Gate`s (`app/fork/gates.py`), run by dynamic steering with the request's own static decode steering as what `attenuate` damps (`app/api/compat/gates.py` adds a conversation's latch) |
 
 They compose with the native `interventions` field (steer and patch entries are concatenated;
 capture and scoring may come from one side only). Fork fields with no faithful counterpart
-(declarative `steering` gates, the `post_mlp` hook, capture consumers this server does not
-run) are refused with a 400 naming the field. Engine errors about the combined spec are
+(the `post_mlp` hook, capture consumers this server does not run, `clamp` gates) are refused
+with a 400 naming the field. Engine errors about the combined spec are
 re-labelled with the request field the entry came from (`patch[1].dest_position`).
 """
 
@@ -22,19 +23,20 @@ import math
 from dataclasses import dataclass, field
 
 from engine_ext import Engine
+from engine_ext.dynamic.gates import Gate, SiteVectors
 from engine_ext.errors import SpecError
 from engine_ext.specs import Capture, Interventions, Patch, RunSource, InlineSource, ZeroSource
 from engine_ext.sites import Site
 
 from app.fork import steering_modules
 from app.fork.clamps import COMPLETION_TIERS, parse_tiers
+from app.fork.gates import Resolver, parse_gates, static_decode
 from app.api.compat.capture_files import LAYOUTS, FileCapture, slug
 from app.fork.masks import fork_mask
 from app.api.field_names import by_index, by_prefix
 from app.fork.vectors import check_hook, check_layer, parse_patch_vectors, parse_vector_spec
 from app.api.schemas.generation import CompletionRequest
 
-UNSUPPORTED_FIELDS = ("steering",)
 #: the fork's cap on logprob_token_ids (its sampler's row width)
 MAX_LOGPROB_TOKEN_IDS = 128
 TIERS = {"steering_vectors": "both", "prefill_steering_vectors": "prefill", "decode_steering_vectors": "decode"}
@@ -59,6 +61,9 @@ class CompletionInterventions:
     n_native_patches: int = 0
     #: some intervention (native or fork) was asked for: the response carries `intervention`
     requested: bool = False
+    #: the fork's declarative gates (None: none) and the request's static decode steering
+    gates: list[Gate] | None = None
+    static_decode: SiteVectors | None = None
 
     def keeps_source(self) -> bool:
         return self.spec.capture is not None and self.spec.capture.keep_as is not None
@@ -89,12 +94,11 @@ def _fork_patch_suffix(rest: str) -> str:
     return rest
 
 
-def build(req: CompletionRequest, eng: Engine, default_run: str = "", capture_dir: str | None = None) -> CompletionInterventions:
+def build(req: CompletionRequest, eng: Engine, default_run: str = "", capture_dir: str | None = None,
+          resolve: Resolver | None = None) -> CompletionInterventions:
     """Validate the fork fields and the native `interventions` of `req` into one spec
-    (`default_run`: the run id of a `patch_source` capture without `run`, the fork's request id)."""
-    for name in UNSUPPORTED_FIELDS:
-        if getattr(req, name) is not None:
-            raise SpecError(name, "is not supported by causalboard (the request is refused rather than run without it)")
+    (`default_run`: the run id of a `patch_source` capture without `run`, the fork's request id;
+    `resolve`: the fork registry's lookup for the gates' named vectors)."""
     info = eng.info
     native = req.interventions.to_spec("interventions") if req.interventions is not None else Interventions()
     out = CompletionInterventions(spec=native, requested=req.interventions is not None)
@@ -144,7 +148,11 @@ def build(req: CompletionRequest, eng: Engine, default_run: str = "", capture_di
         score = tuple(ids)
         out.score_origin = "logprob_token_ids"
     out.spec = Interventions(tuple(steers), tuple(patches), capture, native.noise, tuple(score), tuple(clamps))
-    out.requested = out.requested or not out.spec.is_empty()
+    out.gates = parse_gates(req.steering, resolve or (lambda name, kind: None), num_layers=info.num_layers,
+                            hidden=info.hidden_size)
+    if out.gates:
+        out.static_decode = static_decode(steers)
+    out.requested = out.requested or not out.spec.is_empty() or bool(out.gates)
     return out
 
 

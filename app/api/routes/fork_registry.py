@@ -8,12 +8,14 @@
 * `GET /v1/steering/vectors` lists it (in `steering.py`: that listing also carries causalboard's
   named vectors).
 
-In the fork these names are referenced by declarative steering gates (the `steering` request
-field), which causalboard does not run yet: here the registry validates and keeps the vectors
-(hooks, layers, hidden size, finite values, exactly the fork's rules) so the fork's clients can
-manage it, and a request that would use them is refused (`steering` is a 400), never run without
-them. Unlike the fork, registering needs the API key when the server has one (every mutating
-endpoint does).
+The names are what the declarative steering gates (the `steering` field of `/v1/completions` and
+`/v1/chat/completions`, `app/fork/gates.py`) reference: `{"kind": "name", "name": ...}` as a
+gate's probe (kind `probe`) or its `add` vector (kind `steer`). The registry validates the vectors
+(hooks, layers, hidden size, finite values, exactly the fork's rules) and keeps, per name, a content
+digest: a `rest_of_conversation` gate latches the name and that digest, and a later turn of the
+conversation is steered only while the name still resolves to the same content (re-registering it
+with other values, or unregistering it, disengages the latch). Unlike the fork, registering needs
+the API key when the server has one (every mutating endpoint does).
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from engine_ext import Engine
-from engine_ext.errors import SpecError
 from engine_ext.specs import check_safe_name
 
 from app.api.auth import UNAUTHORIZED, require_api_key
-from app.fork.vectors import parse_vector_spec
+from app.fork.gates import digest, packed_rows
 from app.api.deps import get_engine
 from app.api.schemas.generation import ErrorResponse
 from app.wire import StrictModel
@@ -67,18 +68,27 @@ class VectorRegistry:
 
     def __init__(self) -> None:
         self._vectors: dict[str, dict[str, dict[tuple[str, int], np.ndarray]]] = {k: {} for k in KINDS}
+        self._digests: dict[str, dict[str, str]] = {k: {} for k in KINDS}
         self._lock = threading.Lock()
 
     def register(self, name: str, kind: str, rows: dict[tuple[str, int], np.ndarray]) -> None:
         with self._lock:
             self._vectors[kind][name] = rows
+            self._digests[kind][name] = digest(rows)
 
     def unregister(self, name: str, kind: str) -> bool:
         with self._lock:
+            self._digests[kind].pop(name, None)
             return self._vectors[kind].pop(name, None) is not None
 
     def get(self, name: str, kind: str) -> dict[tuple[str, int], np.ndarray] | None:
         return self._vectors[kind].get(name)
+
+    def resolve(self, name: str, kind: str) -> tuple[dict[tuple[str, int], np.ndarray], str] | None:
+        """The rows of `name` and their content digest, or None when absent."""
+        with self._lock:
+            rows = self._vectors[kind].get(name)
+            return None if rows is None else (rows, self._digests[kind][name])
 
     def listing(self) -> dict[str, list[str]]:
         with self._lock:
@@ -90,28 +100,25 @@ class VectorRegistry:
 
 def registry_of(request: Request) -> VectorRegistry:
     """The app's registry (created on first use)."""
-    reg = getattr(request.app.state, "fork_vector_registry", None)
-    if reg is None:
-        reg = request.app.state.fork_vector_registry = VectorRegistry()
+    return registry_of_state(request.app.state)
+
+
+def registry_of_state(state: Any) -> VectorRegistry:
+    """The registry kept on `app.state` (created on first use)."""
+    with _CREATE:
+        reg = getattr(state, "fork_vector_registry", None)
+        if reg is None:
+            reg = state.fork_vector_registry = VectorRegistry()
     return reg
+
+
+_CREATE = threading.Lock()
 
 
 def decode_rows(packed: Any, kind: str, eng: Engine) -> dict[tuple[str, int], np.ndarray]:
     """The packed spec as {(hook, layer): float32 vector} (scales folded in), checked like the
     fork's registry: known hooks, model layers, hidden size, finite values; a probe is one row."""
-    info = eng.info
-    if not isinstance(packed, dict) or not packed:
-        raise SpecError("packed", f"{kind} vector must be a non-empty packed dict {{hook: packed}}")
-    steers = parse_vector_spec(packed, "packed", phase="both", num_layers=info.num_layers, hidden=info.hidden_size)
-    rows: dict[tuple[str, int], np.ndarray] = {}
-    for s in steers:
-        (site,) = s.sites
-        rows[(site.hook, site.layer)] = rows.get((site.hook, site.layer), 0) + s.vector.astype(np.float32) * np.float32(s.scale)
-    if not rows:
-        raise SpecError("packed", f"{kind} vector decoded to no rows")
-    if kind == "probe" and len(rows) != 1:
-        raise SpecError("packed", f"a probe vector must name exactly one (hook, layer); got {len(rows)} rows")
-    return rows
+    return packed_rows(packed, "packed", kind, num_layers=eng.info.num_layers, hidden=eng.info.hidden_size)
 
 
 @router.post("/v1/steering/vectors/register", response_model=RegistryResponse, responses=RESPONSES,

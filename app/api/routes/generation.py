@@ -12,11 +12,13 @@ is a JSON 4xx even when it asked for a stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from types import SimpleNamespace
 from collections.abc import AsyncIterator
 
 import anyio
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from engine_ext import Engine, Generation
@@ -24,10 +26,12 @@ from engine_ext.dynamic.specs import DynamicRequest
 from engine_ext.errors import EngineDeadError, SpecError
 
 from app.api.auth import UNAUTHORIZED, ApiKeyGuard, api_key_guard
-from app.api.compat import capture_files
+from app.api.compat import capture_files, capture_log
 from app.api.compat import completions as completion_extras
+from app.api.compat import gates as gate_compat
 from app.api.deps import ApiSettings, get_engine, get_settings
 from app.api.errors import error_response
+from app.api.routes.fork_registry import registry_of_state
 from app.api.field_names import by_prefix
 from app.api.schemas.generation import CompletionRequest, ErrorResponse, GenerateRequest, GenerateResponse
 from app.api.sse import DONE, sse_event
@@ -88,15 +92,15 @@ async def generate(req: GenerateRequest, engine: Engine = Depends(get_engine),
 
 
 @router.post("/v1/completions", responses=ERRORS)
-async def completions(req: CompletionRequest, engine: Engine = Depends(get_engine),
+async def completions(req: CompletionRequest, request: Request, engine: Engine = Depends(get_engine),
                       guard: ApiKeyGuard = Depends(api_key_guard), settings: ApiSettings = Depends(get_settings)):
     """OpenAI-compatible text completion, streaming or not, with the reference fork's per-request
     fields (`steering_vectors` and its phase variants, `steering_name`, `patch` + `patch_vectors`,
-    `logprob_token_ids`, `capture: {"patch_source": ...}`, `cache_salt`, `conversation_id`) and
-    the native `interventions`. `prompt` may be text, token ids, or a list of either (one choice
+    `logprob_token_ids`, `capture: {"patch_source": ...}`, `cache_salt`, `conversation_id`, the
+    declarative `steering` gates) and the native `interventions`. `prompt` may be text, token ids, or a list of either (one choice
     per prompt). With interventions the body of a single-prompt request also carries
     `intervention`; with scored ids each choice carries `scores`. Fork fields causalboard cannot honour are refused (400)."""
-    return await run_completion(req, engine, guard, CompletionShape(), settings.capture_dir)
+    return await run_completion(req, engine, guard, CompletionShape(), settings.capture_dir, request)
 
 
 class CompletionShape:
@@ -118,9 +122,10 @@ class CompletionShape:
 
 
 async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGuard, shape: CompletionShape,
-                         capture_dir: str | None = None):
+                         capture_dir: str | None = None, request: Request | None = None):
     """One completion request (any number of prompts) in `shape`'s wire form (`capture_dir`: the
-    fork's filesystem capture consumer writes there)."""
+    fork's filesystem capture consumer writes there; `request`: the HTTP request, whose app holds
+    the fork's vector registry and the gates' conversation latches)."""
     info = engine.info
     if req.model is not None and req.model not in (info.model, info.model_path):
         return error_response(404, f"model: '{req.model}' is not served here (serving '{info.model}')", "model")
@@ -130,13 +135,19 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
     created = int(time.time())
     cid = f"{shape.id_prefix}-{time.time_ns():x}"
     params = req.params()
-    extras = completion_extras.build(req, engine, default_run=cid, capture_dir=capture_dir)
+    state = request.app.state if request is not None else SimpleNamespace()
+    log = getattr(getattr(state, "settings", None), "capture_log", None)
+    registry = registry_of_state(state)
+    latches = gate_compat.latches_of(state)
+    extras = completion_extras.build(req, engine, default_run=cid, capture_dir=capture_dir, resolve=registry.resolve)
     if extras.keeps_source() or extras.file_capture is not None:
         guard.check()  # a stored run, or files on the server
     if extras.fork_capture:
         if len(prompts) > 1:
             raise SpecError("capture.patch_source.run", "one stored run per request: give a single prompt with a capture")
-    spec = None if extras.spec.is_empty() else extras.spec
+    # the fork's server-wide logging consumer captures every completion without a capture of its own
+    logged_spec, log_added = capture_log.with_capture(extras.spec, log, info.num_layers)
+    spec = None if logged_spec.is_empty() else logged_spec
     # the fork's conversation_id: the conversation of the server's global dynamic-steering
     # policies (`latch: conversation`), as its dynamic-steering consumers read it
     dynamic = None
@@ -145,6 +156,10 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
             dynamic = DynamicRequest.make([], req.conversation_id, True)
         except SpecError as exc:
             raise SpecError("conversation_id", exc.message) from None
+    # the fork's declarative gates (and a latched conversation's bridge) run as dynamic steering
+    gates = gate_compat.gate_set(extras.gates, extras.static_decode, req.conversation_id, registry, latches)
+    if gates is not None:
+        dynamic = dataclasses.replace(dynamic or DynamicRequest(), gates=gates)
     for k, prompt in enumerate(prompts):
         try:
             engine.validate(prompt, params, spec, dynamic=dynamic)
@@ -170,6 +185,8 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
         out: dict = {}
         if extras.requested:
             out["intervention"] = gen.to_dict().get("intervention")
+            if log_added and out["intervention"] is not None:
+                out["intervention"]["captures"] = []  # the logging consumer's values are not the client's
         if extras.fork_capture_run is not None:
             iv = gen.intervention
             ok = iv is not None and iv.stored_as == extras.fork_capture_run
@@ -208,6 +225,10 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
 
     if not req.stream:
         gens = await asyncio.gather(*(engine.agenerate(p, params, spec, dynamic=dynamic) for p in prompts))
+        for k, g in enumerate(gens):
+            gate_compat.record(g, req.conversation_id, latches)
+            if log is not None:
+                capture_log.write(g, cid if single else f"{cid}-{k}", log, log_added, info.num_layers)
         if extras.file_capture is not None:
             await write_files(gens[0])
         n_prompt = sum(len(g.prompt_token_ids) for g in gens)
@@ -229,6 +250,10 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
                     choice = shape.delta_choice(k, d.text, logprobs_of(d), d.finish_reason if d.finished else None, first)
                     first = False
                     chunk = {**common(), "object": shape.chunk_object, "choices": [with_scores(choice, d)]}
+                    if d.finished:
+                        gate_compat.record(gen, req.conversation_id, latches)
+                        if log is not None:
+                            capture_log.write(gen, cid if single else f"{cid}-{k}", log, log_added, info.num_layers)
                     if d.finished and single:
                         if extras.file_capture is not None:
                             await write_files(gen)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from engine_ext import Engine
@@ -204,7 +204,7 @@ class ChatShape(CompletionShape):
 
 
 @router.post("/v1/chat/completions", responses={**ERRORS, 401: {"model": ErrorResponse}})
-async def chat_completions(req: ChatCompletionRequest, engine: Engine = Depends(get_engine),
+async def chat_completions(req: ChatCompletionRequest, request: Request, engine: Engine = Depends(get_engine),
                            guard: ApiKeyGuard = Depends(api_key_guard), settings: ApiSettings = Depends(get_settings)):
     """OpenAI chat completion (n = 1) with the same extra fields as `/v1/completions` (the fork's
     and the native `interventions`). A model without a chat template needs `chat_template` in the
@@ -213,4 +213,4 @@ async def chat_completions(req: ChatCompletionRequest, engine: Engine = Depends(
     text = render_chat(engine, req.messages, chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
                        continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
     ids = engine.tokenize(text, add_special_tokens=False)  # the template writes its special tokens (as vLLM)
-    return await run_completion(req.as_completion(ids), engine, guard, ChatShape(), settings.capture_dir)
+    return await run_completion(req.as_completion(ids), engine, guard, ChatShape(), settings.capture_dir, request)

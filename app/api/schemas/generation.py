@@ -21,7 +21,6 @@ from app.api.schemas.interventions import (
     PackedTable,
     SourceStoreUsage,
     VectorSpec,
-    unsupported,
 )
 from app.wire import MAX_PROMPT_CHARS, StrictModel
 
@@ -122,10 +121,17 @@ class CompletionRequest(SamplingFields):
                                                          "(or the fork's packed / wire-map forms).")
     prefill_steering_clamps: ClampTier = Field(None, description="Fork: clamps at prompt positions only (after the base tier's).")
     decode_steering_clamps: ClampTier = Field(None, description="Fork: clamps at generated positions only (after the base tier's).")
-    steering: Any = unsupported("The fork's declarative steering gates. Not supported by causalboard: refused with 400 naming the field.")
+    steering: Any = Field(
+        None, description="Fork: declarative steering gates, a list of {'when': {'kind': 'always'} | {'kind': 'probe', "
+                          "'probe': SRC, 'threshold', 'sharpness'?}, 'scope': 'this_token' | 'next_step' | 'rest_of_request' | "
+                          "'rest_of_conversation', 'apply': {'kind': 'add', 'steer': SRC, 'strength'?} | {'kind': 'attenuate', "
+                          "'strength'}} with SRC {'kind': 'name', 'name'} (the /v1/steering/vectors/register registry) or "
+                          "{'kind': 'inline', 'packed': {hook: packed}}; run as dynamic steering (docs/dynamic-steering.md). "
+                          "'clamp' gates are refused (400), as in the fork.")
     conversation_id: str | None = Field(
         None, description="Fork: the conversation this request belongs to, for the server's global dynamic-steering "
-                          "policies (`latch: conversation`); echoed in the response.")
+                          "policies (`latch: conversation`) and the `rest_of_conversation` gates of `steering`; echoed "
+                          "in the response.")
     # ---- causalboard
     interventions: InterventionsSpec | None = Field(None, description="Native per-request interventions (as on /v1/generate).")
 
