@@ -10,8 +10,10 @@ proportional policy: replaying `PolicyState.decide` over the trace's scores must
 engaged flags and scales exactly; trace positions must run from the last prompt position, one per
 generated token; the request must be 'ok'; the applied-action count must equal the engaged
 positions; the checksums must be consistent. Also runs the same batch twice and requires
-identical traces (the decisions do not depend on timing). Prints one JSON line per check and
-exits 1 on a failure.
+identical traces (the decisions do not depend on timing). Then the reference fork's declarative
+gates (a host-probe `rest_of_request` gate and a soft `this_token` gate): replaying `GateState`
+over each trace's scores gives its scales exactly, and two runs are identical. Prints one JSON line
+per check and exits 1 on a failure.
 """
 import argparse
 import json
@@ -30,6 +32,7 @@ def main():
     from engine_ext import Engine, GenerationParams
     from engine_ext.dynamic.policy import PolicyState
     from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
+    from engine_ext.sites import Site
 
     kw = {"model": args.model} if args.model else {}
     extra = {"enforce_eager": False} if args.device == "cuda" else {}  # the model's own context length
@@ -84,6 +87,33 @@ def main():
     same = all(a.intervention.dynamic["trace"] == b.intervention.dynamic["trace"] and a.token_ids == b.token_ids
                for a, b in zip(*runs))
     check("repeatable", same)
+    # the reference fork's declarative gates (issue 16): a host-probe gate (rest_of_request) and a
+    # soft this_token gate on one batch; replaying GateState over each trace's scores must give the
+    # trace's scales exactly, and the same batch run twice must give identical traces
+    from engine_ext.dynamic.gates import Gate, GateSet, GateState, SiteVectors
+    # a gate's probe as the completions route builds it (app/fork/gates.py: a direction, content-named)
+    gprobe = Probe("~gpu-gate-probe", Site(L // 2, "post_block"), "direction",
+                   (d / np.linalg.norm(d)).astype(np.float32)[None, :], np.zeros(1, np.float32))
+    steer = SiteVectors((Site.parse(f"L{max(L // 2 - 1, 0)}.post_attn"),), (v * (spread / np.linalg.norm(v)),))
+    gs = GateSet((Gate("rest_of_request", "probe", gprobe, threshold=on, sharpness=1.0, steer=steer),
+                  Gate("this_token", "probe", gprobe, threshold=on, sharpness=4.0 / spread, steer=steer, strength=0.5)))
+    gate_runs = [eng.generate(prompts, params, dynamic=DynamicRequest(gates=gs)) for _ in range(2)]
+    armed = 0
+    for i, g in enumerate(gate_runs[0]):
+        iv = g.intervention
+        check(f"gates.status[{i}]", iv.status == "ok", errors=iv.errors)
+        tr = iv.dynamic["gates"]["trace"]
+        n = len(g.prompt_token_ids)
+        st = GateState(gs, n)
+        want = [tuple(0.0 for _ in gs.components())]
+        for e in tr[:-1]:
+            want.append(st.decide(e["position"], e["scores"]))
+        got = [tuple(e["scales"]) for e in tr]
+        check(f"gates.rule[{i}]", got == [tuple(w) for w in want], armed_at=iv.dynamic["gates"]["armed_at"])
+        armed += iv.dynamic["gates"]["armed_at"] is not None
+    check("gates.some_armed", armed > 0, armed=armed, of=len(prompts))
+    check("gates.repeatable", all(a.intervention.dynamic["gates"]["trace"] == b.intervention.dynamic["gates"]["trace"]
+                                  and a.token_ids == b.token_ids for a, b in zip(*gate_runs)))
     det = eng.dynamic_status()["determinism"]
     check("determinism", det["consistent"] is True, determinism=det)
     eng.close()
