@@ -459,6 +459,11 @@ class Engine(DynamicControl):
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             extra_args=extra_args,
             skip_reading_prefix_cache=skip_cache_read or None,
+            # built here for this one request and never reused or changed after submission: vLLM's
+            # input processor may take it as is (a shallow copy) instead of deep-copying it per
+            # request (~0.14 ms per request with a program in `extra_args`), as vLLM's own OpenAI
+            # server does for the parameters it builds per request
+            skip_clone=True,
         )
         return prep
 

@@ -84,10 +84,15 @@ def _intervention_result(res: dict, program_hash: str | None) -> InterventionRes
     caps = {}
     block = res.get("captures")
     if block and block["keys"]:
-        values = np.frombuffer(block["data"], dtype="<f4").reshape(len(block["keys"]), -1).copy()
-        for (site_idx, pos), row in zip(block["keys"], values):
-            site = site_from_index(int(site_idx))
-            caps[SitePosition(site.layer, site.hook, int(pos))] = row
+        keys = block["keys"]
+        # one array for the whole block, each key's value a row of it; a writable buffer (an
+        # in-process worker's bytearray) is used as is, read-only bytes (from another process)
+        # are copied once so that every value is an ordinary writable array
+        values = np.frombuffer(block["data"], dtype="<f4").reshape(len(keys), -1)
+        if not values.flags.writeable:
+            values = values.copy()
+        sites = {s: site_from_index(int(s)) for s in {k[0] for k in keys}}
+        caps = dict(zip([SitePosition(sites[s].layer, sites[s].hook, int(p)) for s, p in keys], values))
     errors = list(res.get("errors") or [])
     if res.get("store_error"):
         errors.append(res["store_error"])

@@ -279,6 +279,26 @@ def _template_group(sites: np.ndarray, slots: np.ndarray) -> int:
     return group
 
 
+class StepCaptures:
+    """One step's captured rows on the host, `xs` / `rs` [rows, hidden] in the model dtype, and
+    their fp32 values `x + r` (as vLLM's fused add computes them), summed once for the whole step
+    on first use and shared by the step's requests (each reads its own slice)."""
+
+    __slots__ = ("xs", "rs", "_values")
+
+    def __init__(self, xs: torch.Tensor, rs: torch.Tensor):
+        self.xs, self.rs = xs, rs
+        self._values: torch.Tensor | None = None
+
+    def values(self, base: int, k: int) -> torch.Tensor:
+        """fp32 `x + r` of rows `[base, base + k)` (a view of the step's one sum)."""
+        if self._values is None:
+            # a new tensor even for an fp32 model (`xs` itself is kept for stored pairs); the
+            # upcast is exact, so this equals `xs.float() + rs.float()` bit for bit
+            self._values = self.xs.to(torch.float32, copy=True).add_(self.rs)
+        return self._values[base: base + k]
+
+
 @dataclass
 class _CaptureBlock:
     """Captured rows of one request in one step: row `base + i * len(sites) + j` of the step's
@@ -294,8 +314,9 @@ class StepPlanner:
     """Per-step buffer contents for one engine's `SiteBuffers` (see the module docstring)."""
 
     def __init__(self, buffers: SiteBuffers, slots: SlotTable, checksum: ActionChecksum, sink):
-        """`sink(owner, positions, sites, xs, rs)` receives each request's captured rows of a step
-        (xs/rs: [positions, sites, hidden] host tensors in the model dtype)."""
+        """`sink(owner, positions, sites, xs, rs, step, base)` receives each request's captured
+        rows of a step (xs/rs: [positions, sites, hidden] host tensors in the model dtype; `step`:
+        the step's `StepCaptures`, whose rows `[base, base + positions x sites)` they are)."""
         self.b, self.slots, self.checksum, self.sink = buffers, slots, checksum, sink
         on_host = buffers.device.type != "cuda"
         # host tables; on a CPU engine they are the op's buffers themselves (no copy)
@@ -461,8 +482,9 @@ class StepPlanner:
         for done, xs, rs, blocks in pending:
             if done is not None:
                 done.synchronize()
+            step = StepCaptures(xs, rs)
             for blk in blocks:
                 k = blk.positions.size * blk.sites.size
                 shape = (blk.positions.size, blk.sites.size, xs.shape[-1])
                 self.sink(blk.owner, blk.positions, blk.sites, xs[blk.base: blk.base + k].view(shape),
-                          rs[blk.base: blk.base + k].view(shape))
+                          rs[blk.base: blk.base + k].view(shape), step, blk.base)
