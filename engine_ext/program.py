@@ -329,6 +329,37 @@ def program_to_extra_args(program: dict, kv_salt: str | None = None) -> dict:
     return extra
 
 
+#: the request key a `ProgramTemplate` is compiled with (NULs: no request key has them)
+TEMPLATE_KEY = "\u0000cb-template-key\u0000"
+
+
+class ProgramTemplate:
+    """One compiled program for every request that differs only in its key (one spec on a batch
+    of prompts of one length): compiled and serialised once, then each request's `extra_args` is
+    the canonical text with its own key spliced in — the same text `program_to_extra_args` gives
+    for a program compiled with that key (keys sort after every other field but `max_pos`,
+    `n_prompt`, `noise`, `patch`, `steer` and `v`, and JSON escapes every quote inside a string
+    value, so `"key":<template key>` occurs exactly once)."""
+
+    def __init__(self, program: dict):
+        if program.get("key") != TEMPLATE_KEY:
+            raise ValueError("a template is compiled with key=TEMPLATE_KEY")
+        self.program = program
+        self.hash = program["hash"]
+        self.text = canonical_json(program)
+        self._needle = '"key":' + canonical_json(TEMPLATE_KEY)
+        if self.text.count(self._needle) != 1:
+            raise ValueError("the template key occurs more than once in the program")
+        self.first = first_modified_position(program)
+
+    def extra_args(self, key: str, kv_salt: str | None = None) -> dict:
+        """`program_to_extra_args` of this program compiled with `key`."""
+        extra: dict[str, Any] = {EXTRA_ARGS_KEY: self.text.replace(self._needle, '"key":' + canonical_json(key), 1)}
+        if kv_salt is not None and self.first is not None:
+            extra[KV_SALT_KEY] = [self.first, kv_salt]
+        return extra
+
+
 def clamp_op(op_id: int, kind: str, site: int, e: dict) -> "ClampOp":
     """The worker's `ClampOp` of one wire clamp entry ({pos, gen, phase, dir, lo, hi, st}, plus
     `every` for global ones) at `site`."""
