@@ -331,6 +331,7 @@ def program_to_extra_args(program: dict, kv_salt: str | None = None) -> dict:
 
 #: the request key a `ProgramTemplate` is compiled with (NULs: no request key has them)
 TEMPLATE_KEY = "\u0000cb-template-key\u0000"
+_TEMPLATE_NEEDLE = '"key":' + canonical_json(TEMPLATE_KEY)
 
 
 class ProgramTemplate:
@@ -347,14 +348,13 @@ class ProgramTemplate:
         self.program = program
         self.hash = program["hash"]
         self.text = canonical_json(program)
-        self._needle = '"key":' + canonical_json(TEMPLATE_KEY)
-        if self.text.count(self._needle) != 1:
+        if self.text.count(_TEMPLATE_NEEDLE) != 1:
             raise ValueError("the template key occurs more than once in the program")
         self.first = first_modified_position(program)
 
     def extra_args(self, key: str, kv_salt: str | None = None) -> dict:
         """`program_to_extra_args` of this program compiled with `key`."""
-        extra: dict[str, Any] = {EXTRA_ARGS_KEY: self.text.replace(self._needle, '"key":' + canonical_json(key), 1)}
+        extra: dict[str, Any] = {EXTRA_ARGS_KEY: self.text.replace(_TEMPLATE_NEEDLE, '"key":' + canonical_json(key), 1)}
         if kv_salt is not None and self.first is not None:
             extra[KV_SALT_KEY] = [self.first, kv_salt]
         return extra

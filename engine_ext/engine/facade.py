@@ -37,7 +37,7 @@ from engine_ext.generation import Generation, GenerationDelta, GenerationParams
 from engine_ext.dynamic.engine import DynamicControl
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY
 from engine_ext.program import (KV_SALT_KEY, TEMPLATE_KEY, ModelDims, ProgramTemplate, PromptInfo, check_clamp_directions,
-                                check_score_token_ids, compile_program)
+                                check_score_token_ids, compile_program, program_to_extra_args)
 from engine_ext.specs import Clamp, Interventions, Steer, canonical_json, positions_from_json
 
 logger = logging.getLogger("causalboard.engine")
@@ -461,18 +461,21 @@ class Engine(DynamicControl):
             template = templates.get(slot) if templates is not None else None
             if template is None:
                 program = compile_program(spec, self._prompt_info(text, ids, params.max_tokens), self._dims,
-                                          key=TEMPLATE_KEY, named_vector_dims=self._named.get, limits=self.config.limits)
+                                          key=TEMPLATE_KEY if templates is not None else prep.key,
+                                          named_vector_dims=self._named.get, limits=self.config.limits)
                 if program.get("clamp") and self._global_clamps:  # with the global clamps: K at most per (site, position)
                     check_clamp_directions(program["clamp"], len(ids), self.config.limits.max_clamp_directions,
                                            extra=self._global_clamp_counts())
-                template = ProgramTemplate(program)
                 if templates is not None:
-                    templates[slot] = template
-            program = template.program
-            prep.program_hash = template.hash
+                    template = templates[slot] = ProgramTemplate(program)
             # KV blocks at or after the first modified position get a salt of their own: never
             # shared with requests computed differently; the blocks before it stay shared
-            extra_args = template.extra_args(prep.key, kv_salt=f"cb-{template.hash}-{prep.key}")
+            if template is not None:
+                program = template.program
+                extra_args = template.extra_args(prep.key, kv_salt=f"cb-{template.hash}-{prep.key}")
+            else:
+                extra_args = program_to_extra_args(program, kv_salt=f"cb-{program['hash']}-{prep.key}")
+            prep.program_hash = program["hash"]
             if dyn_wire is not None:
                 # dynamic steering may change any generated position: salt from the first one on
                 first = extra_args.get(KV_SALT_KEY, [len(ids)])[0]
@@ -536,8 +539,12 @@ class Engine(DynamicControl):
         if len(specs) != len(batch):
             raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
         loop = self._require_loop()
-        templates: dict = {}  # one compiled program per (spec, prompt length), for this call only
-        prepared = [self._prepare(p, params, s, dynamic=dynamic, templates=templates)
+        # a spec given for several prompts is compiled once per prompt length (for this call only)
+        seen: dict[int, int] = {}
+        for s in specs:
+            seen[id(s)] = seen.get(id(s), 0) + 1
+        templates: dict = {}
+        prepared = [self._prepare(p, params, s, dynamic=dynamic, templates=templates if seen[id(s)] > 1 else None)
                     for p, s in zip(batch, specs)]  # validate all before submitting any
         jobs, requests = [], []
         for prep, spec in zip(prepared, specs):
