@@ -169,3 +169,17 @@ def test_one_spec_on_a_batch_compiles_once_per_prompt_length(engine, monkeypatch
         assert sorted(k.position for k in g.captures) == [len(p) - 1, len(p) - 1]
         solo = engine.generate(p, GenerationParams(max_tokens=1), spec)
         assert all(np.allclose(g.captures[k], solo.captures[k], rtol=1e-4, atol=1e-4) for k in solo.captures)
+
+
+def test_a_template_whose_key_cannot_be_spliced_serialises_each_request():
+    from engine_ext.program import (TEMPLATE_KEY, ModelDims, ProgramTemplate, PromptInfo, compile_program,
+                                    program_to_extra_args)
+
+    dims = ModelDims(num_layers=4, hidden_size=8, vocab_size=100, embedding_std=1.0)
+    program = compile_program(_specs()[0], PromptInfo([1, 2, 3]), dims, key=TEMPLATE_KEY, named_vector_dims=lambda n: None)
+    program["capture"]["extra"] = {"key": TEMPLATE_KEY}  # a second `"key":<template key>` in the text
+    template = ProgramTemplate(program)
+    assert template.text is None
+    want = program_to_extra_args({**program, "key": "cb-3-abcdef01"}, kv_salt="s")
+    assert template.extra_args("cb-3-abcdef01", kv_salt="s") == want
+    assert want["causalboard"].count("cb-3-abcdef01") == 1
