@@ -183,3 +183,28 @@ def test_a_template_whose_key_cannot_be_spliced_serialises_each_request():
     want = program_to_extra_args({**program, "key": "cb-3-abcdef01"}, kv_salt="s")
     assert template.extra_args("cb-3-abcdef01", kv_salt="s") == want
     assert want["causalboard"].count("cb-3-abcdef01") == 1
+
+
+@pytest.mark.parametrize("capture", [([4, 9, 14], [3], False), ([9, 4], [0, 2, 2, 1], False), ([4], [1], True), ([4], [7], False)])
+def test_capture_only_plans_equal_the_general_composition(capture, monkeypatch):
+    """The shared tables of capture-only plans (`RequestPlan._capture_only`) are what the general
+    composition gives, the digest (with the request key) included."""
+    from engine_ext.worker import planner
+    from engine_ext.worker.planner import RequestPlan
+
+    sites, pos, gen = capture
+    prog = WorkerProgram(key="k", n_prompt=5, max_pos=8, hash="h", capture_sites=sites,
+                         capture_pos=np.asarray(pos, np.int64), capture_gen=gen)
+    planner._CAPTURE_PLANS.clear()
+    for key in ("cb-1-aaaa0000", "cb-2-bbbb1111", "cb-1-aaaa0000"):  # the first builds, the others share
+        fast = RequestPlan.build(key, 5, prog, [], None, 3)
+        monkeypatch.setattr(planner, "SHARE_CAPTURE_PLANS", False)
+        general = RequestPlan.build(key, 5, prog, [], None, 3)
+        monkeypatch.setattr(planner, "SHARE_CAPTURE_PLANS", True)
+        for f in ("prompt_sites", "prompt_slots", "gen_sites", "gen_slots", "ex_pos", "ex_site", "ex_slot", "cap_sites", "cap_pos"):
+            a, b = getattr(fast, f), getattr(general, f)
+            assert a.dtype == b.dtype and np.array_equal(a, b), f
+        for f in ("key", "n_prompt", "cap_gen", "held", "digest", "global_version", "gen_template_only", "gen_group"):
+            assert getattr(fast, f) == getattr(general, f), f
+    assert len(planner._CAPTURE_PLANS) == 1
+    assert not fast.cap_pos.flags.writeable  # shared: nobody may write them

@@ -201,6 +201,8 @@ class RequestPlan:
         ops = ((list(prog.adds) if prog is not None else []) + list(global_adds) + list(global_clamps)
                + (list(prog.clamps) if prog is not None else []))
         replaces = prog.replaces if prog is not None else {}
+        if SHARE_CAPTURE_PLANS and not ops and not replaces and prog is not None and prog.capture_sites:
+            return cls._capture_only(key, n_prompt, prog, global_version)
         plan = cls(key=key, n_prompt=n_prompt, global_version=global_version)
         described: list[tuple] = []
         by_site: dict[int, list[tuple[AddOp, bool, bool, set[int]]]] = {}
@@ -259,6 +261,31 @@ class RequestPlan:
         plan.gen_group = _template_group(plan.gen_sites, plan.gen_slots)
         return plan
 
+    @classmethod
+    def _capture_only(cls, key: str, n_prompt: int, prog: WorkerProgram, global_version: int) -> "RequestPlan":
+        """`build` for a program that only captures (and no global steering): no slots, and the
+        tables depend on the prompt length and the capture alone, so requests of one shape share
+        them (read-only) and each composes only its digest (which includes its key)."""
+        shape = (n_prompt, tuple(prog.capture_sites), np.asarray(prog.capture_pos, np.int64).tobytes(), bool(prog.capture_gen))
+        hit = _CAPTURE_PLANS.get(shape)
+        if hit is None:
+            cap_sites = np.asarray(prog.capture_sites, np.int32)
+            cap_pos = np.unique(np.asarray(prog.capture_pos, np.int64))
+            cap_sites.flags.writeable = False
+            cap_pos.flags.writeable = False
+            cap_gen = bool(prog.capture_gen)
+            described = [("capture", tuple(cap_sites.tolist()), tuple(cap_pos.tolist()), cap_gen)]
+            gen_only = not cap_gen and not (cap_pos.size and cap_pos[-1] >= n_prompt)
+            if len(_CAPTURE_PLANS) >= 1024:
+                _CAPTURE_PLANS.clear()
+            hit = _CAPTURE_PLANS[shape] = (cap_sites, cap_pos, cap_gen, described, gen_only,
+                                           _template_group(_EMPTY_I32, _EMPTY_I32))
+        cap_sites, cap_pos, cap_gen, described, gen_only, group = hit
+        plan = cls(key=key, n_prompt=n_prompt, cap_sites=cap_sites, cap_pos=cap_pos, cap_gen=cap_gen,
+                   global_version=global_version, gen_template_only=gen_only, gen_group=group)
+        plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
+        return plan
+
     def _acquire(self, slots: SlotTable, key, make) -> int:
         slot = slots.acquire(key, make)
         self.held.append(slot)
@@ -266,6 +293,10 @@ class RequestPlan:
 
 
 _TEMPLATE_GROUPS: dict[bytes, int] = {}
+#: capture-only plans' shared tables by (prompt length, sites, positions, generated)
+_CAPTURE_PLANS: dict[tuple, tuple] = {}
+#: whether capture-only plans share their tables (off: the general composition, for tests)
+SHARE_CAPTURE_PLANS = True
 
 
 def _template_group(sites: np.ndarray, slots: np.ndarray) -> int:
