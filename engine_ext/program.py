@@ -329,6 +329,39 @@ def program_to_extra_args(program: dict, kv_salt: str | None = None) -> dict:
     return extra
 
 
+#: the request key a `ProgramTemplate` is compiled with (NULs: no request key has them)
+TEMPLATE_KEY = "\u0000cb-template-key\u0000"
+_TEMPLATE_NEEDLE = '"key":' + canonical_json(TEMPLATE_KEY)
+
+
+class ProgramTemplate:
+    """One compiled program for every request that differs only in its key (one spec on a batch
+    of prompts of one length): compiled (with `key=TEMPLATE_KEY`) and serialised once; each
+    request's `extra_args` is then the canonical text with its own key spliced in, the same text
+    `program_to_extra_args` gives for the program compiled with that key. The splice replaces
+    `"key":"<template key>"`, which occurs once: the program's only field named `key` is the
+    top-level one, and JSON escapes every quote inside a string value, so no string can hold it
+    (should it ever occur more than once, each request's text is serialised in full instead)."""
+
+    def __init__(self, program: dict):
+        if program.get("key") != TEMPLATE_KEY:
+            raise ValueError("a template is compiled with key=TEMPLATE_KEY")
+        self.program = program
+        self.hash = program["hash"]
+        text = canonical_json(program)
+        self.text: str | None = text if text.count(_TEMPLATE_NEEDLE) == 1 else None
+        self.first = first_modified_position(program)
+
+    def extra_args(self, key: str, kv_salt: str | None = None) -> dict:
+        """`program_to_extra_args` of this program compiled with `key`."""
+        if self.text is None:
+            return program_to_extra_args({**self.program, "key": key}, kv_salt)
+        extra: dict[str, Any] = {EXTRA_ARGS_KEY: self.text.replace(_TEMPLATE_NEEDLE, '"key":' + canonical_json(key), 1)}
+        if kv_salt is not None and self.first is not None:
+            extra[KV_SALT_KEY] = [self.first, kv_salt]
+        return extra
+
+
 def clamp_op(op_id: int, kind: str, site: int, e: dict) -> "ClampOp":
     """The worker's `ClampOp` of one wire clamp entry ({pos, gen, phase, dir, lo, hi, st}, plus
     `every` for global ones) at `site`."""

@@ -8,6 +8,8 @@ a GPU also `VLLM_ENABLE_V1_MULTIPROCESSING=0` in the environment (vLLM's default
 
 Prints the timings (JSON lines) and the cProfile of one capture repetition (top functions by
 cumulative and by own time). A diagnosis aid, not a benchmark: profiling slows Python down.
+`host_work.py` (same folder) reports the per-request functions of this profile (and of P1's
+patched cells) as ms per 1000 requests, one JSON line per repetition, to compare two versions.
 """
 import argparse
 import cProfile

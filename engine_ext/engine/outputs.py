@@ -6,6 +6,7 @@ threads, `AsyncSink` for asyncio) and the conversion of vLLM `RequestOutput`s in
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 from dataclasses import dataclass
 from typing import Any
@@ -84,16 +85,28 @@ def _intervention_result(res: dict, program_hash: str | None) -> InterventionRes
     caps = {}
     block = res.get("captures")
     if block and block["keys"]:
-        values = np.frombuffer(block["data"], dtype="<f4").reshape(len(block["keys"]), -1).copy()
-        for (site_idx, pos), row in zip(block["keys"], values):
-            site = site_from_index(int(site_idx))
-            caps[SitePosition(site.layer, site.hook, int(pos))] = row
+        keys = block["keys"]
+        # one array for the whole block, each key's value a row of it; a writable buffer (an
+        # in-process worker's bytearray) is used as is, read-only bytes (from another process)
+        # are copied once so that every value is an ordinary writable array
+        values = np.frombuffer(block["data"], dtype="<f4").reshape(len(keys), -1)
+        if not values.flags.writeable:
+            values = values.copy()
+        caps = dict(zip([_site_position(s, p) for s, p in keys], values))
     errors = list(res.get("errors") or [])
     if res.get("store_error"):
         errors.append(res["store_error"])
     return InterventionResult(status=res.get("status", "unknown"), errors=errors, captures=caps,
                               stored_as=res.get("stored_as"), evicted=list(res.get("evicted") or []),
                               program_hash=program_hash, dynamic=res.get("dynamic"))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _site_position(site_idx: int, pos: int) -> SitePosition:
+    """The capture key of a flat site index and a position (cached: keys are immutable, and a
+    capture block repeats the same few per request)."""
+    site = site_from_index(int(site_idx))
+    return SitePosition(site.layer, site.hook, int(pos))
 
 
 @dataclass

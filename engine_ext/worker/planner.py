@@ -201,6 +201,8 @@ class RequestPlan:
         ops = ((list(prog.adds) if prog is not None else []) + list(global_adds) + list(global_clamps)
                + (list(prog.clamps) if prog is not None else []))
         replaces = prog.replaces if prog is not None else {}
+        if SHARE_CAPTURE_PLANS and not ops and not replaces and prog is not None and prog.capture_sites:
+            return cls._capture_only(key, n_prompt, prog, global_version)
         plan = cls(key=key, n_prompt=n_prompt, global_version=global_version)
         described: list[tuple] = []
         by_site: dict[int, list[tuple[AddOp, bool, bool, set[int]]]] = {}
@@ -259,6 +261,31 @@ class RequestPlan:
         plan.gen_group = _template_group(plan.gen_sites, plan.gen_slots)
         return plan
 
+    @classmethod
+    def _capture_only(cls, key: str, n_prompt: int, prog: WorkerProgram, global_version: int) -> "RequestPlan":
+        """`build` for a program that only captures (and no global steering): no slots, and the
+        tables depend on the prompt length and the capture alone, so requests of one shape share
+        them (read-only) and each composes only its digest (which includes its key)."""
+        shape = (n_prompt, tuple(prog.capture_sites), np.asarray(prog.capture_pos, np.int64).tobytes(), bool(prog.capture_gen))
+        hit = _CAPTURE_PLANS.get(shape)
+        if hit is None:
+            cap_sites = np.asarray(prog.capture_sites, np.int32)
+            cap_pos = np.unique(np.asarray(prog.capture_pos, np.int64))
+            cap_sites.flags.writeable = False
+            cap_pos.flags.writeable = False
+            cap_gen = bool(prog.capture_gen)
+            described = [("capture", tuple(cap_sites.tolist()), tuple(cap_pos.tolist()), cap_gen)]
+            gen_only = not cap_gen and not (cap_pos.size and cap_pos[-1] >= n_prompt)
+            if len(_CAPTURE_PLANS) >= 1024:
+                _CAPTURE_PLANS.clear()
+            hit = _CAPTURE_PLANS[shape] = (cap_sites, cap_pos, cap_gen, described, gen_only,
+                                           _template_group(_EMPTY_I32, _EMPTY_I32))
+        cap_sites, cap_pos, cap_gen, described, gen_only, group = hit
+        plan = cls(key=key, n_prompt=n_prompt, cap_sites=cap_sites, cap_pos=cap_pos, cap_gen=cap_gen,
+                   global_version=global_version, gen_template_only=gen_only, gen_group=group)
+        plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
+        return plan
+
     def _acquire(self, slots: SlotTable, key, make) -> int:
         slot = slots.acquire(key, make)
         self.held.append(slot)
@@ -266,6 +293,10 @@ class RequestPlan:
 
 
 _TEMPLATE_GROUPS: dict[bytes, int] = {}
+#: capture-only plans' shared tables by (prompt length, sites, positions, generated)
+_CAPTURE_PLANS: dict[tuple, tuple] = {}
+#: whether capture-only plans share their tables (off: the general composition, for tests)
+SHARE_CAPTURE_PLANS = True
 
 
 def _template_group(sites: np.ndarray, slots: np.ndarray) -> int:
@@ -277,6 +308,26 @@ def _template_group(sites: np.ndarray, slots: np.ndarray) -> int:
             _TEMPLATE_GROUPS.clear()
         group = _TEMPLATE_GROUPS[key] = len(_TEMPLATE_GROUPS) + 1
     return group
+
+
+class StepCaptures:
+    """One step's captured rows on the host, `xs` / `rs` [rows, hidden] in the model dtype, and
+    their fp32 values `x + r` (as vLLM's fused add computes them), summed once for the whole step
+    on first use and shared by the step's requests (each reads its own slice)."""
+
+    __slots__ = ("xs", "rs", "_values")
+
+    def __init__(self, xs: torch.Tensor, rs: torch.Tensor):
+        self.xs, self.rs = xs, rs
+        self._values: torch.Tensor | None = None
+
+    def values(self, base: int, k: int) -> torch.Tensor:
+        """fp32 `x + r` of rows `[base, base + k)` (a view of the step's one sum)."""
+        if self._values is None:
+            # a new tensor even for an fp32 model (`xs` itself is kept for stored pairs); the
+            # upcast is exact, so this equals `xs.float() + rs.float()` bit for bit
+            self._values = self.xs.to(torch.float32, copy=True).add_(self.rs)
+        return self._values[base: base + k]
 
 
 @dataclass
@@ -294,8 +345,9 @@ class StepPlanner:
     """Per-step buffer contents for one engine's `SiteBuffers` (see the module docstring)."""
 
     def __init__(self, buffers: SiteBuffers, slots: SlotTable, checksum: ActionChecksum, sink):
-        """`sink(owner, positions, sites, xs, rs)` receives each request's captured rows of a step
-        (xs/rs: [positions, sites, hidden] host tensors in the model dtype)."""
+        """`sink(owner, positions, sites, xs, rs, step, base)` receives each request's captured
+        rows of a step (xs/rs: [positions, sites, hidden] host tensors in the model dtype; `step`:
+        the step's `StepCaptures`, whose rows `[base, base + positions x sites)` they are)."""
         self.b, self.slots, self.checksum, self.sink = buffers, slots, checksum, sink
         on_host = buffers.device.type != "cuda"
         # host tables; on a CPU engine they are the op's buffers themselves (no copy)
@@ -461,8 +513,9 @@ class StepPlanner:
         for done, xs, rs, blocks in pending:
             if done is not None:
                 done.synchronize()
+            step = StepCaptures(xs, rs)
             for blk in blocks:
                 k = blk.positions.size * blk.sites.size
                 shape = (blk.positions.size, blk.sites.size, xs.shape[-1])
                 self.sink(blk.owner, blk.positions, blk.sites, xs[blk.base: blk.base + k].view(shape),
-                          rs[blk.base: blk.base + k].view(shape))
+                          rs[blk.base: blk.base + k].view(shape), step, blk.base)

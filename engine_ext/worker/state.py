@@ -29,7 +29,7 @@ from engine_ext.program import EXTRA_ARGS_KEY, AddOp, ClampOp, WorkerProgram, cl
 from engine_ext.sites import SITES_PER_LAYER
 from engine_ext.worker.checksum import ActionChecksum
 from engine_ext.worker.intervention_op import BUFFERS, SiteBuffers
-from engine_ext.worker.planner import RequestPlan, StepPlanner
+from engine_ext.worker.planner import RequestPlan, StepCaptures, StepPlanner
 from engine_ext.worker.slots import SlotCapacityError, SlotTable
 from engine_ext.worker.source_store import SourceStore, SourceStoreFull
 
@@ -65,45 +65,83 @@ MAX_CAPTURE_ROWS = 65536
 
 
 @dataclass
+class CapturedBlock:
+    """One request's captured rows of one step: `xs` / `rs` [positions, sites, hidden] (host, model
+    dtype) hold position `positions[i]` at site `sites[j]`; they are rows `[base, base + k)` of
+    the step's `StepCaptures` (`step`), which sums them to fp32 once for every request of the step."""
+
+    positions: np.ndarray
+    sites: np.ndarray
+    xs: torch.Tensor
+    rs: torch.Tensor
+    step: StepCaptures | None = None
+    base: int = 0
+
+    def values(self) -> torch.Tensor:
+        """fp32 `x + r`, [positions, sites, hidden]."""
+        if self.step is None:
+            return self.xs.float() + self.rs.float()
+        return self.step.values(self.base, self.xs.shape[0] * self.xs.shape[1]).view(self.xs.shape)
+
+
+@dataclass
 class RequestState:
     req_id: str
     program: WorkerProgram
-    #: captured blocks: (positions, sites, xs, rs) with xs/rs [positions, sites, hidden] (host,
-    #: model dtype); a later block for the same (site, position) wins (recomputed after preemption)
-    captures: list[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: captured blocks, in the order they were computed; a later block for the same (site,
+    #: position) wins (recomputed after preemption)
+    captures: list[CapturedBlock] = field(default_factory=list)
     leased: list[str] = field(default_factory=list)
     collected: bool = False
 
     def capture_pairs(self) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
         """(site, position) -> (x, r), the latest block winning."""
         out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        for positions, sites, xs, rs in self.captures:
-            for i, pos in enumerate(positions.tolist()):
-                for j, site in enumerate(sites.tolist()):
-                    out[(site, pos)] = (xs[i, j], rs[i, j])
+        for blk in self.captures:
+            for i, pos in enumerate(blk.positions.tolist()):
+                for j, site in enumerate(blk.sites.tolist()):
+                    out[(site, pos)] = (blk.xs[i, j], blk.rs[i, j])
         return out
 
     def capture_values(self) -> dict:
         """The captured stream values for the client, in one block: `keys` [[site, position], ...]
         (sorted) and `data`, their fp32 values `x + r` (as vLLM's fused add computes them),
-        little-endian, row after row."""
+        little-endian, row after row (a `bytearray`: an in-process client reads it without a copy)."""
+        if len(self.captures) == 1 and _increasing(self.captures[0].sites) and _increasing(self.captures[0].positions):
+            # the common case (one block, sites and positions in order): keys in (site, position)
+            # order are the block's rows transposed; one copy, no per-row work
+            blk = self.captures[0]
+            sites, positions = blk.sites.tolist(), blk.positions.tolist()
+            keys = [[site, pos] for site in sites for pos in positions]
+            vals = blk.values()
+            if len(positions) > 1:
+                vals = vals.transpose(0, 1)
+            return {"keys": keys, "data": _le_bytes(vals)}
         latest: dict[tuple[int, int], tuple[int, int, int]] = {}
-        for b, (positions, sites, _, _) in enumerate(self.captures):
-            for i, pos in enumerate(positions.tolist()):
-                for j, site in enumerate(sites.tolist()):
+        for b, blk in enumerate(self.captures):
+            for i, pos in enumerate(blk.positions.tolist()):
+                for j, site in enumerate(blk.sites.tolist()):
                     latest[(site, pos)] = (b, i, j)
         keys = sorted(latest)
         if not keys:
-            return {"keys": [], "data": b""}
-        if len(self.captures) == 1:  # the common case: one block, one vectorised sum
-            positions, sites, xs, rs = self.captures[0]
-            flat = (xs.float() + rs.float()).reshape(-1, xs.shape[-1])
-            order = [latest[k][1] * sites.size + latest[k][2] for k in keys]
-            vals = flat[torch.tensor(order, device="cpu")]
-        else:
-            vals = torch.stack([self.captures[b][2][i, j].float() + self.captures[b][3][i, j].float()
-                                for b, i, j in (latest[k] for k in keys)])
-        return {"keys": [list(k) for k in keys], "data": vals.numpy().astype("<f4").tobytes()}
+            return {"keys": [], "data": bytearray()}
+        per_block = [blk.values() for blk in self.captures]
+        vals = torch.stack([per_block[b][i, j] for b, i, j in (latest[k] for k in keys)])
+        return {"keys": [list(k) for k in keys], "data": _le_bytes(vals)}
+
+
+def _increasing(a: np.ndarray) -> bool:
+    return a.size < 2 or bool((a[1:] > a[:-1]).all())
+
+
+def _le_bytes(vals: torch.Tensor) -> bytearray:
+    """The values as little-endian fp32 bytes, row after row (one copy, strided or not)."""
+    arr = vals.numpy()
+    if arr.flags.c_contiguous and arr.dtype == np.dtype("<f4"):
+        return bytearray(memoryview(arr).cast("B"))
+    out = bytearray(4 * arr.size)
+    np.copyto(np.frombuffer(out, dtype="<f4").reshape(arr.shape), arr)
+    return out
 
 
 class WorkerState:
@@ -272,10 +310,11 @@ class WorkerState:
         self.dynamic.after_forward()
         self.planner.after_forward()
 
-    def _file_capture(self, req_id: str, positions: np.ndarray, sites: np.ndarray, xs: torch.Tensor, rs: torch.Tensor) -> None:
+    def _file_capture(self, req_id: str, positions: np.ndarray, sites: np.ndarray, xs: torch.Tensor, rs: torch.Tensor,
+                      step: StepCaptures | None = None, base: int = 0) -> None:
         st = self.requests.get(req_id)
         if st is not None and not st.collected:
-            st.captures.append((positions, sites, xs, rs))
+            st.captures.append(CapturedBlock(positions, sites, xs, rs, step, base))
 
     # ---- results --------------------------------------------------------------------------
     def _result(self, st: RequestState) -> dict:

@@ -1,0 +1,210 @@
+"""The per-request host work of captures and request preparation (issue 13): the step's captured
+rows summed once and sliced per request give exactly the values (and order) of a per-request sum,
+the client reads a capture block without copying a writable buffer, and every prepared request
+lets vLLM skip its deep copy of the parameters."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine_ext.engine.outputs import _intervention_result
+from engine_ext.program import WorkerProgram
+from engine_ext.sites import SitePosition, site_from_index
+from engine_ext.worker.planner import StepCaptures
+from engine_ext.worker.state import CapturedBlock, RequestState
+
+
+def _reference_values(blocks: list[CapturedBlock]) -> dict:
+    """What the worker returned before: per (site, position), the latest block's x.float() + r.float()."""
+    latest = {}
+    for blk in blocks:
+        for i, pos in enumerate(blk.positions.tolist()):
+            for j, site in enumerate(blk.sites.tolist()):
+                latest[(site, pos)] = (blk.xs[i, j].float() + blk.rs[i, j].float()).numpy()
+    keys = sorted(latest)
+    return {"keys": [list(k) for k in keys], "data": np.stack([latest[k] for k in keys]).astype("<f4").tobytes() if keys else b""}
+
+
+def _blocks(dtype, layout: list[tuple[list[int], list[int]]], hidden: int = 8, seed: int = 0) -> list[CapturedBlock]:
+    """Blocks filed the way `StepPlanner.file_captures` files them: all blocks of one step share
+    its `StepCaptures`, each at its own base row."""
+    g = torch.Generator().manual_seed(seed)
+    k = sum(len(p) * len(s) for p, s in layout)
+    xs = torch.randn(k, hidden, generator=g).to(dtype)
+    rs = torch.randn(k, hidden, generator=g).to(dtype)
+    step = StepCaptures(xs, rs)
+    out, base = [], 0
+    for positions, sites in layout:
+        n = len(positions) * len(sites)
+        shape = (len(positions), len(sites), hidden)
+        out.append(CapturedBlock(np.asarray(positions, np.int64), np.asarray(sites, np.int32),
+                                 xs[base: base + n].view(shape), rs[base: base + n].view(shape), step, base))
+        base += n
+    return out
+
+
+def _state(blocks: list[CapturedBlock]) -> RequestState:
+    st = RequestState("r", WorkerProgram(key="k", n_prompt=4, max_pos=4, hash="h"))
+    st.captures = blocks
+    return st
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", [
+    [([3], [2, 5, 9])],                          # one position (last_prompt): a contiguous slice
+    [([0, 1, 3], [2, 5, 9])],                     # several positions: the block transposed
+    [([0, 1], [9, 2])],                           # sites out of order: the general path
+    [([0, 1], [2, 5]), ([1, 2], [5, 7])],         # two blocks (preemption): the later one wins
+])
+def test_capture_values_equal_a_per_request_sum(dtype, layout):
+    blocks = _blocks(dtype, layout)
+    xs_before = [b.xs.clone() for b in blocks]
+    got = _state(blocks).capture_values()
+    want = _reference_values(blocks)
+    assert got["keys"] == want["keys"]
+    assert bytes(got["data"]) == want["data"]  # bit for bit
+    assert isinstance(got["data"], bytearray)
+    # the step's stored (x, r) pairs are untouched (for an fp32 model too)
+    assert all(torch.equal(b.xs, x) for b, x in zip(blocks, xs_before))
+
+
+def test_requests_of_one_step_share_one_sum():
+    a, b = _blocks(torch.bfloat16, [([3], [0, 1]), ([5], [0, 1])])
+    assert a.step is b.step
+    va, vb = a.values(), b.values()
+    assert va.untyped_storage().data_ptr() == vb.untyped_storage().data_ptr()
+    assert torch.equal(vb, b.xs.float() + b.rs.float())
+
+
+def test_client_decodes_a_block_in_one_pass():
+    blocks = _blocks(torch.bfloat16, [([2, 3], [1, 4])])
+    res = {"status": "ok", "errors": [], "captures": _state(blocks).capture_values()}
+    iv = _intervention_result(res, "h")
+    want = _reference_values(blocks)
+    values = np.frombuffer(want["data"], "<f4").reshape(len(want["keys"]), -1)
+    assert list(iv.captures) == [SitePosition(site_from_index(s).layer, site_from_index(s).hook, p) for s, p in want["keys"]]
+    for row, v in zip(values, iv.captures.values()):
+        assert np.array_equal(row, v) and v.flags.writeable
+    # a writable buffer (in-process worker) is read in place; read-only bytes are copied once
+    first = next(iter(iv.captures.values()))
+    assert np.shares_memory(first, np.frombuffer(res["captures"]["data"], np.uint8))
+    ro = _intervention_result({**res, "captures": {**res["captures"], "data": bytes(res["captures"]["data"])}}, "h")
+    assert all(v.flags.writeable for v in ro.captures.values())
+    assert all(np.array_equal(a, b) for a, b in zip(ro.captures.values(), iv.captures.values()))
+
+
+def test_request_ids_are_unique_random_and_hex():
+    from engine_ext.engine.facade import _random_hex8
+
+    ids = [_random_hex8() for _ in range(3000)]  # crosses several pool refills
+    assert all(len(i) == 8 and int(i, 16) >= 0 for i in ids)
+    assert len(set(ids)) > 2990  # 32 random bits: a collision or two at most
+
+
+def test_prepared_requests_skip_vllms_deep_copy(engine):
+    from engine_ext import GenerationParams
+    from engine_ext.specs import Capture, Interventions
+
+    spec = Interventions(capture=Capture.make(["L0.post_block"], "last_prompt"))
+    for s in (None, spec):
+        prep = engine._prepare([5, 6, 7], GenerationParams(max_tokens=1), s)
+        assert prep.sampling.skip_clone
+        clone = prep.sampling.clone()
+        assert clone is not prep.sampling and clone.extra_args is prep.sampling.extra_args
+    g = engine.generate([5, 6, 7], GenerationParams(max_tokens=1), spec)
+    assert not g.intervention.voided and len(g.captures) == 1
+
+
+def _specs():
+    from engine_ext.specs import Capture, Clamp, Interventions, Noise, Patch, RunSource, Steer
+
+    v = np.linspace(-1, 1, 8).astype(np.float32)
+    return [
+        Interventions(capture=Capture.make(["L0.post_block", "L3.pre_attn"], "last_prompt")),
+        Interventions(capture=Capture.make(["L1.post_attn"], "all", keep_as="run-a", return_values=False)),
+        Interventions(steer=(Steer.make(["L1.post_block", "L2.post_block"], v, scale=2.5),), score_token_ids=(3, 9)),
+        Interventions(patch=(Patch.make("L2.pre_attn", [1, 2], RunSource("clean", (1, 2))),), noise=Noise.make([0, 1], seed=4)),
+        Interventions(clamp=(Clamp.make(["L0.post_block"], v, max=0.5),), steer=(Steer.make(["L0.post_block"], v, positions=[3]),)),
+    ]
+
+
+@pytest.mark.parametrize("k", range(5))
+def test_a_program_template_gives_the_text_of_a_program_compiled_per_key(k):
+    from engine_ext.program import (TEMPLATE_KEY, ModelDims, ProgramTemplate, PromptInfo, compile_program,
+                                    program_to_extra_args)
+
+    dims = ModelDims(num_layers=4, hidden_size=8, vocab_size=100, embedding_std=1.0)
+    spec, prompt = _specs()[k], PromptInfo(list(range(5)), max_tokens=3)
+    template = ProgramTemplate(compile_program(spec, prompt, dims, key=TEMPLATE_KEY, named_vector_dims=lambda n: None))
+    for key in ("cb-0-0123abcd", "cb-17-ffffffff"):
+        want = program_to_extra_args(compile_program(spec, prompt, dims, key=key, named_vector_dims=lambda n: None),
+                                     kv_salt=f"cb-{template.hash}-{key}")
+        assert template.extra_args(key, kv_salt=f"cb-{template.hash}-{key}") == want
+
+
+def test_a_template_needs_the_template_key():
+    from engine_ext.program import ModelDims, ProgramTemplate, PromptInfo, compile_program
+
+    dims = ModelDims(num_layers=4, hidden_size=8, vocab_size=100, embedding_std=1.0)
+    with pytest.raises(ValueError):
+        ProgramTemplate(compile_program(_specs()[0], PromptInfo([1, 2]), dims, key="cb-1-x", named_vector_dims=lambda n: None))
+
+
+def test_one_spec_on_a_batch_compiles_once_per_prompt_length(engine, monkeypatch):
+    import engine_ext.engine.facade as facade
+    from engine_ext import GenerationParams
+    from engine_ext.specs import Capture, Interventions
+
+    calls = []
+    real = facade.compile_program
+    monkeypatch.setattr(facade, "compile_program", lambda *a, **kw: calls.append(a[1].n) or real(*a, **kw))
+    spec = Interventions(capture=Capture.make(["L0.post_block", "L1.post_block"], "last_prompt"))
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13, 14], [15, 16, 17]]
+    gens = engine.generate(prompts, GenerationParams(max_tokens=1), spec)
+    assert sorted(calls) == [3, 4]
+    keys = {g.request_id for g in gens}
+    assert len(keys) == 4  # each request its own key (and so its own result)
+    for p, g in zip(prompts, gens):
+        assert not g.intervention.voided
+        assert sorted(k.position for k in g.captures) == [len(p) - 1, len(p) - 1]
+        solo = engine.generate(p, GenerationParams(max_tokens=1), spec)
+        assert all(np.allclose(g.captures[k], solo.captures[k], rtol=1e-4, atol=1e-4) for k in solo.captures)
+
+
+def test_a_template_whose_key_cannot_be_spliced_serialises_each_request():
+    from engine_ext.program import (TEMPLATE_KEY, ModelDims, ProgramTemplate, PromptInfo, compile_program,
+                                    program_to_extra_args)
+
+    dims = ModelDims(num_layers=4, hidden_size=8, vocab_size=100, embedding_std=1.0)
+    program = compile_program(_specs()[0], PromptInfo([1, 2, 3]), dims, key=TEMPLATE_KEY, named_vector_dims=lambda n: None)
+    program["capture"]["extra"] = {"key": TEMPLATE_KEY}  # a second `"key":<template key>` in the text
+    template = ProgramTemplate(program)
+    assert template.text is None
+    want = program_to_extra_args({**program, "key": "cb-3-abcdef01"}, kv_salt="s")
+    assert template.extra_args("cb-3-abcdef01", kv_salt="s") == want
+    assert want["causalboard"].count("cb-3-abcdef01") == 1
+
+
+@pytest.mark.parametrize("capture", [([4, 9, 14], [3], False), ([9, 4], [0, 2, 2, 1], False), ([4], [1], True), ([4], [7], False)])
+def test_capture_only_plans_equal_the_general_composition(capture, monkeypatch):
+    """The shared tables of capture-only plans (`RequestPlan._capture_only`) are what the general
+    composition gives, the digest (with the request key) included."""
+    from engine_ext.worker import planner
+    from engine_ext.worker.planner import RequestPlan
+
+    sites, pos, gen = capture
+    prog = WorkerProgram(key="k", n_prompt=5, max_pos=8, hash="h", capture_sites=sites,
+                         capture_pos=np.asarray(pos, np.int64), capture_gen=gen)
+    planner._CAPTURE_PLANS.clear()
+    for key in ("cb-1-aaaa0000", "cb-2-bbbb1111", "cb-1-aaaa0000"):  # the first builds, the others share
+        fast = RequestPlan.build(key, 5, prog, [], None, 3)
+        monkeypatch.setattr(planner, "SHARE_CAPTURE_PLANS", False)
+        general = RequestPlan.build(key, 5, prog, [], None, 3)
+        monkeypatch.setattr(planner, "SHARE_CAPTURE_PLANS", True)
+        for f in ("prompt_sites", "prompt_slots", "gen_sites", "gen_slots", "ex_pos", "ex_site", "ex_slot", "cap_sites", "cap_pos"):
+            a, b = getattr(fast, f), getattr(general, f)
+            assert a.dtype == b.dtype and np.array_equal(a, b), f
+        for f in ("key", "n_prompt", "cap_gen", "held", "digest", "global_version", "gen_template_only", "gen_group"):
+            assert getattr(fast, f) == getattr(general, f), f
+    assert len(planner._CAPTURE_PLANS) == 1
+    assert not fast.cap_pos.flags.writeable  # shared: nobody may write them
