@@ -12,12 +12,15 @@ without a started engine.
   report its state).
 * `get_settings` — `ApiSettings` (the API key, the body limit).
 * `get_sweep_service` — the app's `SweepService`.
+* `state_singleton` — an object kept on the app's state, created on first use (the fork's vector
+  registry, the gates' conversation latches).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 
@@ -41,6 +44,21 @@ class ApiSettings:
     capture_dir: str | None = None
     #: the fork's server-wide `logging` capture consumer (`app/api/compat/capture_log.py`), or None
     capture_log: Any = None
+
+
+T = TypeVar("T")
+_CREATE = threading.Lock()
+
+
+def state_singleton(state: Any, attr: str, factory: Callable[[], T]) -> T:
+    """`state.<attr>` (an app's `app.state`), created with `factory()` on first use; one object
+    per app even when requests race to create it."""
+    with _CREATE:
+        got = getattr(state, attr, None)
+        if got is None:
+            got = factory()
+            setattr(state, attr, got)
+    return got
 
 
 def install_state(app: FastAPI, engine: Engine, settings: ApiSettings, sweep_service: SweepService) -> None:

@@ -19,6 +19,7 @@ from engine_ext import Generation
 from engine_ext.dynamic.gates import Gate, GateSet
 
 from engine_ext.dynamic.gates import SiteVectors
+from app.api.deps import state_singleton
 from app.fork.gates import site_vectors
 
 #: conversations whose latches are remembered (least recently used dropped beyond)
@@ -55,16 +56,9 @@ class ConversationLatches:
         return len(self._latches)
 
 
-_CREATE = threading.Lock()
-
-
 def latches_of(state: Any) -> ConversationLatches:
     """The app's latches (`app.state`), created on first use."""
-    with _CREATE:
-        got = getattr(state, "fork_gate_latches", None)
-        if got is None:
-            got = state.fork_gate_latches = ConversationLatches()
-    return got
+    return state_singleton(state, "fork_gate_latches", ConversationLatches)
 
 
 def bridge(cid: str | None, registry, latches: ConversationLatches) -> tuple[tuple[SiteVectors, float], ...]:

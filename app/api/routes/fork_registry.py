@@ -33,7 +33,7 @@ from engine_ext.specs import check_safe_name
 
 from app.api.auth import UNAUTHORIZED, require_api_key
 from app.fork.gates import digest, packed_rows
-from app.api.deps import get_engine
+from app.api.deps import get_engine, state_singleton
 from app.api.schemas.generation import ErrorResponse
 from app.wire import StrictModel
 
@@ -105,14 +105,7 @@ def registry_of(request: Request) -> VectorRegistry:
 
 def registry_of_state(state: Any) -> VectorRegistry:
     """The registry kept on `app.state` (created on first use)."""
-    with _CREATE:
-        reg = getattr(state, "fork_vector_registry", None)
-        if reg is None:
-            reg = state.fork_vector_registry = VectorRegistry()
-    return reg
-
-
-_CREATE = threading.Lock()
+    return state_singleton(state, "fork_vector_registry", VectorRegistry)
 
 
 def decode_rows(packed: Any, kind: str, eng: Engine) -> dict[tuple[str, int], np.ndarray]:
