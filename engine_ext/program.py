@@ -322,8 +322,12 @@ def program_to_extra_args(program: dict, kv_salt: str | None = None) -> dict:
     holds a position the program modifies is hashed with that salt (`KV_SALT_KEY`: the seam adds
     it to vLLM's block hashes), so it is never shared with a request that computes it
     differently, while the blocks before `first_modified_position` stay shareable."""
-    extra: dict[str, Any] = {EXTRA_ARGS_KEY: canonical_json(program)}
-    first = first_modified_position(program)
+    return _extra_args(canonical_json(program), first_modified_position(program), kv_salt)
+
+
+def _extra_args(text: str, first: int | None, kv_salt: str | None) -> dict:
+    """The program's canonical `text`, and the KV salt from position `first` on (when both given)."""
+    extra: dict[str, Any] = {EXTRA_ARGS_KEY: text}
     if kv_salt is not None and first is not None:
         extra[KV_SALT_KEY] = [first, kv_salt]
     return extra
@@ -356,10 +360,7 @@ class ProgramTemplate:
         """`program_to_extra_args` of this program compiled with `key`."""
         if self.text is None:
             return program_to_extra_args({**self.program, "key": key}, kv_salt)
-        extra: dict[str, Any] = {EXTRA_ARGS_KEY: self.text.replace(_TEMPLATE_NEEDLE, '"key":' + canonical_json(key), 1)}
-        if kv_salt is not None and self.first is not None:
-            extra[KV_SALT_KEY] = [self.first, kv_salt]
-        return extra
+        return _extra_args(self.text.replace(_TEMPLATE_NEEDLE, '"key":' + canonical_json(key), 1), self.first, kv_salt)
 
 
 def clamp_op(op_id: int, kind: str, site: int, e: dict) -> "ClampOp":

@@ -72,10 +72,6 @@ class _Policy:
     vecs: list[np.ndarray] | None = None
     _payloads: dict = field(default_factory=dict)
 
-    def payload(self, scale: float) -> tuple[np.ndarray, int]:
-        """(`vec * f32(scale)`, crc32 of its bytes), cached per scale."""
-        return self.parts(scale)[0][1:]
-
     def parts(self, scale: float) -> list[tuple[int, np.ndarray, int]]:
         """Per site: (site, `vector * f32(scale)`, crc32 of its bytes), cached per scale."""
         got = self._payloads.get(scale)
@@ -442,14 +438,13 @@ class DynamicWorker:
         dr.last_scored = max(dr.last_scored, pos)
         applied = dr.decided.get(pos)
         nxt = []
-        for k, (pol, state, pick) in enumerate(zip(dr.policies, dr.states, scores)):
-            if pick is None:
+        for k, (pol, state, score) in enumerate(zip(dr.policies, dr.states, scores)):
+            if score is None:
                 msg = f"dynamic policy {k}: probe {pol.spec.probe!r} was deleted while the request ran"
                 if msg not in dr.errors:
                     dr.errors.append(msg)
                 nxt.append(state.current_scale())
                 continue
-            score = pick
             threshold = state.threshold()
             scale_here = applied[k] if applied is not None else 0.0
             new = state.decide(score)

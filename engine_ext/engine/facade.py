@@ -21,6 +21,7 @@ import os
 import platform
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -540,9 +541,7 @@ class Engine(DynamicControl):
             raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
         loop = self._require_loop()
         # a spec given for several prompts is compiled once per prompt length (for this call only)
-        seen: dict[int, int] = {}
-        for s in specs:
-            seen[id(s)] = seen.get(id(s), 0) + 1
+        seen = Counter(map(id, specs))
         templates: dict = {}
         prepared = [self._prepare(p, params, s, dynamic=dynamic, templates=templates if seen[id(s)] > 1 else None)
                     for p, s in zip(batch, specs)]  # validate all before submitting any

@@ -74,13 +74,11 @@ class CapturedBlock:
     sites: np.ndarray
     xs: torch.Tensor
     rs: torch.Tensor
-    step: StepCaptures | None = None
-    base: int = 0
+    step: StepCaptures
+    base: int
 
     def values(self) -> torch.Tensor:
         """fp32 `x + r`, [positions, sites, hidden]."""
-        if self.step is None:
-            return self.xs.float() + self.rs.float()
         return self.step.values(self.base, self.xs.shape[0] * self.xs.shape[1]).view(self.xs.shape)
 
 
@@ -311,7 +309,7 @@ class WorkerState:
         self.planner.after_forward()
 
     def _file_capture(self, req_id: str, positions: np.ndarray, sites: np.ndarray, xs: torch.Tensor, rs: torch.Tensor,
-                      step: StepCaptures | None = None, base: int = 0) -> None:
+                      step: StepCaptures, base: int) -> None:
         st = self.requests.get(req_id)
         if st is not None and not st.collected:
             st.captures.append(CapturedBlock(positions, sites, xs, rs, step, base))
