@@ -26,7 +26,6 @@ strengths, vectors of the wrong width or at layers the model lacks, the `post_ml
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +36,7 @@ from engine_ext.dynamic.specs import Probe
 from engine_ext.errors import SpecError
 from engine_ext.sites import Site
 
-from app.fork.vectors import is_packed, parse_vector_spec
+from app.fork.vectors import finite_number, is_packed, parse_vector_spec
 
 Rows = dict[tuple[str, int], np.ndarray]
 #: (name, kind) -> (rows, content digest) | None: the fork registry's lookup
@@ -77,14 +76,6 @@ def packed_rows(packed: Any, field: str, kind: str, *, num_layers: int, hidden: 
         raise SpecError(field, f"probe vector source must name exactly one (hook, layer); got "
                                f"{sorted((layer, hook) for hook, layer in rows)}")
     return rows
-
-
-def _number(value: Any, field: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise SpecError(field, f"must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise SpecError(field, f"must be finite, got {value!r}")
-    return float(value)
 
 
 def _keys(obj: dict, allowed: set[str], field: str) -> None:
@@ -180,8 +171,8 @@ def _gate(g: dict, f: str, resolve: Resolver, num_layers: int, hidden: int) -> G
         probe = _probe(rows, dig)
         if "threshold" not in when:
             raise SpecError(f"{f}.when.threshold", "required field is missing")
-        threshold = _number(when["threshold"], f"{f}.when.threshold")
-        sharpness = _number(when.get("sharpness", 1.0), f"{f}.when.sharpness")
+        threshold = finite_number(when["threshold"], f"{f}.when.threshold")
+        sharpness = finite_number(when.get("sharpness", 1.0), f"{f}.when.sharpness")
         if sharpness < 0:
             raise SpecError(f"{f}.when.sharpness", f"probe sharpness must be non-negative, got {sharpness!r}")
     else:
@@ -199,12 +190,12 @@ def _gate(g: dict, f: str, resolve: Resolver, num_layers: int, hidden: int) -> G
         rows, dig, name = _source(apply["steer"], f"{f}.apply.steer", "steer", resolve, num_layers, hidden)
         steer = site_vectors(rows)
         ref = (name, dig) if name is not None else None
-        strength = _number(apply.get("strength", 1.0), f"{f}.apply.strength")
+        strength = finite_number(apply.get("strength", 1.0), f"{f}.apply.strength")
     elif kind == "attenuate":
         _keys(apply, {"kind", "strength"}, f"{f}.apply")
         if "strength" not in apply:
             raise SpecError(f"{f}.apply.strength", "required field is missing")
-        strength = _number(apply["strength"], f"{f}.apply.strength")
+        strength = finite_number(apply["strength"], f"{f}.apply.strength")
         if probe is not None and scope == "this_token":
             raise SpecError(f"{f}.scope", ATTENUATE_MESSAGE)
     else:

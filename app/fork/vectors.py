@@ -88,7 +88,8 @@ def check_vector(value: Any, field: str, hidden: int) -> np.ndarray:
     return vec
 
 
-def _finite_scale(value: Any, field: str) -> float:
+def finite_number(value: Any, field: str) -> float:
+    """`value` as a float, or a SpecError naming `field` (not a number, a bool, NaN or inf)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise SpecError(field, f"must be a finite number, got {value!r}")
     return float(value)
@@ -148,7 +149,7 @@ def decode_packed(blob: Any, field: str, *, hidden: int, with_layers: bool) -> t
             sc = blob["scales"]
             if not isinstance(sc, list) or len(sc) != n:
                 raise SpecError(f"{field}.scales", f"must be a list of {n} numbers (one per row)")
-            scales = [_finite_scale(s, f"{field}.scales[{k}]") for k, s in enumerate(sc)]
+            scales = [finite_number(s, f"{field}.scales[{k}]") for k, s in enumerate(sc)]
     return rows, layers, scales
 
 
@@ -186,7 +187,7 @@ def parse_vector_spec(spec: Any, field: str, *, phase: str, num_layers: int, hid
                     raise SpecError(f"{lf}.{extra[0]}", "unknown field (a layer entry is {'vector': [...], 'scale': s})")
                 if "vector" not in entry:
                     raise SpecError(f"{lf}.vector", "required field is missing")
-                scale = _finite_scale(entry.get("scale", 1.0), f"{lf}.scale")
+                scale = finite_number(entry.get("scale", 1.0), f"{lf}.scale")
                 vec = check_vector(entry["vector"], f"{lf}.vector", hidden)
             else:
                 vec = check_vector(entry, lf, hidden)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,7 +112,8 @@ def write(gen: Generation, request_id: str, log: CaptureLog, added: bool, num_la
     if iv is None or iv.voided:
         LOGGER.log(log.level, "capture request=%s failed: %s", request_id, "; ".join(iv.errors if iv else ["no result"]))
         return
+    rows = Counter((k[0], k[1]) for k in iv.captures)  # (layer, hook) -> captured positions
+    dtype = str(next(iter(iv.captures.values())).dtype) if iv.captures else "float32"
     for site in log.sites(num_layers):
-        rows = [v for k, v in iv.captures.items() if (k[0], k[1]) == (site.layer, site.hook)]
-        dtype = str(rows[0].dtype) if rows else "float32"
-        LOGGER.log(log.level, "capture key=%s rows=%d dtype=%s", (request_id, site.layer, site.hook), len(rows), dtype)
+        LOGGER.log(log.level, "capture key=%s rows=%d dtype=%s", (request_id, site.layer, site.hook),
+                   rows[(site.layer, site.hook)], dtype)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from types import SimpleNamespace
 from collections.abc import AsyncIterator
 
 import anyio
@@ -100,7 +99,7 @@ async def completions(req: CompletionRequest, request: Request, engine: Engine =
     declarative `steering` gates) and the native `interventions`. `prompt` may be text, token ids, or a list of either (one choice
     per prompt). With interventions the body of a single-prompt request also carries
     `intervention`; with scored ids each choice carries `scores`. Fork fields causalboard cannot honour are refused (400)."""
-    return await run_completion(req, engine, guard, CompletionShape(), settings.capture_dir, request)
+    return await run_completion(req, engine, guard, CompletionShape(), settings, request)
 
 
 class CompletionShape:
@@ -122,10 +121,10 @@ class CompletionShape:
 
 
 async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGuard, shape: CompletionShape,
-                         capture_dir: str | None = None, request: Request | None = None):
-    """One completion request (any number of prompts) in `shape`'s wire form (`capture_dir`: the
-    fork's filesystem capture consumer writes there; `request`: the HTTP request, whose app holds
-    the fork's vector registry and the gates' conversation latches)."""
+                         settings: ApiSettings, request: Request):
+    """One completion request (any number of prompts) in `shape`'s wire form (`settings`: the
+    fork's filesystem capture directory and server-wide logging consumer; `request`: the HTTP
+    request, whose app holds the fork's vector registry and the gates' conversation latches)."""
     info = engine.info
     if req.model is not None and req.model not in (info.model, info.model_path):
         return error_response(404, f"model: '{req.model}' is not served here (serving '{info.model}')", "model")
@@ -135,10 +134,9 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
     created = int(time.time())
     cid = f"{shape.id_prefix}-{time.time_ns():x}"
     params = req.params()
-    state = request.app.state if request is not None else SimpleNamespace()
-    log = getattr(getattr(state, "settings", None), "capture_log", None)
-    registry = registry_of_state(state)
-    latches = gate_compat.latches_of(state)
+    capture_dir, log = settings.capture_dir, settings.capture_log
+    registry = registry_of_state(request.app.state)
+    latches = gate_compat.latches_of(request.app.state)
     extras = completion_extras.build(req, engine, default_run=cid, capture_dir=capture_dir, resolve=registry.resolve)
     if extras.keeps_source() or extras.file_capture is not None:
         guard.check()  # a stored run, or files on the server
@@ -217,6 +215,12 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
         except OSError as exc:
             file_results[id(gen)] = {"status": "error", "error": f"writing the capture failed: {exc}", "payload": {}}
 
+    def finished(gen: Generation, k: int) -> None:
+        """A finished prompt: the conversation's gate latch, the logging consumer's lines."""
+        gate_compat.record(gen, req.conversation_id, latches)
+        if log is not None:
+            capture_log.write(gen, cid if single else f"{cid}-{k}", log, log_added, info.num_layers)
+
     def common() -> dict:
         out = {"id": cid, "object": shape.object, "created": created, "model": info.model}
         if req.conversation_id is not None:
@@ -226,9 +230,7 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
     if not req.stream:
         gens = await asyncio.gather(*(engine.agenerate(p, params, spec, dynamic=dynamic) for p in prompts))
         for k, g in enumerate(gens):
-            gate_compat.record(g, req.conversation_id, latches)
-            if log is not None:
-                capture_log.write(g, cid if single else f"{cid}-{k}", log, log_added, info.num_layers)
+            finished(g, k)
         if extras.file_capture is not None:
             await write_files(gens[0])
         n_prompt = sum(len(g.prompt_token_ids) for g in gens)
@@ -251,9 +253,7 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
                     first = False
                     chunk = {**common(), "object": shape.chunk_object, "choices": [with_scores(choice, d)]}
                     if d.finished:
-                        gate_compat.record(gen, req.conversation_id, latches)
-                        if log is not None:
-                            capture_log.write(gen, cid if single else f"{cid}-{k}", log, log_added, info.num_layers)
+                        finished(gen, k)
                     if d.finished and single:
                         if extras.file_capture is not None:
                             await write_files(gen)

@@ -213,4 +213,4 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, engine:
     text = render_chat(engine, req.messages, chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
                        continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
     ids = engine.tokenize(text, add_special_tokens=False)  # the template writes its special tokens (as vLLM)
-    return await run_completion(req.as_completion(ids), engine, guard, ChatShape(), settings.capture_dir, request)
+    return await run_completion(req.as_completion(ids), engine, guard, ChatShape(), settings, request)
