@@ -88,7 +88,10 @@ def _bodies(model: str, eng) -> dict:
     return {"pair": mk(corrupt, base), "pair2": mk(corrupt2, base2), "big": mk(big_c, big), "facts": None, "noise_span": "t9001 t9002 t9003"}
 
 
-def run(args) -> dict:
+def run(args, eng=None, *, checks: bool = True, throughput: bool = True) -> dict:
+    """The sweep checks and/or throughput through the HTTP API on `eng` (started here from `args`
+    when None, and closed at the end). The recovered and logprob grids are kept under `values`
+    for comparing configurations (benchmarks/gpu_multirank.py)."""
     import httpx
     import numpy as np
 
@@ -97,11 +100,15 @@ def run(args) -> dict:
     from training.trace_structure import has_model_card_structure, mean_by_category, sweep_trace_facts
 
     res: dict = {"model": args.model, "mode": args.mode, "runner": args.runner, "batch_invariant": args.batch_invariant,
-                 "checks": {}, "throughput": {}}
+                 "checks": {}, "throughput": {}, "values": {}}
     t0 = time.perf_counter()
-    eng = Engine(model=_model_path(args.model, args.scratch), device=args.device, enforce_eager=args.mode == "eager" or args.device == "cpu",
-                 max_model_len=None if args.model == "bundled" else 512, gpu_memory_utilization=0.45,
-                 source_store_bytes=512 * 1024 * 1024, batch_invariant=args.batch_invariant if args.device == "cuda" else None).start()
+    own = eng is None
+    if own:
+        eng = Engine(model=_model_path(args.model, args.scratch), device=args.device,
+                     enforce_eager=args.mode == "eager" or args.device == "cpu",
+                     max_model_len=None if args.model == "bundled" else 512, gpu_memory_utilization=0.45,
+                     source_store_bytes=512 * 1024 * 1024,
+                     batch_invariant=args.batch_invariant if args.device == "cuda" else None).start()
     res["startup_s"] = round(time.perf_counter() - t0, 1)
     res["runner_class"] = eng.info.runner
     url, server = _serve(eng)
@@ -131,12 +138,16 @@ def run(args) -> dict:
     def recovered():
         r = sweep(**B["pair"], metric="recovered")
         g = grid(r)
+        res["values"]["recovered"] = {"grid": g.tolist(), "noise_floor": r["noise_floor"], "clean": r["clean"],
+                                      "corrupt": r["corrupt"]}
         return {"ok": g[-1, -1] == 1.0, "last_layer_last_pos": g[-1, -1], "noise_floor": r["noise_floor"],
                 "cells": r["cells_done"], "elapsed_s": r["elapsed_s"], "clean": r["clean"], "corrupt": r["corrupt"],
                 "checksum": r["checksum"]["consistent"], "within_noise": len(r["within_noise"])}
 
     def same_stream():
         r = sweep(**B["pair"], metric="logprob", hooks=["pre_attn", "post_block"])
+        res["values"]["logprob_2_hooks"] = {"grids": {h: grid(r, h).tolist() for h in r["hooks"]},
+                                            "noise_floor": r["noise_floor"]}
         d = float(np.nanmax(np.abs(grid(r, "pre_attn")[1:] - grid(r, "post_block")[:-1])))
         return {"ok": d <= 2 * r["noise_floor"] + 1e-6, "max_abs_diff_logprob": d, "noise_floor": r["noise_floor"]}
 
@@ -198,15 +209,16 @@ def run(args) -> dict:
         return {"ok": has_model_card_structure(mean),
                 "mean_recovered_by_layer": {k: v.round(3).tolist() for k, v in mean.items()}, "prompts": len(facts)}
 
-    check("recovered_exact_restore", recovered)
-    check("pre_attn_equals_previous_post_block", same_stream)
-    check("concurrent_equals_solo", concurrent)
-    check("zoom_reuses_source", zoom)
-    check("disconnect_cancels", disconnect)
-    if args.model == "bundled":
-        check("trace_structure", trace_structure)
+    if checks:
+        check("recovered_exact_restore", recovered)
+        check("pre_attn_equals_previous_post_block", same_stream)
+        check("concurrent_equals_solo", concurrent)
+        check("zoom_reuses_source", zoom)
+        check("disconnect_cancels", disconnect)
+        if args.model == "bundled":
+            check("trace_structure", trace_structure)
 
-    for label, body in (("big_post_block", dict(B["big"], metric="logprob")),
+    for label, body in () if not throughput else (("big_post_block", dict(B["big"], metric="logprob")),
                         ("big_3_hooks", dict(B["big"], metric="logprob", hooks=["pre_attn", "post_attn", "post_block"])),
                         ("noise_4_samples", dict(B["big"], clean_prompt=None, metric="logprob",
                                                  noise={"positions": [10, 11, 12, 13], "samples": 4}))):
@@ -223,7 +235,8 @@ def run(args) -> dict:
     res["all_ok"] = all(c.get("ok") for c in res["checks"].values())
     http.close()
     server.should_exit = True
-    eng.close()
+    if own:
+        eng.close()
     return res
 
 

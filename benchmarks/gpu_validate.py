@@ -69,7 +69,8 @@ def _prompts(model: str) -> dict:
             "ans": 11, "foil": 12}
 
 
-def run_checks(args) -> dict:
+def run_checks(args, eng=None) -> dict:
+    """The checks on `eng` (started here from `args` when None, and closed at the end)."""
     import numpy as np
     import torch
 
@@ -80,10 +81,13 @@ def run_checks(args) -> dict:
 
     res: dict = {"model": args.model, "mode": args.mode, "runner": args.runner, "checks": {}}
     t0 = time.perf_counter()
-    eng = Engine(model=_model_path(args.model, args.scratch), device=args.device, enforce_eager=args.mode == "eager",
-                 max_model_len=None if args.model == "bundled" else 512, gpu_memory_utilization=0.45).start()
+    own = eng is None
+    if own:
+        eng = Engine(model=_model_path(args.model, args.scratch), device=args.device, enforce_eager=args.mode == "eager",
+                     max_model_len=None if args.model == "bundled" else 512, gpu_memory_utilization=0.45).start()
     res["startup_s"] = round(time.perf_counter() - t0, 1)
     res["runner_class"] = eng.info.runner
+    values = res["values"] = {}  # raw outputs, for comparing configurations (benchmarks/gpu_multirank.py)
     P = _prompts(args.model)
     ids = P["prompt"] if isinstance(P["prompt"], list) else eng.tokenize(P["prompt"])
     L = eng.info.num_layers
@@ -131,6 +135,7 @@ def run_checks(args) -> dict:
         base = eng.generate(ids, GenerationParams(max_tokens=1, logprobs=0))
         r = ref.generate(ids, 1, edits=[RefEdit.steer((L // 2, "post_block"), v, scale=0.25, positions=range(len(ids)), gen=True)])
         diff = abs(g.logprobs[0] - float(r.step_logprobs[0][g.token_ids[0]]))
+        values["steered"] = {"token_ids": g.token_ids, "logprobs": g.logprobs}
         return {"ok": diff <= LOGPROB_TOL_BF16 and g.logprobs != base.logprobs, "same_token_as_oracle": g.token_ids == r.token_ids,
                 "logprob_diff": diff, "tolerance": LOGPROB_TOL_BF16, "changed_output": g.logprobs != base.logprobs}
 
@@ -141,6 +146,7 @@ def run_checks(args) -> dict:
         eng.capture(clean, [f"L{l}.pre_attn"], "all_prompt", keep_as="cc", return_values=False)
         got = eng.score(corrupt, [P["ans"], P["foil"]], Interventions(patch=(Patch.make(f"L{l}.pre_attn", "all_prompt", {"run": "cc"}),)))
         want = eng.score(clean, [P["ans"], P["foil"]])
+        values["corrupt_to_clean"] = {"patched": got, "clean": want}
         eng.drop_source("cc")
         return {"ok": got == want, "patched": got, "clean": want}
 
@@ -162,6 +168,7 @@ def run_checks(args) -> dict:
         eng.reset_prefix_cache()
         b = eng.generate(prompts, params, [None] * 4)
         eng.drop_source("nb")
+        values["neighbours"] = [{"token_ids": g.token_ids, "logprobs": g.logprobs} for g in a]
         applied = a[1].logprobs != b[1].logprobs and all(not g.intervention.voided for g in a[1:]) and len(a[3].captures) > 0
         return {"ok": a[0].token_ids == b[0].token_ids and a[0].logprobs == b[0].logprobs and applied,
                 "neighbours_intervened": applied,
@@ -291,21 +298,26 @@ def run_checks(args) -> dict:
         check(name, fn)
     res["all_ok"] = all(c.get("ok") for c in checks.values())
     ref = None  # free the oracle's GPU memory (the checks above are done with it)
-    torch.cuda.empty_cache()
-    eng.close()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    if own:
+        eng.close()
     return res
 
 
-def run_throughput(args) -> dict:
+def run_throughput(args, eng=None) -> dict:
+    """Decode tokens/s on `eng` (started here from `args` when None, and closed at the end)."""
     import numpy as np
 
     from engine_ext import Engine, GenerationParams
     from engine_ext.specs import Interventions, Steer
 
-    bi = {"on": True, "off": False, "default": None}[args.batch_invariant]
-    eng = Engine(model=_model_path(args.model, args.scratch), device="cuda", enforce_eager=False,
-                 max_model_len=None if args.model == "bundled" else 1024, gpu_memory_utilization=0.6,
-                 batch_invariant=bi).start()
+    own = eng is None
+    if own:
+        bi = {"on": True, "off": False, "default": None}[args.batch_invariant]
+        eng = Engine(model=_model_path(args.model, args.scratch), device="cuda", enforce_eager=False,
+                     max_model_len=None if args.model == "bundled" else 1024, gpu_memory_utilization=0.6,
+                     batch_invariant=bi).start()
     L, H = eng.info.num_layers, eng.info.hidden_size
     v = (np.random.default_rng(0).standard_normal(H) * 0.01).astype(np.float32)
     steer = Interventions(steer=(Steer.make([f"L{L // 2}.post_block"], v),))
@@ -319,13 +331,18 @@ def run_throughput(args) -> dict:
         prompts = [[(t + i) % (eng.info.vocab_size - 3) + 3 for t in prompt] for i in range(batch)]
         for label, spec in (("vanilla", None), ("steered_1_site", steer), ("steered_all_layers", steer_all)):
             eng.generate(prompts, GenerationParams(max_tokens=4, ignore_eos=True), spec)  # warm
-            t = time.perf_counter()
-            gens = eng.generate(prompts, params, spec)
-            dt = time.perf_counter() - t
+            reps = []
+            for _ in range(max(1, getattr(args, "reps", 1))):
+                t = time.perf_counter()
+                gens = eng.generate(prompts, params, spec)
+                reps.append(time.perf_counter() - t)
+            dt = float(np.median(reps))
             n = sum(len(g.token_ids) for g in gens)
-            out[f"batch{batch}_{label}"] = {"tok_per_s": round(n / dt, 1), "seconds": round(dt, 3), "tokens": n}
+            out[f"batch{batch}_{label}"] = {"tok_per_s": round(n / dt, 1), "seconds": round(dt, 3), "tokens": n,
+                                            "reps_s": [round(x, 3) for x in reps]}
             print(json.dumps({f"batch{batch}_{label}": out[f"batch{batch}_{label}"]}), flush=True)
-    eng.close()
+    if own:
+        eng.close()
     return out
 
 
@@ -337,6 +354,7 @@ def main() -> int:
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=1, help="throughput: repetitions per figure (the median is reported)")
     ap.add_argument("--batch-invariant", choices=["on", "off", "default"], default="default")
     ap.add_argument("--scratch", default=os.environ.get("CB_SCRATCH", "/tmp"))
     ap.add_argument("--out", required=True)
