@@ -95,7 +95,7 @@ def run_checks(args) -> dict:
     eng = _engine(args, None)  # batch invariance: the engine's default (on for CUDA), as the TP=1 matrix
     res: dict = {"tp": args.tp, "pp": args.pp, "model": args.model, "mode": args.mode, "runner": args.runner,
                  "startup_s": round(time.perf_counter() - t0, 1), "topology": eng.info.topology,
-                 "batch_invariant": eng.info.batch_invariant}
+                 "batch_invariant": eng.info.batch_invariant, "kv_isolation": eng.info.kv_isolation}
     print(json.dumps({"started": res}), flush=True)
     try:
         res["validate"] = gpu_validate.run_checks(args, eng)
@@ -186,7 +186,7 @@ def main() -> int:
     ap.add_argument("--mode", choices=["eager", "graphs"], default="graphs")
     ap.add_argument("--runner", choices=["v1", "v2"], default="v2")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--kv-gib", type=float, default=6.0)
+    ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)

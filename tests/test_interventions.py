@@ -208,7 +208,9 @@ def test_unintervened_request_is_unaffected_by_its_batch_neighbours(engine, task
 
 
 def test_patched_request_never_leaks_into_the_prefix_cache(engine, tasks):
-    prompt = fact(tasks, 30)["prompt"]
+    # longer than one KV block (32 tokens on CPU), so that the prefix cache really holds blocks
+    prompt = " ".join(fact(tasks, i)["prompt"] for i in range(30, 40))
+    assert len(engine.tokenize(prompt)) >= 40
     params = GenerationParams(max_tokens=3, logprobs=0)
     engine.reset_prefix_cache()
     fresh = engine.generate(prompt, params)
@@ -218,6 +220,13 @@ def test_patched_request_never_leaks_into_the_prefix_cache(engine, tasks):
     assert steered.logprobs != fresh.logprobs
     rerun = engine.generate(prompt, params)
     assert rerun.token_ids == fresh.token_ids and rerun.logprobs == fresh.logprobs  # bit-exact
+    again = engine.generate(prompt, params)
+    assert again.num_cached_tokens >= 32, "the rerun did not reuse cached blocks: the test would prove nothing"
+    assert again.logprobs == fresh.logprobs
+    # a request patched from position p on shares the blocks before p with unintervened requests
+    late = Interventions(steer=(Steer.make(["L0.pre_attn"], _vec(engine, 5, 20.0), positions=[40]),))
+    shared = engine.generate(prompt, params, late)
+    assert shared.num_cached_tokens >= 32 and shared.logprobs != fresh.logprobs
 
 
 def test_concurrent_async_requests_keep_their_own_interventions(engine, tasks):

@@ -211,6 +211,42 @@ def test_patches_from_a_run_stored_across_stages_equal_one_rank(ranked, engine, 
     assert ranked.source_info("mr-clean") is None
 
 
+def test_a_run_captured_in_one_stages_layers_is_stored_and_patches(ranked, engine, tasks):
+    """A source run whose sites all lie in one pipeline stage (PP: the other stage stores an empty
+    share, charged as the whole run) is stored on every worker, patches like one rank's, and a
+    sweep over the first stage's layers only runs (its clean run is such a capture)."""
+    pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
+    params = GenerationParams(max_tokens=2, ignore_eos=True, logprobs=0)
+    last = len(engine.tokenize(pair["corrupt_prompt"])) - 1
+    n = ranked.info.num_layers
+    try:
+        for layer in (0, n - 1):  # in the first stage only, then in the last stage only
+            run = f"mr-one-stage-{layer}"
+            for eng in (ranked, engine):
+                g = eng.capture(pair["clean_prompt"], [f"L{layer}.post_attn"], "all_prompt", keep_as=run, return_values=False)
+                assert g.intervention.stored_as == run, g.intervention.errors
+            assert all(i is not None for i in ranked._rpc("cb_store", "info", run))
+            info = ranked.source_info(run)
+            assert info is not None and info["sites"] == engine.source_info(run)["sites"]
+            spec = Interventions(patch=(Patch.make(f"L{layer}.post_attn", [last], {"run": run}),))
+            got, want = ranked.generate(pair["corrupt_prompt"], params, spec), engine.generate(pair["corrupt_prompt"], params, spec)
+            assert got.intervention.status == "ok", got.intervention.errors
+            _assert_logprobs_close(got, want, f"{ranked.name} patched from a one-stage run at L{layer}")
+    finally:
+        for layer in (0, n - 1):
+            ranked.drop_source(f"mr-one-stage-{layer}")
+            engine.drop_source(f"mr-one-stage-{layer}")
+
+
+def test_a_sweep_over_one_stages_layers(ranked_http, ranked, tasks):
+    pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
+    body = {"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"], "answer_token_id": pair["answer_id"],
+            "foil_token_id": pair["foil_id"], "layers": [0], "positions": [1], "metric": "logprob"}
+    r = ranked_http.post("/v1/patch_sweep", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["cells_done"] == 1 and ranked.in_flight == 0
+
+
 def test_an_evicted_source_voids_the_patch_on_every_stage(ranked, tasks):
     prompt = tasks["facts"][32]["prompt"]
     n = ranked.info.num_layers
@@ -356,3 +392,36 @@ def test_checksum_is_consistent_then_detects_a_fault_on_one_rank(ranked, ranked_
     assert ranked_http.get("/v1/status").json()["checksum"]["consistent"] is False
     # the mismatch never fails a request
     assert ranked.generate(prompt, GenerationParams(max_tokens=2, logprobs=0)).token_ids
+
+
+def test_without_the_plugin_entry_point_whole_requests_are_salted(monkeypatch, tasks):
+    """Several ranks, and vLLM told not to load causalboard's plugin (as when the source tree is
+    on PYTHONPATH without `pip install -e .`): the engine core hosts no worker, so the scheduler
+    cannot salt single KV blocks. The engine says so (`kv_isolation: requests`) and salts whole
+    intervened requests: an unintervened rerun after a steered run equals a fresh run. Control:
+    with per-block salting forced on, the steered run's KV leaks into the rerun (what a two-GPU
+    run from a source tree showed before this fallback existed: docs/distributed.md)."""
+    from engine_ext import Engine
+
+    monkeypatch.setenv("VLLM_PLUGINS", "")
+    # spawned, the engine core does not inherit this process's patched vLLM modules (a forked one
+    # does, which would hide the control below; GPU hosts spawn once CUDA is initialised)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    prompt = " ".join(tasks["facts"][i]["prompt"] for i in range(44, 54))  # more than one 32-token KV block
+    params = GenerationParams(max_tokens=3, ignore_eos=True, logprobs=0)
+    with Engine(model=str(model_path()), device="cpu", tensor_parallel_size=2) as eng:
+        assert eng.info.kv_isolation == "requests"
+        steer = Interventions(steer=(Steer.make(["L0.pre_attn"], _vec(eng, 11, 8.0), positions="all_prompt"),))
+        eng.reset_prefix_cache()
+        fresh = eng.generate(prompt, params)
+        eng.reset_prefix_cache()
+        steered = eng.generate(prompt, params, steer)
+        rerun = eng.generate(prompt, params)
+        assert steered.logprobs != fresh.logprobs
+        assert rerun.token_ids == fresh.token_ids and rerun.logprobs == fresh.logprobs
+        assert eng.generate(prompt, params).num_cached_tokens >= 32  # the cache is in play
+        eng._block_salting = True  # the control: what the scheduler does with no salt of ours
+        eng.reset_prefix_cache()
+        eng.generate(prompt, params, steer)
+        leaked = eng.generate(prompt, params)
+        assert leaked.logprobs != fresh.logprobs, "the control did not reuse the steered run's KV blocks"

@@ -74,6 +74,10 @@ class EngineInfo:
     max_num_seqs: int = 0
     #: TP x PP and the decoder layers each pipeline stage computes (`topology.Topology.to_json`)
     topology: dict = field(default_factory=lambda: {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "stages": []})
+    #: how KV blocks computed under an intervention are kept from other requests: "blocks" (the
+    #: blocks from the first modified position on get a salt; those before stay shared) or
+    #: "requests" (the whole request is salted: several ranks without the plugin entry point)
+    kv_isolation: str = "blocks"
 
     def to_dict(self) -> dict:
         return asdict(self)

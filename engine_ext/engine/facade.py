@@ -90,6 +90,7 @@ class Engine(DynamicControl):
         self.dtype = config.dtype or defaults.dtype
         self.enforce_eager = defaults.enforce_eager if config.enforce_eager is None else config.enforce_eager
         self.attention_backend = config.attention_backend or defaults.attention_backend
+        self.block_size = defaults.block_size
         self.batch_invariant = (self.device == "cuda") if config.batch_invariant is None else bool(config.batch_invariant)
         self.model_path = Path(config.model).expanduser().resolve() if config.model else bundled_model_path()
         if not (self.model_path / "config.json").is_file():
@@ -103,6 +104,8 @@ class Engine(DynamicControl):
         self._global: list[Steer] = []
         self._global_clamps: list[Clamp] = []
         self._topology = Topology()
+        #: the scheduler salts single KV blocks (else whole requests: see `start`)
+        self._block_salting = True
         self._mismatch_logged = float("-inf")
         self._failure: BaseException | None = None
         self.tokenizer: Any = None
@@ -159,6 +162,15 @@ class Engine(DynamicControl):
                 self._loop.shutdown()
             self._loop = None
             raise
+        # KV isolation: the scheduler salts the blocks an intervention changes (seam's KV_SALT_PATCHES,
+        # installed with the worker extension in the engine core's process at one rank, by the
+        # plugin entry point otherwise); where the plugin cannot load there, whole requests are
+        # salted through vLLM's own `cache_salt` (never shared; no reuse below a patch position)
+        self._block_salting = self.world_size == 1 or seam.plugin_discoverable()
+        if not self._block_salting:
+            logger.warning("causalboard's vLLM plugin entry point is not installed (run `pip install -e .` / `make setup`): "
+                           "with %d ranks the scheduler cannot salt single KV blocks, so every intervened request is "
+                           "salted whole (correct, without prefix reuse below its first modified position)", self.world_size)
         self._loop.merge_results = functools.partial(merge_results, topology=self._topology)
         worker = merge_model_info(infos, self._topology)
         startup = time.perf_counter() - t0
@@ -243,6 +255,8 @@ class Engine(DynamicControl):
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         if self.attention_backend:
             kwargs["attention_config"] = {"backend": self.attention_backend}
+        if self.block_size and not getattr(self, "is_hybrid", False):  # hybrids: vLLM aligns it to the state size
+            kwargs["block_size"] = self.block_size
         if self.batch_invariant:
             if self.device != "cuda":
                 raise SpecError("batch_invariant", "vLLM's batch-invariant kernels exist only on CUDA GPUs")
@@ -350,6 +364,7 @@ class Engine(DynamicControl):
             embedding_std=float(worker["embedding_std"] if worker.get("embedding_std") is not None else 1.0),
             batch_invariant=self.batch_invariant,
             topology=self._topology.to_json(),
+            kv_isolation="blocks" if self._block_salting else "requests",
         )
 
     @property
@@ -484,6 +499,9 @@ class Engine(DynamicControl):
                 extra_args[DYNAMIC_ARGS_KEY] = canonical_json(dyn_wire)
             if spec.capture is not None and program["capture"]["pos"][:-1]:
                 skip_cache_read = True  # cached prompt positions would not be recomputed/captured
+            if not self._block_salting and KV_SALT_KEY in extra_args:
+                salt = extra_args[KV_SALT_KEY][1]
+                prep.cache_salt = salt if prep.cache_salt is None else f"{prep.cache_salt}|{salt}"
         if fresh:  # never reuse cached blocks (a user's cache_salt included)
             prep.cache_salt = f"cb-fresh-{self._new_id()}"
         prep.sampling = SamplingParams(

@@ -98,6 +98,7 @@ import hashlib
 import importlib
 import inspect
 import logging
+import os
 import textwrap
 from importlib import metadata
 from collections.abc import Callable
@@ -174,6 +175,25 @@ def register_plugin() -> None:
     for patch in KV_SALT_PATCHES:
         _apply(patch)
     logger.debug("causalboard plugin loaded (vLLM %s)", version)
+
+
+PLUGIN_ENTRY_POINT = "engine_ext.worker.seam:register_plugin"
+
+
+def plugin_discoverable() -> bool:
+    """Whether vLLM's `load_general_plugins` loads `register_plugin` in a process started with this
+    environment: the package's `vllm.general_plugins` entry point is installed (`pip install -e .`,
+    as `make setup` does; a source tree on PYTHONPATH has none) and `VLLM_PLUGINS`, when set, names
+    it. Without it, an engine core process that hosts no worker (several ranks) hashes KV blocks
+    without causalboard's salt, so the facade salts whole requests instead (`Engine.start`)."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.value == PLUGIN_ENTRY_POINT]
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None:
+        names = {n.strip() for n in allowed.split(",")}
+        found = [ep for ep in found if ep.name in names]
+    return bool(found)
 
 
 # ---- custom ops -------------------------------------------------------------------------------

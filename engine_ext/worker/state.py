@@ -319,18 +319,19 @@ class WorkerState:
         prog = st.program
         out: dict[str, Any] = {"key": prog.key, "status": "voided" if prog.voided else "ok",
                                "errors": list(prog.errors), "n_prompt": prog.n_prompt}
-        if prog.capture_sites and not prog.voided and (prog.keep_as or prog.return_captures):
-            if prog.keep_as:
-                pairs = st.capture_pairs()
-                try:
-                    charge = prog.capture_values * self._value_bytes if prog.capture_values else None
-                    evicted = self.store.put(prog.keep_as, pairs, charge=charge)
-                    out["stored_as"] = prog.keep_as
-                    out["evicted"] = evicted
-                except SourceStoreFull as exc:
-                    out["store_error"] = str(exc)
-            if prog.return_captures:
-                out["captures"] = st.capture_values()
+        if prog.keep_as and not prog.voided:
+            # every pipeline stage stores its share, an empty one when the capture has no site in
+            # its layers, charged as the whole run: a run is stored (and evicted) on every stage or none
+            pairs = st.capture_pairs()
+            try:
+                charge = prog.capture_values * self._value_bytes if prog.capture_values else None
+                evicted = self.store.put(prog.keep_as, pairs, charge=charge)
+                out["stored_as"] = prog.keep_as
+                out["evicted"] = evicted
+            except SourceStoreFull as exc:
+                out["store_error"] = str(exc)
+        if prog.capture_sites and not prog.voided and prog.return_captures:
+            out["captures"] = st.capture_values()
         dyn = self.dynamic.result(st.req_id)
         if dyn is not None:
             out["dynamic"] = dyn
