@@ -48,3 +48,5 @@ if [ "$WHAT" != checks ]; then
     CB_RUN_TIMEOUT=${CB_TPUT_TIMEOUT:-200} mr "mr-$name-tput" "$@" --throughput --kv-gib 20
   done
 fi
+# the device returns a limited number of files: everything in one archive too
+tar -czf "$OUT/mr-results.tgz" -C "$OUT" $(cd "$OUT" && ls mr-*.json mr-*.log 2>/dev/null) 2>/dev/null || true
