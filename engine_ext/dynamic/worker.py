@@ -10,13 +10,20 @@ Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
   identity is the crc32 of the request key, the sites and the exact fp32 bytes of every payload.
   An action that cannot be applied (no slot left) is rejected: not applied, not folded, and the
   request is voided with the reason.
+* **row gates** — a request with a `this_token` probe gate (the fork's per-row monitor,
+  `GateSet.row_gate`) gets, at every position its gate components apply, a slot at the probe's
+  site carrying a gate row (probe, threshold, sharpness, and the request's row term there,
+  `GateSet.row_term`): the op scales that term by the same position's `g`, computed from the
+  row's pre-edit value. The gate row's content (not the device-computed `g`) is folded into the
+  action's crc, so ranks agree bit for bit. The op writes `(score, g)` to `gate_out[row]`; the
+  window's last position's pair is read back with the scores (below) and reported in the trace.
 * **monitors** — the window's last position, if it is the last prompt position or a generated one
   and was never scored, gets a capture row at each of its probes' sites (the capture path the op
   already has: graph-safe, no eager forcing).
 
 After the forward (`after_forward`): the monitored rows are read from the capture buffer on the
 device, each probe's `W @ s + b` is computed there, and only those score floats are copied to the
-host (one non-blocking copy per step). At the start of the next step's planning
+host (one non-blocking copy per step, the row gates' `(score, g)` included). At the start of the next step's planning
 (`decide_pending`, which waits for that copy) the policies decide (`policy.PolicyState.decide`)
 and the scales for position `p + 1` are recorded in `decided`: that step applies them, exactly. Positions
 recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
