@@ -83,7 +83,7 @@ class SiteBuffers:
 
     def __init__(self, num_sites: int, max_rows: int, max_slots: int, max_capture_rows: int,
                  hidden: int, device: torch.device, dtype: torch.dtype, max_dim_rows: int = 256,
-                 max_clamp_rows: int = 256, max_clamp_dirs: int = 4, max_gate_rows: int = 64):
+                 max_clamp_rows: int = 256, max_clamp_dirs: int = 4, max_gate_rows: int = 256):
         self.num_sites, self.max_rows, self.max_slots = num_sites, max_rows, max_slots
         self.max_capture_rows, self.hidden, self.device, self.dtype = max_capture_rows, hidden, device, dtype
         self.row_slot = torch.full((max_rows, num_sites), -1, dtype=torch.int32, device=device)
