@@ -23,8 +23,8 @@ Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
 
 After the forward (`after_forward`): the monitored rows are read from the capture buffer on the
 device, each probe's `W @ s + b` is computed there, and only those score floats are copied to the
-host (one non-blocking copy per step, the row gates' `(score, g)` included). At the start of the next step's planning
-(`decide_pending`, which waits for that copy) the policies decide (`policy.PolicyState.decide`)
+host (one non-blocking copy per step, the row gates' `(score, g)` included). At the start of
+the next step's planning (`decide_pending`, which waits for that copy) the policies decide (`policy.PolicyState.decide`)
 and the scales for position `p + 1` are recorded in `decided`: that step applies them, exactly. Positions
 recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
 
@@ -427,7 +427,8 @@ class DynamicWorker:
         monitors, self._monitors = self._monitors, []
         gated, self._gated = self._gated, []
         b = self.st.buffers
-        vals = _rows(b.cap_x, [m[3] for m in monitors]).float() + _rows(b.cap_r, [m[3] for m in monitors]).float()  # [m, H]
+        vals = (_rows(b.cap_x, [m[3] for m in monitors]).float() + _rows(b.cap_r, [m[3] for m in monitors]).float()
+                if monitors else None)  # [m, H]
         # one score block per (monitor row, probe); probes grouped so each is one matmul
         wanted: dict[str, list[int]] = {}
         row_of: dict[tuple[int, int], int] = {}  # (id(request), site) -> row in vals
