@@ -12,8 +12,15 @@ generated token; the request must be 'ok'; the applied-action count must equal t
 positions; the checksums must be consistent. Also runs the same batch twice and requires
 identical traces (the decisions do not depend on timing). Then the reference fork's declarative
 gates (a host-probe `rest_of_request` gate and a soft `this_token` gate): replaying `GateState`
-over each trace's scores gives its scales exactly, and two runs are identical. Prints one JSON line
-per check and exits 1 on a failure.
+over each trace's scores gives its scales exactly, and two runs are identical. The `this_token`
+gate is the op's row gate (on CUDA: the Triton kernel): at every position it acts, the reported
+`g` must be `sigmoid(sharpness * (score - threshold))` of the reported in-graph score, and that
+score must be the *pre-edit* value's projection, recomputed on the host from a capture of the
+probe's site (post-edit value `v`, gated term `t`: `s = v - g * t`); the same check against the
+post-edit value must fail (the term has a large component along the probe), so the check tells
+the two apart. Prints one JSON line per check and exits 1 on a failure.
+
+    PYTHONPATH=. python3 benchmarks/dynamic_gpu_check.py --device cpu --tokens 12   # the script on CPU
 """
 import argparse
 import json
@@ -90,15 +97,21 @@ def main():
     # the reference fork's declarative gates (issue 16): a host-probe gate (rest_of_request) and a
     # soft this_token gate on one batch; replaying GateState over each trace's scores must give the
     # trace's scales exactly, and the same batch run twice must give identical traces
-    from engine_ext.dynamic.gates import Gate, GateSet, GateState, SiteVectors
+    from engine_ext.dynamic.gates import Gate, GateSet, GateState, SiteVectors, gate_value
+    from engine_ext.specs import Capture, Interventions
     # a gate's probe as the completions route builds it (app/fork/gates.py: a direction, content-named)
-    gprobe = Probe("~gpu-gate-probe", Site(L // 2, "post_block"), "direction",
-                   (d / np.linalg.norm(d)).astype(np.float32)[None, :], np.zeros(1, np.float32))
+    du = (d / np.linalg.norm(d)).astype(np.float32)
+    gsite = Site(L // 2, "post_block")
+    gprobe = Probe("~gpu-gate-probe", gsite, "direction", du[None, :], np.zeros(1, np.float32))
     steer = SiteVectors((Site.parse(f"L{max(L // 2 - 1, 0)}.post_attn"),), (v * (spread / np.linalg.norm(v)),))
-    gs = GateSet((Gate("rest_of_request", "probe", gprobe, threshold=on, sharpness=1.0, steer=steer),
-                  Gate("this_token", "probe", gprobe, threshold=on, sharpness=4.0 / spread, steer=steer, strength=0.5)))
-    gate_runs = [eng.generate(prompts, params, dynamic=DynamicRequest(gates=gs)) for _ in range(2)]
-    armed = 0
+    # the soft gate's vector also at the probe's site (where the row gate scales it), along the probe
+    at_probe = (spread * (du + v / np.linalg.norm(v))).astype(np.float32)
+    soft_steer = SiteVectors(steer.sites + (gsite,), steer.vectors + (at_probe,))
+    soft_gate = Gate("this_token", "probe", gprobe, threshold=on, sharpness=4.0 / spread, steer=soft_steer, strength=0.5)
+    gs = GateSet((Gate("rest_of_request", "probe", gprobe, threshold=on, sharpness=1.0, steer=steer), soft_gate))
+    cap = Interventions(capture=Capture((gsite,), "all"))
+    gate_runs = [eng.generate(prompts, params, cap, dynamic=DynamicRequest(gates=gs)) for _ in range(2)]
+    armed = discriminating = 0
     for i, g in enumerate(gate_runs[0]):
         iv = g.intervention
         check(f"gates.status[{i}]", iv.status == "ok", errors=iv.errors)
@@ -111,7 +124,27 @@ def main():
         got = [tuple(e["scales"]) for e in tr]
         check(f"gates.rule[{i}]", got == [tuple(w) for w in want], armed_at=iv.dynamic["gates"]["armed_at"])
         armed += iv.dynamic["gates"]["armed_at"] is not None
+        # the row gate, position by position: g from the in-graph score, the score from the pre-edit value
+        gated = [(e["position"], e["scores"][1], e["soft"][1], e["scales"]) for e in tr if e["soft"][1] is not None]
+        sig_err = pre_err = 0.0
+        post_seen = []  # positions where g * t moves the projection by over 2 tolerances: |post - score| / tol
+        for pos, score, g, scales in gated:
+            sig_err = max(sig_err, abs(g - gate_value(score, soft_gate.threshold, soft_gate.sharp)))
+            term = gs.row_term(tuple(scales), gsite)
+            vpost = np.asarray(iv.captures[(gsite.layer, gsite.hook, pos)], np.float64)
+            pre = float((vpost - g * term) @ du)
+            post = float(vpost @ du)
+            tol = 1e-2 * (1.0 + abs(score))
+            pre_err = max(pre_err, abs(pre - score) / tol)
+            if g * abs(float(term @ du)) > 2 * tol:
+                post_seen.append(abs(post - score) / tol)
+        soft_here = [g for _, _, g, _ in gated]
+        discriminating += len(post_seen)
+        check(f"gates.row_gate[{i}]", len(gated) == max(0, len(tr) - 2) and sig_err < 1e-5 and pre_err < 1.0
+              and all(e > 1.0 for e in post_seen), gated=len(gated), sigmoid_err=sig_err, pre_edit_err=pre_err,
+              post_edit_err=min(post_seen, default=None), soft=[min(soft_here, default=None), max(soft_here, default=None)])
     check("gates.some_armed", armed > 0, armed=armed, of=len(prompts))
+    check("gates.row_gate_discriminates", discriminating > 0, positions=discriminating)
     check("gates.repeatable", all(a.intervention.dynamic["gates"]["trace"] == b.intervention.dynamic["gates"]["trace"]
                                   and a.token_ids == b.token_ids for a, b in zip(*gate_runs)))
     det = eng.dynamic_status()["determinism"]

@@ -22,7 +22,11 @@ Checks (bf16; tolerances printed in the result):
   masked steering at post_attn vs the oracle;
 * directional clamps (the Triton op's clamp rows): a one-sided clamp at post_block (pair site) and
   mlp_in (single tensor), and one after steering at post_block, vs the oracle; the captured
-  projection stays within the bound (bf16 write-back tolerance).
+  projection stays within the bound (bf16 write-back tolerance);
+* the reference fork's `this_token` probe gate (the Triton op's row gate): a gate whose threshold is
+  the plain run's score at the first gated position (g near 0.5 there), steering at the probe's
+  site, vs the oracle's `RefEdit.gate`: the third token's top-20 logprobs (and the ungated steer's
+  are further off than the tolerance, so the check tells the rules apart).
 Throughput: decode tokens/s with CUDA graphs, vanilla vs every request steered, batch 1 and 32.
 """
 
@@ -288,13 +292,43 @@ def run_checks(args, eng=None) -> dict:
             ok = ok and diff <= LOGPROB_TOL_BF16 and excess <= scale * 2 ** -7 and not g.intervention.voided
         return {"ok": ok, **out, "tolerance": LOGPROB_TOL_BF16}
 
+    def row_gate():
+        from engine_ext.dynamic.gates import Gate, GateSet, SiteVectors
+        from engine_ext.dynamic.specs import DynamicRequest, Probe
+        from engine_ext.sites import Site
+
+        l, n = L // 2, len(ids)
+        site = Site(l, "post_block")
+        u = _rand(7, str(site))
+        du = (u / np.linalg.norm(u)).astype(np.float32)
+        plain = eng.generate(ids, GenerationParams(max_tokens=3, logprobs=0), Interventions(capture=Capture.make([str(site)], "all")))
+        thr = float(np.dot(plain.captures[(l, "post_block", n + 1)].astype(np.float64), du))
+        sharp = 1.0 / max(1.0, 0.1 * abs(thr))
+        term = (u + du * float(np.linalg.norm(u))).astype(np.float32)  # the steer, with a component along the probe
+        probe = Probe("~gpu-validate-gate", site, "direction", du[None, :], np.zeros(1, np.float32))
+        gs = GateSet((Gate("this_token", "probe", probe, threshold=thr, sharpness=sharp, steer=SiteVectors((site,), (term,))),))
+        g = eng.generate(ids, GenerationParams(max_tokens=3, logprobs=20), dynamic=DynamicRequest(gates=gs))
+        soft = {e["position"]: e["soft"][0] for e in g.intervention.dynamic["gates"]["trace"]}
+        edits = [RefEdit.steer((l, "post_block"), term, positions=[n + 1]),
+                 RefEdit.gate((l, "post_block"), du, term, threshold=thr, sharpness=sharp, positions=[n + 1])]
+        r = ref.generate(ids, 3, edits=edits)
+        # the third token's top-20 logprobs vs the oracle's; the ungated steer (g = 1) must be further off
+        top = g.top_logprobs[2]
+        diff = max(abs(lp - float(r.step_logprobs[2][t])) for t, lp in top.items())
+        full = ref.generate(ids, 3, edits=edits[:1])
+        apart = max(abs(float(full.step_logprobs[2][t]) - float(r.step_logprobs[2][t])) for t in top)
+        return {"ok": diff <= LOGPROB_TOL_BF16 and g.token_ids == r.token_ids and soft.get(n + 1) is not None
+                and 0.05 < soft[n + 1] < 0.95 and apart > 2 * LOGPROB_TOL_BF16 and not g.intervention.voided,
+                "logprob_diff": diff, "g": soft.get(n + 1), "same_tokens_as_oracle": g.token_ids == r.token_ids,
+                "ungated_logprob_apart": apart, "tolerance": LOGPROB_TOL_BF16}
+
     for name, fn in [("captures_vs_oracle", captures), ("self_patch_bit_exact", self_patch), ("steering_vs_oracle", steering),
                      ("corrupt_to_clean_bit_exact", corrupt_to_clean), ("neighbours_bit_exact", neighbours),
                      ("prefix_cache_isolation", prefix_cache), ("missing_source_voided", voided),
                      ("logprobs_only_on_request", logprobs_on_request), ("mlp_out_zero_vs_oracle", mlp_out_zero),
                      ("mlp_out_steer_equals_post_block", mlp_out_steer_equals_post_block), ("mlp_in_steer_vs_oracle", mlp_in_steer),
                      ("masked_patch_bit_exact", masked_patch), ("masked_steer_vs_oracle", masked_steer),
-                     ("clamps_vs_oracle", clamps)]:
+                     ("clamps_vs_oracle", clamps), ("row_gate_vs_oracle", row_gate)]:
         check(name, fn)
     res["all_ok"] = all(c.get("ok") for c in checks.values())
     ref = None  # free the oracle's GPU memory (the checks above are done with it)

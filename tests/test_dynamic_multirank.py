@@ -54,12 +54,15 @@ def _gates(on0: float, on: float) -> list:
     from engine_ext.dynamic.gates import GateSet
 
     steer = {"kind": "inline", "packed": {"post_attn": pack_vectors(_vec(1, 4.0)[None], [2])}}
+    # the soft gate's vector also at the probe's site, where the gate scales it per token
+    both = {"kind": "inline", "packed": {"post_attn": pack_vectors(_vec(1, 4.0)[None], [2]),
+                                         "post_block": pack_vectors(_vec(2, 4.0)[None], [3])}}
     probe = {"kind": "inline", "packed": {"post_block": pack_vectors(_vec(0)[None], [3])}}
     raw = [[{"when": {"kind": "probe", "probe": probe, "threshold": on0}, "scope": "rest_of_request",
              "apply": {"kind": "add", "steer": steer}}],
            [{"when": {"kind": "always"}, "scope": "next_step", "apply": {"kind": "add", "steer": steer, "strength": 2.0}}],
            [{"when": {"kind": "probe", "probe": probe, "threshold": on, "sharpness": 0.05}, "scope": "this_token",
-             "apply": {"kind": "add", "steer": steer}}]]
+             "apply": {"kind": "add", "steer": both}}]]
     return [DynamicRequest(gates=GateSet(tuple(parse_gates(r, lambda n, k: None, num_layers=6, hidden=192)))) for r in raw]
 
 
@@ -152,8 +155,12 @@ def test_the_forks_gates_decide_alike_at_two_ranks(one_rank, tp2):
         assert g2.token_ids == g1.token_ids
         assert a["armed_at"] is not None and b["armed_at"] == a["armed_at"] and b["fired"] == a["fired"]
         assert [e["position"] for e in b["trace"]] == [e["position"] for e in a["trace"]]
-        assert np.allclose([e["scales"] for e in b["trace"]], [e["scales"] for e in a["trace"]], rtol=1e-3, atol=1e-3)
-    assert any(0.0 < e["scales"][0] < 1.0 for e in one_rank["gate_gens"][2].intervention.dynamic["gates"]["trace"])
+        assert [e["scales"] for e in b["trace"]] == [e["scales"] for e in a["trace"]]
+        # the row gate's g the op used, per position (None where it did not act)
+        sa, sb = ([-1.0 if x is None else x for e in t["trace"] for x in e["soft"]] for t in (a, b))
+        assert np.allclose(sb, sa, rtol=1e-3, atol=1e-3)
+    assert any(x is not None and 0.0 < x < 1.0
+               for e in one_rank["gate_gens"][2].intervention.dynamic["gates"]["trace"] for x in e["soft"])
     st = tp2.dynamic_status()
     assert st["determinism"]["consistent"] is True, st["determinism"]
 

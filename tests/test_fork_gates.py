@@ -9,9 +9,11 @@ first generated token fed back, position n, and its actions apply from the next 
   every position from n + 1 on; `always` + `next_step` add steers position n + 1 only;
 * a host probe (`next_step` / `rest_of_request`) whose threshold sits between the scores fires at
   a known position k and engages at k + 1 exactly (the pulse at k + 1 only);
-* `this_token` + probe add scales the vector per position by the soft gate of the previous
-  position's score (the oracle runs `GateState` by hand, as tests/test_dynamic_steering.py runs
-  `PolicyState`);
+* `this_token` + probe add (the fork's per-row in-graph monitor): at the probe's site only, the
+  request's row term there is scaled per position by the soft gate of that *same* position's
+  pre-edit score (the oracle runs `GateState` by hand, as tests/test_dynamic_steering.py runs
+  `PolicyState`, and the gate with `RefEdit.gate`); the g the op used is reported per position; a
+  probe crossing its threshold at a known position changes that position's token, not the next;
 * `attenuate` scales the request's own static decode steering from n + 1 on;
 * `rest_of_conversation` latches a registered name across requests with the same
   `conversation_id` and disengages once the name is re-registered with other content.
@@ -109,26 +111,38 @@ def oracle_fixed(hf_ref, prompt_ids, steer_at: dict[int, list[tuple[np.ndarray, 
 
 
 def oracle_gates(hf_ref, prompt_ids, gs: GateSet, max_tokens=MAX_TOKENS):
-    """Greedy generation with the gate set run by hand (`GateState` on the oracle's probe
-    scores; each component's vectors added at the next position)."""
+    """Greedy generation with the gate set run by hand (`GateState` on the oracle's host-probe
+    scores; each component's vectors added at the next position; the row gate of a `this_token`
+    probe, `RefEdit.gate`, at its probe's site wherever the components apply). Returns the
+    tokens, the decided scales per position and the row gate's (score, g) per position."""
     ids, n = list(prompt_ids), len(prompt_ids)
     state = GateState(gs, n)
     comps = gs.components()
     decided: dict[int, tuple[float, ...]] = {}
-    sites = sorted({(g.probe.site.layer, g.probe.site.hook) for g in gs.gates if g.probe is not None})
+    sites = sorted({(g.probe.site.layer, g.probe.site.hook) for g in gs.gates if g.probe is not None and not g.soft})
+    rg = gs.gates[gs.row_gate] if gs.row_gate is not None else None
+    soft: dict[int, tuple[float, float]] = {}
     for _ in range(max_tokens):
         edits = []
         for pos in range(n, len(ids)):
-            for (sv, _), sc in zip(comps, decided.get(pos, ())):
+            here = decided.get(pos, ())
+            for (sv, _), sc in zip(comps, here):
                 if sc:
                     edits += [RefEdit.steer((s.layer, s.hook), v, scale=sc, positions=[pos]) for s, v in zip(sv.sites, sv.vectors)]
+            if rg is not None and state.row_gated(here):
+                term = gs.row_term(here, rg.probe.site)
+                edits.append(RefEdit.gate((rg.probe.site.layer, rg.probe.site.hook), rg.probe.weights[0],
+                                          np.zeros(rg.probe.weights.shape[1], np.float32) if term is None else term,
+                                          threshold=rg.threshold, sharpness=rg.sharp, positions=[pos]))
         run = hf_ref.run(ids, edits, capture=sites, n_prompt=n)
         last = len(ids) - 1
         scores = [float(g.probe.scores(run.captures[(g.probe.site.layer, g.probe.site.hook)][last].numpy())[0])
-                  if g.probe is not None else None for g in gs.gates]
+                  if g.probe is not None and not g.soft else None for g in gs.gates]
+        if rg is not None and last in run.gates.get((rg.probe.site.layer, rg.probe.site.hook), {}):
+            soft[last] = run.gates[(rg.probe.site.layer, rg.probe.site.hook)][last]
         decided[last + 1] = state.decide(last, scores)
         ids.append(int(run.logits[-1].argmax()))
-    return ids[n:], decided
+    return ids[n:], decided, soft
 
 
 def steered_positions(gates: dict) -> list[int]:
@@ -203,22 +217,68 @@ def test_a_probe_firing_at_a_known_step_engages_exactly_one_step_later(engine, h
     assert not any(name.startswith("~") for w in st["workers"] for name in w["probes"])
 
 
+def _plain_probe_scores(engine, probe_vec) -> list[float]:
+    """The probe's scores at the probe site on the unsteered run, positions n - 1, n, n + 1, ...
+    (a host probe that never fires reads them)."""
+    _, gates = run_gates(engine, [add_gate("rest_of_request", inline(_vec(9)), when=probe_when(probe_vec, 1e30))])
+    return [e["scores"][0] for e in gates["trace"]]
+
+
 def test_this_token_probe_add_is_a_soft_per_token_gate(engine, hf_ref, steer_vec, probe_vec):
     # threshold and sharpness put the gate between 0 and 1 for the scores this prompt gives
-    _, gates = run_gates(engine, [add_gate("rest_of_request", inline(steer_vec), when=probe_when(probe_vec, 1e30))])
-    scores = [e["scores"][0] for e in gates["trace"][1:]]
+    scores = _plain_probe_scores(engine, probe_vec)[1:]
     thr, sharp = float(np.median(scores)), 4.0 / (float(np.std(scores)) + 1e-6)
-    raw = [add_gate("this_token", inline(steer_vec), when=probe_when(probe_vec, thr, sharp))]
+    # the add vector at the probe's site (gated there) and at a lower site (the fork: ungated there)
+    steer = {"kind": "inline", "packed": {**packed(0.5 * steer_vec), **packed(_vec(2, 10.0), PROBE_LAYER, PROBE_HOOK)}}
+    raw = [add_gate("this_token", steer, when=probe_when(probe_vec, thr, sharp))]
     g, gates = run_gates(engine, raw)
     n = len(g.prompt_token_ids)
     assert gates["armed_at"] == n and not gates["pulse"]
-    applied = [e["scales"][0] for e in gates["trace"] if e["position"] > n]
-    assert any(0.0 < s < 1.0 for s in applied), applied  # soft, per token
+    trace = {e["position"]: e for e in gates["trace"]}
+    # the scales carry no soft factor: the component applies at full strength from n + 1 on ...
+    assert [trace[p]["scales"] for p in sorted(trace)] == [[0.0], [0.0]] + [[1.0]] * (MAX_TOKENS - 2)
+    # ... and the op's g of each gated position is reported (none before the gate acts)
+    soft = {p: e["soft"][0] for p, e in trace.items()}
+    assert soft[n - 1] is None and soft[n] is None
+    assert all(soft[p] is not None for p in range(n + 1, n + MAX_TOKENS - 1))
+    assert any(0.01 < soft[p] < 0.99 for p in range(n + 1, n + MAX_TOKENS - 1)), soft  # soft, per token
     extras = completion_extras.build(CompletionRequest(prompt=PROMPT, steering=raw), engine)
-    ref_ids, decided = oracle_gates(hf_ref, g.prompt_token_ids, GateSet(tuple(extras.gates)))
+    ref_ids, decided, ref_soft = oracle_gates(hf_ref, g.prompt_token_ids, GateSet(tuple(extras.gates)))
     assert g.token_ids == ref_ids
-    want = [decided.get(e["position"], (0.0,))[0] for e in gates["trace"]]
-    assert np.allclose([e["scales"][0] for e in gates["trace"]], want, rtol=1e-3, atol=1e-3)
+    assert sorted(ref_soft) == list(range(n + 1, n + MAX_TOKENS - 1))
+    # g per position equals the oracle's (vLLM's CPU kernels vs transformers: fp32 last bits)
+    assert np.allclose([soft[p] for p in sorted(ref_soft)], [ref_soft[p][1] for p in sorted(ref_soft)], rtol=0, atol=1e-3)
+    assert np.allclose([trace[p]["scores"][0] for p in sorted(ref_soft)], [ref_soft[p][0] for p in sorted(ref_soft)],
+                       rtol=1e-3, atol=1e-3)
+    assert engine.dynamic_status()["determinism"]["consistent"] is True
+
+
+def test_this_token_gate_acts_on_the_token_whose_score_crosses(engine, hf_ref, steer_vec, probe_vec):
+    """A sharp gate whose probe crosses its threshold first at a known position q: the tokens and
+    logprobs of every earlier forward are the plain run's, the forward at q is steered (the old
+    one-token-late rule would have steered q + 1 first)."""
+    scores = _plain_probe_scores(engine, probe_vec)[1:]  # positions n, n + 1, ...
+    sign = 1.0
+    if not any(scores[i] > max(scores[:i]) + 2 * MARGIN for i in range(1, len(scores))):
+        sign, scores = -1.0, [-x for x in scores]
+    k, thr = _known_step(scores)
+    plain = engine.generate(PROMPT, PARAMS)
+    n = len(plain.prompt_token_ids)
+    q = n + k
+    raw = [add_gate("this_token", inline(steer_vec, PROBE_LAYER, PROBE_HOOK),
+                    when=probe_when(sign * probe_vec, thr, 50.0 / MARGIN))]
+    g, gates = run_gates(engine, raw)
+    soft = {e["position"]: e["soft"][0] for e in gates["trace"]}
+    assert all(soft[p] < 1e-6 for p in range(n + 1, q)) and soft[q] > 1.0 - 1e-6, (q, soft)
+    # generated token i comes from the forward at n - 1 + i: unchanged through the forward at q - 1
+    i = q - n + 1
+    assert g.token_ids[:i] == plain.token_ids[:i]
+    assert np.allclose(g.logprobs[:i], plain.logprobs[:i], atol=1e-4)
+    assert g.token_ids[i] != plain.token_ids[i] or abs(g.logprobs[i] - plain.logprobs[i]) > 1e-2
+    extras = completion_extras.build(CompletionRequest(prompt=PROMPT, steering=raw), engine)
+    ref_ids, _, ref_soft = oracle_gates(hf_ref, g.prompt_token_ids, GateSet(tuple(extras.gates)))
+    assert g.token_ids == ref_ids
+    assert ref_soft[q][1] > 1.0 - 1e-6 and all(ref_soft[p][1] < 1e-6 for p in range(n + 1, q))
 
 
 # ---- attenuate ------------------------------------------------------------------------------------

@@ -21,8 +21,14 @@ A request's gates are decided together, with the fork's timing (its
   requests of the conversation; that latch is kept by the caller (`GateSet.bridge`: a latched
   conversation's later request is steered with the latched vectors from its first evaluation on,
   and its own gates are not evaluated, as in the fork).
-* `this_token` with a `probe` trigger: after arming, the gate's vectors are scaled per position by
-  the soft gate `sigmoid(sharpness * (score - threshold))` of the previous position's score.
+* `this_token` with a `probe` trigger (the fork's per-row in-graph monitor; the first such `add`
+  gate of the request carries it, `GateSet.row_gate`): while the request's gate components are
+  applied (every generated position after arming), at the probe's site only, the request's row
+  term there (`GateSet.row_term`: its own static decode steering plus every component's
+  `scale * vector` at that site) is scaled by `g = sigmoid(sharpness * (score - threshold))` of
+  the *same* position, the score read from the stream at that site before the edit. That is
+  computed in the intervention op (a row gate, see `engine_ext.worker.intervention_op`), not
+  here: `decide` only arms the gate, its scales carry no soft factor.
 * `attenuate` (the last firing one wins) multiplies the request's own static decode steering
   (`GateSet.static`) and the firing `add` gates by `max(0, strength)`.
 
@@ -34,7 +40,7 @@ scale per component for the next position.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -149,6 +155,31 @@ class GateSet:
             out.append((self.static, "attenuate"))
         return out
 
+    @property
+    def row_gate(self) -> int | None:
+        """The index of the gate whose probe gates the request's row per token (the fork installs
+        one per-row monitor: its first `this_token` + probe `add` gate), or None."""
+        for k, g in enumerate(self.gates):
+            if g.soft and g.apply == "add":
+                return k
+        return None
+
+    def row_term(self, scales: tuple[float, ...], site: Site) -> np.ndarray | None:
+        """The term the row gate scales at `site` for the component scales `scales`: the static
+        decode steering there, then each component's `vector * f32(scale)` there in component
+        order (fp32, the order the worker composes a slot's `c` in); None when nothing is there."""
+        term = None
+        parts: list[tuple[np.ndarray, float]] = []
+        if self.static is not None:
+            parts += [(v, 1.0) for st, v in zip(self.static.sites, self.static.vectors) if st == site]
+        for (sv, _), scale in zip(self.components(), scales):
+            if scale != 0.0:
+                parts += [(v, scale) for st, v in zip(sv.sites, sv.vectors) if st == site]
+        for v, scale in parts:
+            add = (np.asarray(v, np.float32) * np.float32(scale)).astype(np.float32)
+            term = add if term is None else term + add
+        return term
+
     def probes(self) -> list[Probe]:
         """The gates' probes (distinct names)."""
         seen: dict[str, Probe] = {}
@@ -204,8 +235,6 @@ class GateState:
     expired: bool = False
     fired: tuple[int, ...] = ()
     attenuate: float | None = None
-    #: per add gate: the current soft-gate value (this_token probe gates)
-    soft: dict[int, float] = field(default_factory=dict)
     scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
@@ -234,25 +263,27 @@ class GateState:
                 if k not in self.fired:
                     out.append(0.0)
                 else:
-                    out.append(self.gs.gates[k].strength * a * self.soft.get(k, 1.0))
+                    out.append(self.gs.gates[k].strength * a)
         if self.bridged:
             parts = iter(s for _, s in self.gs.bridge)
             out = [next(parts) if role == "bridge" else v for role, v in zip(self.roles, out)]
         return tuple(out)
 
+    def row_gated(self, scales: tuple[float, ...]) -> bool:
+        """Does the row gate (`GateSet.row_gate`) act at a position with these component scales
+        (the request's gate components applied there)?"""
+        return (not self.bridged and self.gs.row_gate is not None and self.gs.row_gate in self.fired
+                and any(v != 0.0 for v in scales))
+
     def decide(self, pos: int, scores: list[float | None]) -> tuple[float, ...]:
         """Update with the scores at position `pos` (one per gate, None for gates without a
-        probe); return the component scales at position `pos + 1`."""
+        host-evaluated probe: `always`, and `this_token` probes, which fire when evaluated and
+        gate in the op); return the component scales at position `pos + 1`."""
         if pos < self.n_prompt:  # the prompt (the fork's prefill phase): no evaluation
             return self.scales
         if self.armed:
             if self.pulse and not self.expired:
                 self.expired = True  # the one-step pulse ends
-            elif not self.expired:
-                for k in self.fired:
-                    g = self.gs.gates[k]
-                    if g.soft and scores[k] is not None:
-                        self.soft[k] = gate_value(scores[k], g.threshold, g.sharp)
         elif self.gs.bridge:
             self.armed_at, self.bridged = pos, True
         else:
@@ -264,8 +295,6 @@ class GateState:
                 if g.apply == "add":
                     fired.append(k)
                     rank = max(rank, SCOPE_RANK[g.scope])
-                    if g.soft and scores[k] is not None:
-                        self.soft[k] = gate_value(scores[k], g.threshold, g.sharp)
                 else:
                     atten = max(0.0, g.strength)
             if fired or atten is not None:

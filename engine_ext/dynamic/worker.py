@@ -10,14 +10,21 @@ Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
   identity is the crc32 of the request key, the sites and the exact fp32 bytes of every payload.
   An action that cannot be applied (no slot left) is rejected: not applied, not folded, and the
   request is voided with the reason.
+* **row gates** — a request with a `this_token` probe gate (the fork's per-row monitor,
+  `GateSet.row_gate`) gets, at every position its gate components apply, a slot at the probe's
+  site carrying a gate row (probe, threshold, sharpness, and the request's row term there,
+  `GateSet.row_term`): the op scales that term by the same position's `g`, computed from the
+  row's pre-edit value. The gate row's content (not the device-computed `g`) is folded into the
+  action's crc, so ranks agree bit for bit. The op writes `(score, g)` to `gate_out[row]`; the
+  window's last position's pair is read back with the scores (below) and reported in the trace.
 * **monitors** — the window's last position, if it is the last prompt position or a generated one
   and was never scored, gets a capture row at each of its probes' sites (the capture path the op
   already has: graph-safe, no eager forcing).
 
 After the forward (`after_forward`): the monitored rows are read from the capture buffer on the
 device, each probe's `W @ s + b` is computed there, and only those score floats are copied to the
-host (one non-blocking copy per step). At the start of the next step's planning
-(`decide_pending`, which waits for that copy) the policies decide (`policy.PolicyState.decide`)
+host (one non-blocking copy per step, the row gates' `(score, g)` included). At the start of
+the next step's planning (`decide_pending`, which waits for that copy) the policies decide (`policy.PolicyState.decide`)
 and the scales for position `p + 1` are recorded in `decided`: that step applies them, exactly. Positions
 recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
 
@@ -117,6 +124,10 @@ class DynRequest:
     gate_trace: list[dict] = field(default_factory=list)
     #: the inline probes of its gates (worker probe names), released when it finishes
     gate_probes: tuple[str, ...] = ()
+    #: the row gate (the fork's per-row monitor, `GateSet.row_gate`): its site (flat index) and
+    #: what the op's gate row holds apart from the term: probe direction, threshold, sharpness
+    gate_site: int | None = None
+    gate_row: tuple[np.ndarray, float, float] | None = None
 
     def engaged(self) -> bool:
         return (any(s.current_scale() != 0.0 for s in self.states)
@@ -130,8 +141,8 @@ class DynRequest:
         """(probe, component) of every score a decision needs: the policies', then each
         probe-triggered gate's."""
         refs = [(p.spec.probe, p.spec.component) for p in self.policies]
-        if self.gate is not None:
-            refs += [(g.probe.name, 0) for g in self.gate.gs.gates if g.probe is not None]
+        if self.gate is not None:  # a `this_token` probe is scored in the op (the row gate), not here
+            refs += [(g.probe.name, 0) for g in self.gate.gs.gates if g.probe is not None and not g.soft]
         return refs
 
 
@@ -146,6 +157,7 @@ class DynamicWorker:
         #: slots the dynamic actions of the previous step hold (released after this step's acquire)
         self._held: list[int] = []
         self._monitors: list[tuple[DynRequest, int, int, int]] = []  # (request, position, site index, capture row)
+        self._gated: list[tuple[DynRequest, int, int]] = []  # (request, position, row) whose row gate the op scores
         #: scores of the last step not yet decided on: (work, host scores, copy event or None)
         self._pending: tuple | None = None
         self.actions = 0
@@ -202,6 +214,11 @@ class DynamicWorker:
             for sv, role in gs.components():
                 dr.gate_actions.append(_Policy(None, role, None, [s.index() for s in sv.sites],
                                                vecs=[np.asarray(v, np.float32) for v in sv.vectors]))
+            if gs.row_gate is not None:
+                g = gs.gates[gs.row_gate]
+                dr.gate_site = g.probe.site.index()
+                thr = float(np.float32(g.threshold) - np.float32(g.probe.bias[0]))  # gate probes have bias 0
+                dr.gate_row = (np.ascontiguousarray(g.probe.weights[0], np.float32), thr, float(np.float32(g.sharp)))
         dr.monitor_sites = tuple(sorted({self.probes[name].spec.site.index() for name, _ in dr.score_refs()}))
         if any(s.current_scale() != 0.0 for s in states):
             dr.decided[n_prompt] = tuple(s.current_scale() for s in states) + (0.0,) * len(dr.gate_actions)
@@ -239,6 +256,7 @@ class DynamicWorker:
             held, self._held = self._held, []
             self.st.slots.release(held)
         self._monitors = []
+        self._gated = []
 
     def plan_rows(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
         """Write this step's dynamic actions and monitor rows (see the module docstring).
@@ -246,6 +264,7 @@ class DynamicWorker:
         self.decide_pending()  # the previous step's decisions apply from this step
         held_before, self._held = self._held, []
         self._monitors = []
+        self._gated = []
         max_row = 0
         actions: list[tuple[int, int, int]] = []
         if self.requests:
@@ -258,6 +277,8 @@ class DynamicWorker:
                 if n <= 0:
                     continue
                 p1 = p0 + n
+                last = p1 - 1
+                gated_last = False
                 if p1 > dr.n_prompt and dr.decided:
                     for p in range(max(p0, dr.n_prompt), p1):
                         scales = dr.decided.get(p)
@@ -266,16 +287,22 @@ class DynamicWorker:
                         if planner.skip_next_action:  # test-only fault: this rank skips one action
                             planner.skip_next_action = False
                             continue
-                        crc = self._apply(dr, row0 + p - p0, scales, hs)
-                        if crc is None:
+                        got = self._apply(dr, row0 + p - p0, scales, hs)
+                        if got is None:
                             continue
+                        crc, gated = got
                         actions.append((crc, p, p + 1))
                         dr.actions += 1
                         max_row = max(max_row, row0 + p - p0 + 1)
-                last = p1 - 1
+                        gated_last |= gated and p == last
+                if gated_last and last > dr.last_scored:
+                    # the op writes the row gate's (score, g) of this row: read after the forward
+                    self._gated.append((dr, last, row0 + n - 1))
                 if last >= dr.n_prompt - 1 and last > dr.last_scored and not dr.monitor_sites:
-                    # gates that read no probe (`always`): decided without a score
-                    self._decide(dr, last, [])
+                    # gates that read no host probe (`always`, `this_token`): decided without a score
+                    # (after the forward when the op gates this row: the trace reports its g)
+                    if not gated_last:
+                        self._decide(dr, last, [])
                 elif last >= dr.n_prompt - 1 and last > dr.last_scored:
                     row = row0 + n - 1
                     for site in dr.monitor_sites:
@@ -294,14 +321,14 @@ class DynamicWorker:
         self.actions += len(actions)
         return max_row, n_cap, actions
 
-    def _apply(self, dr: DynRequest, row: int, scales: tuple[float, ...], hs: np.ndarray) -> int | None:
-        """Compose the engaged policies at their sites on `row`; the action's crc, or None when
-        rejected."""
+    def _apply(self, dr: DynRequest, row: int, scales: tuple[float, ...], hs: np.ndarray) -> tuple[int, bool] | None:
+        """Compose the engaged policies at their sites on `row`; the action's crc and whether a
+        row gate acts on it, or None when rejected."""
         slots = self.st.slots
         plan = self._action_plan(dr, row, scales, hs)
         if isinstance(plan, str):
             return self._reject(dr, plan)
-        entries, crc = plan
+        entries, crc, gated = plan
         acquired: list[tuple[int, int]] = []
         try:
             for site, key, make in entries:
@@ -312,50 +339,73 @@ class DynamicWorker:
         for site, slot in acquired:
             hs[row, site] = slot
             self._held.append(slot)
-        return crc
+        return crc, gated
 
     def _action_plan(self, dr: DynRequest, row: int, scales: tuple[float, ...], hs: np.ndarray):
-        """What `_apply` acquires for `scales` on `row` — per site (slot key, make) — and the
-        action's crc (request key, sites, payload crcs); or the reason it cannot be composed.
-        Cached per (scales, the content keys of the slots already on the row's sites)."""
+        """What `_apply` acquires for `scales` on `row` — per site (slot key, make) — the
+        action's crc (request key, sites, payload crcs, the row gate's content) and whether a row
+        gate acts; or the reason it cannot be composed. Cached per (scales, the content keys of
+        the slots already on the row's sites).
+
+        The row gate (the fork's `this_token` probe gate): where the request's gate components
+        apply, the slot at the gate's probe site carries a gate row whose term is the request's
+        row there (`GateSet.row_term`); the op scales that term by the same position's `g`."""
         slots = self.st.slots
-        sites = sorted({site for pol, scale in zip(dr.actors(), scales) if scale != 0.0
-                        for site in pol.sites if self.st.owns_site(site)})
+        sites_set = {site for pol, scale in zip(dr.actors(), scales) if scale != 0.0
+                     for site in pol.sites if self.st.owns_site(site)}
+        gate = None
+        if dr.gate_site is not None and self.st.owns_site(dr.gate_site):
+            gscales = scales[len(dr.policies):]
+            if dr.gate.row_gated(gscales):
+                site_obj = dr.gate.gs.gates[dr.gate.gs.row_gate].probe.site
+                term = dr.gate.gs.row_term(gscales, site_obj)
+                probe, thr, sharp = dr.gate_row
+                term = np.zeros_like(probe) if term is None else term
+                gkey = ("gate", zlib.crc32(probe.astype("<f4").tobytes()), np.float32(thr).tobytes().hex(),
+                        np.float32(sharp).tobytes().hex(), zlib.crc32(term.astype("<f4").tobytes()))
+                gate = (dr.gate_site, gkey, dict(gate_probe=probe, gate_threshold=thr, gate_sharpness=sharp,
+                                                 gate_term=term, gate_key=gkey))
+                sites_set.add(dr.gate_site)
+        sites = sorted(sites_set)
         bases = tuple(int(hs[row, site]) for site in sites)
         sig = (scales, tuple(slots.key_of(b) if b >= 0 else None for b in bases))
         got = dr.actions_cache.get(sig)
         if got is not None:
             return got
-        by_site: dict[int, list[tuple[np.ndarray, int]]] = {}
+        by_site: dict[int, list[tuple[np.ndarray, int]]] = {site: [] for site in sites}
         for pol, scale in zip(dr.actors(), scales):
             if scale == 0.0:
                 continue
             for site, vec, crc in pol.parts(scale):
                 if self.st.owns_site(site):
-                    by_site.setdefault(site, []).append((vec, crc))
+                    by_site[site].append((vec, crc))
         desc = [dr.key]
         entries = []
         for (site, parts), base in zip(sorted(by_site.items()), bases):
             base_val = slots.value_of(base) if base >= 0 else None
             if base_val is not None and base_val.mode != SlotMode.AFFINE:
                 return f"position has a stored-pair patch at site {site}; dynamic steering cannot compose with it"
-            key = ("dyn", slots.key_of(base) if base >= 0 else None, tuple(c for _, c in parts))
+            g = gate[2] if gate is not None and gate[0] == site else {}
+            key = ("dyn", slots.key_of(base) if base >= 0 else None, tuple(c for _, c in parts), g.get("gate_key"))
 
-            def make(base_val=base_val, parts=parts):
+            def make(base_val=base_val, parts=parts, g=g):
                 c = None if base_val is None or base_val.c is None else base_val.c.astype(np.float32)
                 for v, _ in parts:
                     c = v.copy() if c is None else c + v
                 if base_val is None:
-                    return SlotValue(SlotMode.AFFINE, a=1.0, c=c)
+                    return SlotValue(SlotMode.AFFINE, a=1.0, c=c, **g)
                 # keep the base's per-dimension a (a dimension-masked patch) and its directional clamps
                 # (applied after this add, as the fork orders them), with their content keys
-                return dataclasses.replace(base_val, c=c)
+                return dataclasses.replace(base_val, c=c, **g)
 
             entries.append((site, key, make))
             desc.append(f"{site}:{','.join(f'{c:08x}' for _, c in parts)}")
+            if g:
+                _, pcrc, thr, sharp, tcrc = g["gate_key"]
+                desc.append(f"gate:{site}:{pcrc:08x}:{thr}:{sharp}:{tcrc:08x}")
         if len(dr.actions_cache) > 64:  # proportional control: a new scale nearly every step
             dr.actions_cache.clear()
-        got = dr.actions_cache[sig] = (entries, zlib.crc32("|".join(desc).encode()))
+        got = dr.actions_cache[sig] = (entries, zlib.crc32("|".join(desc).encode()), gate is not None)
         return got
 
     def _reject(self, dr: DynRequest, reason: str) -> None:
@@ -371,12 +421,14 @@ class DynamicWorker:
         (`decide_pending`: at the start of the next step's planning, or before a result or the
         status is read), so on a GPU the host keeps running ahead of the forward until the next
         step's plan needs them."""
-        if not self._monitors:
+        if not self._monitors and not self._gated:
             return
         self.decide_pending()
         monitors, self._monitors = self._monitors, []
+        gated, self._gated = self._gated, []
         b = self.st.buffers
-        vals = _rows(b.cap_x, [m[3] for m in monitors]).float() + _rows(b.cap_r, [m[3] for m in monitors]).float()  # [m, H]
+        vals = (_rows(b.cap_x, [m[3] for m in monitors]).float() + _rows(b.cap_r, [m[3] for m in monitors]).float()
+                if monitors else None)  # [m, H]
         # one score block per (monitor row, probe); probes grouped so each is one matmul
         wanted: dict[str, list[int]] = {}
         row_of: dict[tuple[int, int], int] = {}  # (id(request), site) -> row in vals
@@ -397,8 +449,13 @@ class DynamicWorker:
             for r_i, j in enumerate(rows):
                 layout[(name, j)] = offset + r_i * pr.spec.size
             offset += len(rows) * pr.spec.size
+        # the row gates' (score, g) the op wrote for the gated rows, after the scores
+        gpick: dict[int, int] = {}
+        if gated:
+            blocks.append(_rows(b.gate_out, [row for _, _, row in gated]).flatten())
+            gpick = {id(dr): offset + 2 * i for i, (dr, _, _) in enumerate(gated)}
         # per monitored request: the flat index of each policy's score (None: its probe is gone)
-        work: list[tuple[DynRequest, int, list[int | None]]] = []
+        work: list[tuple[DynRequest, int, list[int | None], int | None]] = []
         done: set[int] = set()
         for dr, pos, _, _ in monitors:
             if id(dr) in done:
@@ -409,7 +466,11 @@ class DynamicWorker:
                 pr = self.probes.get(name)
                 j = row_of.get((id(dr), pr.spec.site.index())) if pr is not None else None
                 picks.append(None if j is None else layout[(pr.spec.name, j)] + component)
-            work.append((dr, pos, picks))
+            work.append((dr, pos, picks, gpick.get(id(dr))))
+        for dr, pos, _ in gated:  # gated requests without a host probe
+            if id(dr) not in done:
+                done.add(id(dr))
+                work.append((dr, pos, [], gpick[id(dr)]))
         flat = torch.cat(blocks) if blocks else torch.zeros(0, device=b.device)
         if b.device.type == "cuda":  # the step's one small device-to-host copy, not waited for
             host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=True)
@@ -429,12 +490,14 @@ class DynamicWorker:
         if event is not None:
             event.synchronize()
         flat = host.tolist()
-        for dr, pos, picks in work:
-            self._decide(dr, pos, [None if pick is None else flat[pick] for pick in picks])
+        for dr, pos, picks, gp in work:
+            self._decide(dr, pos, [None if pick is None else flat[pick] for pick in picks],
+                         None if gp is None else (flat[gp], flat[gp + 1]))
 
-    def _decide(self, dr: DynRequest, pos: int, scores: list[float | None]) -> None:
+    def _decide(self, dr: DynRequest, pos: int, scores: list[float | None],
+                row_gate: tuple[float, float] | None = None) -> None:
         """The decisions taken on position `pos` (`scores`: one per `dr.score_refs()`), applied at
-        `pos + 1`."""
+        `pos + 1`. `row_gate`: the (score, g) the op's row gate used at `pos` (the trace's)."""
         dr.last_scored = max(dr.last_scored, pos)
         applied = dr.decided.get(pos)
         nxt = []
@@ -455,12 +518,16 @@ class DynamicWorker:
                 self._latch(dr.conversation_id, pol.ident)
         if dr.gate is not None:
             gate_scores = list(scores[len(dr.policies):])
-            per_gate = [gate_scores.pop(0) if g.probe is not None else None for g in dr.gate.gs.gates]
+            per_gate = [gate_scores.pop(0) if g.probe is not None and not g.soft else None for g in dr.gate.gs.gates]
             here = applied[len(dr.policies):] if applied is not None else (0.0,) * len(dr.gate_actions)
             new = dr.gate.decide(pos, per_gate)
             nxt += list(new)
+            soft: list[float | None] = [None] * len(per_gate)
+            if row_gate is not None:  # the row gate's in-graph score and g at this position
+                k = dr.gate.gs.row_gate
+                per_gate[k], soft[k] = row_gate
             dr.gate_trace.append({"position": pos, "scores": per_gate, "armed": dr.gate.armed,
-                                  "scales": list(here)})
+                                  "scales": list(here), "soft": soft})
         dr.decided[pos + 1] = tuple(nxt)
 
     def _latch(self, conv: str, ident: str) -> None:

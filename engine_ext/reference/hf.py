@@ -36,6 +36,10 @@ Per site and absolute position `p` (prompt first, then generated tokens fed back
 2. then every add (steer / noise) that applies at `p`, in the order given:
    `c = c + vec * f32(scale)` (masked: `c = c + f32(vec * m) * f32(scale)`);
 3. `new = c if a == 0 else a * s + c`, all float32;
+3b. a row gate (`kind="gate"`: the reference fork's `this_token` probe gate, the engine's
+   `slot_gate`) covering `p`: from `s` (before the edit), `score = sum(s * probe)`,
+   `g = 1 / (1 + exp(-(sharpness * (score - threshold))))`, `new = new + (g - 1) * term`; the
+   `(score, g)` are reported in `RefRun.gates`;
 4. then the directional clamps that apply at `p` (in the order given; the engine's order is the
    global clamps, then the request's): with unit directions `d_k` (normalised in float64, as the
    reference fork does), every projection from the same `new`:
@@ -61,7 +65,7 @@ from engine_ext.bundled import bundled_model_path
 from engine_ext.errors import SpecError
 from engine_ext.sites import HOOKS, PHASES, Site, site_from_index
 
-KINDS: tuple[str, ...] = ("add", "replace", "clamp")
+KINDS: tuple[str, ...] = ("add", "replace", "clamp", "gate")
 
 SiteKey = tuple[int, str]
 
@@ -91,6 +95,8 @@ class RefRun:
     logits: Any
     #: {(layer, hook): float32 tensor [len(ids), H]} — the post-intervention stream
     captures: dict[SiteKey, Any]
+    #: {(layer, hook): {position: (score, g)}} — what each row gate (`RefEdit.gate`) used
+    gates: dict[SiteKey, dict[int, tuple[float, float]]] = field(default_factory=dict)
 
     def logprobs(self, position: int = -1) -> Any:
         """Float32 log-softmax row at `position` (default: the last)."""
@@ -128,6 +134,9 @@ class RefEdit:
       ("prefill": positions < n_prompt) or to generated tokens ("decode": >= n_prompt).
     * `kind="replace"` (patch): `(1 - alpha) * s + alpha * t` at `positions`; `vectors=None`
       is zero-ablation (t = 0). Patches are explicit positions only (no `gen`, no `phase`).
+    * `kind="gate"` (row gate, `RefEdit.gate`): at `positions` (and `gen` / `phase` as for an add),
+      the term `vectors` (one vector) scaled by `g` of the pre-edit value `s`: see the module
+      docstring, step 3b. At most one gate per (site, position).
     * `kind="clamp"` (directional clamp): after the patch and adds, the projection onto the unit
       direction of `vectors` (one vector) is clipped to [`lo`, `hi`] with `strength`; positions,
       `gen` and `phase` as for an add.
@@ -151,6 +160,9 @@ class RefEdit:
     lo: float = float("-inf")
     hi: float = float("inf")
     strength: float = 1.0
+    probe: Any = None
+    threshold: float = 0.0
+    sharpness: float = 1.0
 
     def __post_init__(self) -> None:
         self.layer, self.hook = parse_site((self.layer, self.hook))
@@ -179,6 +191,11 @@ class RefEdit:
                 raise ValueError("a replace edit takes explicit positions only (no gen / phase)")
         elif self.vectors is None:
             raise ValueError(f"an {self.kind} edit needs vectors")
+        if self.kind == "gate":
+            pr = np.ascontiguousarray(np.asarray(self.probe, np.float32))
+            if pr.ndim != 1 or not np.isfinite(pr).all() or self.mask is not None:
+                raise ValueError("a gate needs one finite probe vector and no mask")
+            self.probe, self.threshold, self.sharpness = pr, float(self.threshold), float(self.sharpness)
         if self.kind == "clamp":
             self.lo, self.hi, self.strength = float(self.lo), float(self.hi), float(self.strength)
             if not self.lo <= self.hi or not 0.0 <= self.strength <= 1.0 or self.mask is not None:
@@ -228,6 +245,15 @@ class RefEdit:
         layer, hook = parse_site(site)
         return cls(layer, hook, positions, "clamp", vector, gen=gen, phase=phase,
                    lo=float("-inf") if min is None else min, hi=float("inf") if max is None else max, strength=strength)
+
+    @classmethod
+    def gate(cls, site: Any, probe: Any, term: Any, *, threshold: float, sharpness: float,
+             positions: Sequence[int] = (), gen: bool = False, phase: str = "both") -> "RefEdit":
+        """A row gate: `term` applied scaled by `sigmoid(sharpness * (s . probe - threshold))` of
+        the same position's pre-edit value `s` (the fork's per-row `this_token` monitor)."""
+        layer, hook = parse_site(site)
+        return cls(layer, hook, positions, "gate", term, gen=gen, phase=phase, probe=probe, threshold=threshold,
+                   sharpness=sharpness)
 
     @classmethod
     def noise(cls, positions: Sequence[int], vectors: Any) -> "RefEdit":
@@ -351,6 +377,13 @@ class _SitePlan:
     cl_lo: Any = None
     cl_hi: Any = None
     cl_st: Any = None
+    #: row gates: indices into `rows`, probes [m, H], [threshold, sharpness] [m, 2], terms [m, H];
+    #: `g_out` (score, g) [m] set by `_apply`
+    g_rows: Any = None
+    g_probe: Any = None
+    g_params: Any = None
+    g_term: Any = None
+    g_out: Any = None
 
 
 class HFReference:
@@ -459,7 +492,8 @@ class HFReference:
             reps = [e for e in es if e.kind == "replace"]
             adds = [e for e in es if e.kind == "add"]
             clamps = [e for e in es if e.kind == "clamp"]
-            rows, a_list, c_list, cl = [], [], [], []
+            gates = [e for e in es if e.kind == "gate"]
+            rows, a_list, c_list, cl, gl = [], [], [], [], []
             for p in range(n):
                 rep = None
                 for e in reps:  # the last replace covering p wins (the engine's per-(site, pos) table)
@@ -467,8 +501,13 @@ class HFReference:
                         rep = e
                 here = [e for e in adds if e.applies(p, n_prompt)]
                 cl_here = [e for e in clamps if e.applies(p, n_prompt)]
-                if rep is None and not here and not cl_here:
+                g_here = [e for e in gates if e.applies(p, n_prompt)]
+                if rep is None and not here and not cl_here and not g_here:
                     continue
+                if len(g_here) > 1:
+                    raise ValueError(f"{len(g_here)} row gates at site L{site[0]}.{site[1]}, position {p}: at most one")
+                if g_here:
+                    gl.append((len(rows), g_here[0], p))
                 if cl_here:
                     cl.append((len(rows), cl_here))
                 if rep is not None:
@@ -490,6 +529,13 @@ class HFReference:
                 plans[site] = _SitePlan(torch.tensor(rows, dtype=torch.long, device=self.device),
                                         torch.from_numpy(np.stack(a_list)).to(self.device),
                                         torch.from_numpy(np.stack(c_list)).to(self.device))
+            if gl:
+                sp = plans[site]
+                sp.g_rows = torch.tensor([r for r, _, _ in gl], dtype=torch.long, device=self.device)
+                sp.g_probe = torch.from_numpy(np.stack([e.probe for _, e, _ in gl])).to(self.device)
+                sp.g_params = torch.tensor([[e.threshold, e.sharpness] for _, e, _ in gl], dtype=torch.float32,
+                                           device=self.device)
+                sp.g_term = torch.from_numpy(np.stack([e.add_at(p) for _, e, p in gl])).to(self.device)
             if cl:
                 k = max(len(es_) for _, es_ in cl)
                 dirs = np.zeros((len(cl), k, H), np.float32)
@@ -513,6 +559,11 @@ class HFReference:
             return
         s = h[0, plan.rows].float()
         new = torch.where(plan.a == 0, plan.c, plan.a * s + plan.c)
+        if plan.g_rows is not None:
+            score = (s[plan.g_rows] * plan.g_probe).sum(dim=-1)
+            g = 1.0 / (1.0 + torch.exp(-(plan.g_params[:, 1] * (score - plan.g_params[:, 0]))))
+            new[plan.g_rows] = new[plan.g_rows] + (g - 1.0).unsqueeze(1) * plan.g_term
+            plan.g_out = (score, g)
         if plan.cl_rows is not None:
             v = new[plan.cl_rows]
             proj = (v.unsqueeze(1) * plan.cl_dirs).sum(dim=-1)
@@ -612,7 +663,10 @@ class HFReference:
         if bad:
             raise RuntimeError(f"site hooks fired {[fired.get(s, 0) for s in bad]} times at {bad} (expected once): "
                                "unsupported decoder layer structure")
-        return RefRun(ids, n_prompt, logits, {s: captures[s] for s in cap_sites})
+        gates = {site: {int(plan.rows[i]): (float(sc), float(g))
+                        for i, sc, g in zip(plan.g_rows.tolist(), plan.g_out[0].tolist(), plan.g_out[1].tolist())}
+                 for site, plan in plans.items() if plan.g_rows is not None}
+        return RefRun(ids, n_prompt, logits, {s: captures[s] for s in cap_sites}, gates)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int, edits: Sequence[RefEdit] = (),
                  capture: Iterable[Any] | str = (), stop_at_eos: bool = True) -> ReferenceGeneration:

@@ -26,6 +26,20 @@ directions `d_k` and bounds `[lo_k, hi_k]`, strengths `st_k` (unused entries: ze
 
 (the reference fork's clamp: a value inside its bounds is untouched), then written back as above.
 
+An `AFFINE` slot may also carry a *row gate* (`slot_gate[slot] >= 0`: a row `q` of the gate
+tables, content-addressed like the clamp rows): the reference fork's per-row in-graph monitor
+(`this_token` + probe gates). From the row's value `s` *before* the edit (the same `s` as above),
+
+    score = sum(s * gate_probe[q])                        (fp32)
+    g     = 1 / (1 + exp(-(sharpness_q * (score - threshold_q))))
+    new   = (a * s + c) + (g - 1) * gate_term[q]
+
+so the slot's gated term `gate_term[q]` (what the fork's row adds at that site: the request's own
+static decode steering and its fired `add` gates) is applied scaled by `g`, and `g = 1` leaves the
+slot's ungated value exactly; the rest of the slot (`a`, the other parts of `c`) is not gated.
+The clamps, if any, come after. The op writes `(score, g)` to `gate_out[row]` (read back after the
+forward: the trace reports the `g` the op used).
+
 Single-tensor sites (`embed_site_op`: layer 0's `pre_attn`, where the stream is the embeddings
 alone, and the MLP-branch sites `mlp_in` / `mlp_out`) have no `r`: the value is `x` itself,
 `AFFINE` writes `x = dt(new)`, `PAIR` writes `x = px`, and captures store `r = 0`.
@@ -39,6 +53,11 @@ Two implementations with the same arithmetic (fp32, no fused multiply-add):
   nor a capture returns after two scalar loads, so an idle site costs one tiny launch.
 * CPU (and any non-CUDA device): torch ops on the active rows only; the planner's per-step
   `active` flags let an idle site return at once (CPU runs eagerly: no graph is captured).
+
+(and a branch-free torch version for CUDA tensors the kernel cannot take, `_apply_torch_cuda`).
+The element-wise arithmetic is the same in all three; the reductions (a row gate's score, a
+clamp's projections) sum in each implementation's own order, and the kernel's `exp` is Triton's,
+so a gate's `g` agrees across implementations to fp32 rounding (~1e-6 relative), not bit for bit.
 """
 
 from __future__ import annotations
@@ -64,7 +83,7 @@ class SiteBuffers:
 
     def __init__(self, num_sites: int, max_rows: int, max_slots: int, max_capture_rows: int,
                  hidden: int, device: torch.device, dtype: torch.dtype, max_dim_rows: int = 256,
-                 max_clamp_rows: int = 256, max_clamp_dirs: int = 4):
+                 max_clamp_rows: int = 256, max_clamp_dirs: int = 4, max_gate_rows: int = 256):
         self.num_sites, self.max_rows, self.max_slots = num_sites, max_rows, max_slots
         self.max_capture_rows, self.hidden, self.device, self.dtype = max_capture_rows, hidden, device, dtype
         self.row_slot = torch.full((max_rows, num_sites), -1, dtype=torch.int32, device=device)
@@ -84,6 +103,15 @@ class SiteBuffers:
         self.clamp_lo = torch.full((max_clamp_rows, max_clamp_dirs), -float("inf"), dtype=torch.float32, device=device)
         self.clamp_hi = torch.full((max_clamp_rows, max_clamp_dirs), float("inf"), dtype=torch.float32, device=device)
         self.clamp_st = torch.ones(max_clamp_rows, max_clamp_dirs, dtype=torch.float32, device=device)
+        #: per slot: the row of the gate tables holding its row gate (-1: none)
+        self.slot_gate = torch.full((max_slots,), -1, dtype=torch.int32, device=device)
+        self.max_gate_rows = max_gate_rows
+        #: gate rows: probe direction, [threshold, sharpness], the gated term
+        self.gate_probe = torch.zeros(max_gate_rows, hidden, dtype=torch.float32, device=device)
+        self.gate_params = torch.zeros(max_gate_rows, 2, dtype=torch.float32, device=device)
+        self.gate_term = torch.zeros(max_gate_rows, hidden, dtype=torch.float32, device=device)
+        #: per row of the step: [score, g] of its gated slot (written only where a row gate applied)
+        self.gate_out = torch.zeros(max_rows, 2, dtype=torch.float32, device=device)
         self.slot_px = torch.zeros(max_slots, hidden, dtype=dtype, device=device)
         self.slot_pr = torch.zeros(max_slots, hidden, dtype=dtype, device=device)
         self.cap_x = torch.zeros(max_capture_rows, hidden, dtype=dtype, device=device)
@@ -96,7 +124,8 @@ class SiteBuffers:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.row_slot, self.cap_dst, self.slot_mode, self.slot_a, self.slot_adim, self.dim_a, self.slot_c,
                 self.slot_px, self.slot_pr, self.cap_x, self.cap_r, self.slot_clamp, self.clamp_dir, self.clamp_lo,
-                self.clamp_hi, self.clamp_st)
+                self.clamp_hi, self.clamp_st, self.slot_gate, self.gate_probe, self.gate_params, self.gate_term,
+                self.gate_out)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -124,6 +153,28 @@ def _clamped(b: SiteBuffers, new: torch.Tensor, idx: torch.Tensor) -> torch.Tens
     return new
 
 
+def gate_values(s: torch.Tensor, probe: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row gate's `(score, g)`, fp32: s / probe [n, H], params [n, 2] -> [n], [n]."""
+    score = (s * probe).sum(dim=-1)
+    z = params[:, 1] * (score - params[:, 0])
+    return score, 1.0 / (1.0 + torch.exp(-z))
+
+
+def _gated(b: SiteBuffers, new: torch.Tensor, s: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`new` (fp32, rows `rows` of slots `idx`) after the row gates of those slots; records
+    `(score, g)` in `gate_out`."""
+    gq = b.slot_gate[idx]
+    sel = torch.nonzero(gq >= 0).flatten()
+    if not sel.numel():
+        return new
+    q = gq[sel].long()
+    score, g = gate_values(s[sel], b.gate_probe[q], b.gate_params[q])
+    new = new.clone()
+    new[sel] = new[sel] + (g - 1.0).unsqueeze(1) * b.gate_term[q]
+    b.gate_out.index_copy_(0, rows[sel], torch.stack([score, g], dim=1))
+    return new
+
+
 def _apply_torch(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
     if not b.active[site]:
         return
@@ -140,7 +191,7 @@ def _apply_torch(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: 
         if bool((adim >= 0).any()):
             a = torch.where((adim >= 0).unsqueeze(1), b.dim_a[adim.clamp(min=0).long()], a)
         c = b.slot_c[idx]
-        new = _clamped(b, torch.where(a == 0, c, a * s + c), idx)
+        new = _clamped(b, _gated(b, torch.where(a == 0, c, a * s + c), s, idx, rows), idx)
         pair = mode == SlotMode.PAIR
         if r is None:
             x.index_copy_(0, rows, torch.where(pair, b.slot_px[idx], new.to(x.dtype)))
@@ -171,6 +222,7 @@ def _triton_kernel():
     @triton.jit
     def site_kernel(x_ptr, r_ptr, row_slot_ptr, cap_dst_ptr, mode_ptr, a_ptr, adim_ptr, dima_ptr, c_ptr, px_ptr, pr_ptr,
                     capx_ptr, capr_ptr, sclamp_ptr, cdir_ptr, clo_ptr, chi_ptr, cst_ptr,
+                    sgate_ptr, gprobe_ptr, gparams_ptr, gterm_ptr, gout_ptr,
                     site, num_sites, hidden, stride_x, stride_r,
                     HAS_R: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr, KC: tl.constexpr):
         row = tl.program_id(0)
@@ -204,6 +256,17 @@ def _triton_kernel():
                 else:
                     s = x.to(tl.float32)
                 new = tl.where(a == 0.0, c, a * s + c)
+                gq = tl.load(sgate_ptr + slot)
+                if gq >= 0:  # row gate: g from the pre-edit value, scaling the gated term
+                    pr = tl.load(gprobe_ptr + gq * hidden + offs, mask=m, other=0.0)
+                    score = tl.sum(tl.where(m, s, 0.0) * pr, axis=0)
+                    thr = tl.load(gparams_ptr + gq * 2)
+                    sharp = tl.load(gparams_ptr + gq * 2 + 1)
+                    g = 1.0 / (1.0 + tl.exp(-(sharp * (score - thr))))
+                    term = tl.load(gterm_ptr + gq * hidden + offs, mask=m, other=0.0)
+                    new = new + (g - 1.0) * term
+                    tl.store(gout_ptr + row * 2, score)
+                    tl.store(gout_ptr + row * 2 + 1, g)
                 cl = tl.load(sclamp_ptr + slot)
                 if cl >= 0:  # directional clamps: every projection from the same `new`, then one correction
                     live = tl.where(m, new, 0.0)
@@ -245,7 +308,7 @@ def _apply_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site:
     block = triton.next_power_of_2(b.hidden)
     kernel[(n,)](x, r if r is not None else x, b.row_slot, b.cap_dst, b.slot_mode, b.slot_a, b.slot_adim, b.dim_a,
                  b.slot_c, b.slot_px, b.slot_pr, b.cap_x, b.cap_r, b.slot_clamp, b.clamp_dir, b.clamp_lo, b.clamp_hi,
-                 b.clamp_st, site, b.num_sites, b.hidden, x.stride(0),
+                 b.clamp_st, b.slot_gate, b.gate_probe, b.gate_params, b.gate_term, b.gate_out, site, b.num_sites, b.hidden, x.stride(0),
                  r.stride(0) if r is not None else 0, HAS_R=r is not None, BLOCK=block, PAIR=int(SlotMode.PAIR),
                  KC=b.max_clamp_dirs,
                  num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
@@ -263,6 +326,12 @@ def _apply_torch_cuda(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, s
     a = torch.where((adim >= 0).unsqueeze(1), b.dim_a[adim.clamp(min=0).long()], a)
     c = b.slot_c[idx]
     new = torch.where(a == 0, c, a * s + c)
+    gq = torch.where((slot >= 0) & (mode.squeeze(1) == SlotMode.AFFINE), b.slot_gate[idx], torch.full_like(slot, -1))
+    gidx = gq.clamp(min=0).long()
+    score, g = gate_values(s, b.gate_probe[gidx], b.gate_params[gidx])
+    gated = (gq >= 0).unsqueeze(1)
+    new = torch.where(gated, new + (g - 1.0).unsqueeze(1) * b.gate_term[gidx], new)
+    b.gate_out[:n].copy_(torch.where(gated, torch.stack([score, g], dim=1), b.gate_out[:n]))
     cl = torch.where(slot >= 0, b.slot_clamp[idx], torch.full_like(slot, -1))
     crow = cl.clamp(min=0).long()
     corr = clamp_correction(new, b.clamp_dir[crow], b.clamp_lo[crow], b.clamp_hi[crow], b.clamp_st[crow])

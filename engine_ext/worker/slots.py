@@ -6,7 +6,8 @@ A dimension-masked patch has a per-dimension `a`: it lives in a second, smaller 
 table (`dim_a` rows, shared by every slot with the same `a` vector — a sweep's cells all share
 one), referenced by the slot and released with it. A slot's directional clamps live the same way
 in a third table (`clamp_dir` / `clamp_lo` / `clamp_hi` / `clamp_st` rows, content-addressed by
-`clamp_key`).
+`clamp_key`), and its row gate (the fork's `this_token` probe gate) in a fourth (`gate_probe` /
+`gate_params` / `gate_term` rows, content-addressed by `gate_key`).
 Slots are content-addressed: requests that need the same value (the same steering vector at the
 same scale, say) share one slot, uploaded once. A request holds references to its slots from
 registration until it finishes; a slot whose last reference is released is free for reuse.
@@ -48,6 +49,13 @@ class SlotValue:
     clamp_hi: np.ndarray | None = None
     clamp_st: np.ndarray | None = None
     clamp_key: Hashable = None
+    #: row gate (see `intervention_op`): probe direction [H], threshold, sharpness and the gated
+    #: term [H] (fp32), with their content key
+    gate_probe: np.ndarray | None = None
+    gate_threshold: float = 0.0
+    gate_sharpness: float = 1.0
+    gate_term: np.ndarray | None = None
+    gate_key: Hashable = None
 
 
 class SlotCapacityError(RuntimeError):
@@ -76,6 +84,9 @@ class SlotTable:
         self._clamps = _RowPool(buffers.max_clamp_rows, "clamp rows (distinct clamp sets in use)", "max_clamp_rows",
                                 "clamps")
         self._cl_of_slot = np.full(self.capacity, -1, np.int64)
+        self._gates = _RowPool(buffers.max_gate_rows, "gate rows (distinct per-token probe gates in use)",
+                               "max_gate_rows", "gated requests")
+        self._gate_of_slot = np.full(self.capacity, -1, np.int64)
 
     def __len__(self) -> int:
         return self.capacity - len(self._free)
@@ -101,11 +112,20 @@ class SlotTable:
                 except SlotCapacityError:
                     self._dims.release(dim)
                     raise
+            gq = -1
+            if value.gate_key is not None:
+                try:
+                    gq = self._gates.acquire(value.gate_key, value)
+                except SlotCapacityError:
+                    self._dims.release(dim)
+                    self._clamps.release(cl)
+                    raise
             slot = self._free.pop()
             self._by_key[key] = slot
             self._key_of[slot] = key
             self._dim_of_slot[slot] = dim
             self._cl_of_slot[slot] = cl
+            self._gate_of_slot[slot] = gq
             self._value_of[slot] = value
             self._pending.append((slot, value))
         self._refs[slot] += 1
@@ -123,6 +143,8 @@ class SlotTable:
                 self._dim_of_slot[slot] = -1
                 self._clamps.release(int(self._cl_of_slot[slot]))
                 self._cl_of_slot[slot] = -1
+                self._gates.release(int(self._gate_of_slot[slot]))
+                self._gate_of_slot[slot] = -1
 
     def key_of(self, slot: int) -> Hashable | None:
         """The content key a slot in use holds (None for a free slot)."""
@@ -148,6 +170,17 @@ class SlotTable:
         b.slot_adim.index_copy_(0, idx, to_device_async(torch.from_numpy(adim), b.device))
         scl = self._cl_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
         b.slot_clamp.index_copy_(0, idx, to_device_async(torch.from_numpy(scl), b.device))
+        sgq = self._gate_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
+        b.slot_gate.index_copy_(0, idx, to_device_async(torch.from_numpy(sgq), b.device))
+        if self._gates.pending:
+            gts, self._gates.pending = self._gates.pending, []
+            probe = np.stack([np.asarray(v.gate_probe, np.float32) for _, v in gts])
+            params = np.array([[v.gate_threshold, v.gate_sharpness] for _, v in gts], np.float32)
+            term = np.stack([np.asarray(v.gate_term, np.float32) for _, v in gts])
+            gidx = to_device_async(torch.tensor([q for q, _ in gts], dtype=torch.long, device="cpu"), b.device)
+            b.gate_probe.index_copy_(0, gidx, to_device_async(torch.from_numpy(probe), b.device))
+            b.gate_params.index_copy_(0, gidx, to_device_async(torch.from_numpy(params), b.device))
+            b.gate_term.index_copy_(0, gidx, to_device_async(torch.from_numpy(term), b.device))
         if self._clamps.pending:
             cls_, self._clamps.pending = self._clamps.pending, []
             K = b.max_clamp_dirs

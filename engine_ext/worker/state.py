@@ -52,6 +52,8 @@ class WorkerConfig:
     #: directional clamps acting at one (site, position) (K) and distinct clamp sets in use at once
     max_clamp_directions: int = 4
     max_clamp_rows: int = 256
+    #: distinct row gates (the fork's `this_token` probe gates: one per gated request) in use at once
+    max_gate_rows: int = 256
 
     def capture_rows(self, hidden: int, dtype: torch.dtype) -> int:
         if self.max_capture_rows is not None:
@@ -156,7 +158,8 @@ class WorkerState:
         self.config = config
         self.buffers = SiteBuffers(self.num_sites, max_rows, config.max_slots, config.capture_rows(hidden, dtype),
                                    hidden, device, dtype, max_dim_rows=config.max_dim_rows,
-                                   max_clamp_rows=config.max_clamp_rows, max_clamp_dirs=config.max_clamp_directions)
+                                   max_clamp_rows=config.max_clamp_rows, max_clamp_dirs=config.max_clamp_directions,
+                                   max_gate_rows=config.max_gate_rows)
         BUFFERS[self.state_id] = self.buffers
         self.slots = SlotTable(self.buffers)
         self.checksum = ActionChecksum()
