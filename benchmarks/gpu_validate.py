@@ -309,17 +309,32 @@ def run_checks(args, eng=None) -> dict:
         gs = GateSet((Gate("this_token", "probe", probe, threshold=thr, sharpness=sharp, steer=SiteVectors((site,), (term,))),))
         g = eng.generate(ids, GenerationParams(max_tokens=3, logprobs=20), dynamic=DynamicRequest(gates=gs))
         soft = {e["position"]: e["soft"][0] for e in g.intervention.dynamic["gates"]["trace"]}
-        edits = [RefEdit.steer((l, "post_block"), term, positions=[n + 1]),
-                 RefEdit.gate((l, "post_block"), du, term, threshold=thr, sharpness=sharp, positions=[n + 1])]
-        r = ref.generate(ids, 3, edits=edits)
-        # the third token's top-20 logprobs vs the oracle's; the ungated steer (g = 1) must be further off
-        top = g.top_logprobs[2]
+        gv = soft.get(n + 1)
+        if gv is None:
+            return {"ok": False, "error": "no gate value reported at the gated position"}
+        # Where the gate is most sensitive (g near 0.5), the engine's bf16 score and the oracle's
+        # own bf16 score differ by rounding, which moves g: so the check is split. (1) the
+        # score: the oracle's projection at the gated position vs the engine's threshold-crossing
+        # score (`thr + logit(g) / sharpness`), within bf16 capture tolerance of the value's norm;
+        # (2) the edit: the oracle steering `g * term` there (g as the engine reports it) gives the
+        # engine's logprobs within the bf16 tolerance, while the ungated steer (g = 1) is far off.
+        # (g = sigmoid(sharpness * (score - threshold)) from the pre-edit score, in the CUDA graph,
+        # is checked exactly by benchmarks/dynamic_gpu_check.py.)
+        seq = list(ids) + list(plain.token_ids[:2])  # positions 0 .. n + 1
+        val = ref.run(seq, capture=[(l, "post_block")]).captures[(l, "post_block")][n + 1].float().cpu().numpy()
+        score_oracle = float(np.dot(val.astype(np.float64), du))
+        score_engine = thr + float(np.log(gv / (1.0 - gv))) / sharp
+        score_tol = 0.02 * float(np.linalg.norm(val))
+        r = ref.generate(ids, 3, edits=[RefEdit.steer((l, "post_block"), term, scale=gv, positions=[n + 1])])
+        top = g.top_logprobs[2]  # the third token's top-20 logprobs vs the oracle's
         diff = max(abs(lp - float(r.step_logprobs[2][t])) for t, lp in top.items())
-        full = ref.generate(ids, 3, edits=edits[:1])
+        full = ref.generate(ids, 3, edits=[RefEdit.steer((l, "post_block"), term, positions=[n + 1])])
         apart = max(abs(float(full.step_logprobs[2][t]) - float(r.step_logprobs[2][t])) for t in top)
-        return {"ok": diff <= LOGPROB_TOL_BF16 and g.token_ids == r.token_ids and soft.get(n + 1) is not None
-                and 0.05 < soft[n + 1] < 0.95 and apart > 2 * LOGPROB_TOL_BF16 and not g.intervention.voided,
-                "logprob_diff": diff, "g": soft.get(n + 1), "same_tokens_as_oracle": g.token_ids == r.token_ids,
+        return {"ok": diff <= LOGPROB_TOL_BF16 and g.token_ids == r.token_ids and 0.05 < gv < 0.95
+                and abs(score_engine - score_oracle) <= score_tol and apart > 2 * LOGPROB_TOL_BF16
+                and not g.intervention.voided,
+                "logprob_diff": diff, "g": gv, "same_tokens_as_oracle": g.token_ids == r.token_ids,
+                "score_engine": score_engine, "score_oracle": score_oracle, "score_tolerance": score_tol,
                 "ungated_logprob_apart": apart, "tolerance": LOGPROB_TOL_BF16}
 
     for name, fn in [("captures_vs_oracle", captures), ("self_patch_bit_exact", self_patch), ("steering_vs_oracle", steering),
