@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU host from the repo root: the validation matrix and the foundation check.
 #   source .vbundle/gpu_env.sh && bash benchmarks/gpu_matrix.sh [bundled|llama-1b] [checks|foundation|throughput]
+# CB_PARALLEL=1: the four check configurations run at once (fixed KV caches)
 # Results: $OUT/<name>.json, logs $OUT/<name>.log
 set -uo pipefail
 MODEL="${1:-bundled}"; WHAT="${2:-checks}"
@@ -15,9 +16,16 @@ run() {  # name, args...
 }
 case "$WHAT" in
   checks)
-    for mode in eager graphs; do for runner in v2 v1; do
-      run "val-$MODEL-$mode-$runner" benchmarks/gpu_validate.py --model "$MODEL" --mode $mode --runner $runner
-    done; done ;;
+    if [ -n "${CB_PARALLEL:-}" ]; then  # the four configurations at once, each with a fixed 4 GiB KV cache
+      for mode in eager graphs; do for runner in v2 v1; do
+        run "val-$MODEL-$mode-$runner" benchmarks/gpu_validate.py --model "$MODEL" --mode $mode --runner $runner --kv-gib 4 &
+        sleep 10
+      done; done; wait
+    else
+      for mode in eager graphs; do for runner in v2 v1; do
+        run "val-$MODEL-$mode-$runner" benchmarks/gpu_validate.py --model "$MODEL" --mode $mode --runner $runner
+      done; done
+    fi ;;
   foundation)
     for mode in eager graphs; do run "found-$MODEL-$mode" benchmarks/gpu_check.py --model "$MODEL" --mode $mode; done ;;
   throughput)

@@ -87,8 +87,12 @@ def run_checks(args, eng=None) -> dict:
     t0 = time.perf_counter()
     own = eng is None
     if own:
+        kv = getattr(args, "kv_gib", None)
+        # a fixed KV cache (no memory profiling) lets several configurations share one GPU at once
+        mem = ({"gpu_memory_utilization": 0.08, "engine_kwargs": {"kv_cache_memory_bytes": int(kv * 2**30)}}
+               if kv and args.device == "cuda" else {"gpu_memory_utilization": 0.45})
         eng = Engine(model=_model_path(args.model, args.scratch), device=args.device, enforce_eager=args.mode == "eager",
-                     max_model_len=None if args.model == "bundled" else 512, gpu_memory_utilization=0.45).start()
+                     max_model_len=None if args.model == "bundled" else 512, **mem).start()
     res["startup_s"] = round(time.perf_counter() - t0, 1)
     res["runner_class"] = eng.info.runner
     values = res["values"] = {}  # raw outputs, for comparing configurations (benchmarks/gpu_multirank.py)
@@ -403,6 +407,7 @@ def main() -> int:
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--kv-gib", type=float, default=None, help="checks: a fixed KV cache of this size (several runs per GPU)")
     ap.add_argument("--reps", type=int, default=1, help="throughput: repetitions per figure (the median is reported)")
     ap.add_argument("--batch-invariant", choices=["on", "off", "default"], default="default")
     ap.add_argument("--scratch", default=os.environ.get("CB_SCRATCH", "/tmp"))
