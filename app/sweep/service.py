@@ -7,9 +7,10 @@ A sweep has two phases:
    scores the clean baseline; captured again, at most `CLEAN_CAPTURE_ATTEMPTS` times in all, when
    a full store evicted it before it could be leased), lease the source run, score the corrupt baseline alone (one
    request per noise sample). Then the `start` event is logged.
-2. *Fan-out* (a background task): one request per cell (x noise samples), at most
-   `max_concurrency` in flight, scored exactly on the answer/foil ids; unpatched corrupt
-   baselines are re-run at evenly spaced points *inside* the cell batch, and as many cells are
+2. *Fan-out* (a background task): one request per cell (x noise samples), submitted in groups
+   through `Engine.agenerate_many` (one preparation and one hand-off to the engine loop per
+   group, results as each request finishes), at most `max_concurrency` cells in flight, scored
+   exactly on the answer/foil ids; unpatched corrupt baselines are re-run at evenly spaced points *inside* the cell batch, and as many cells are
    run a second time after all others — the largest deviation (baseline vs its solo run,
    repeat vs first run) is the noise floor. Cells are logged as they complete;
    a cell whose patch could not be applied (source run dropped/evicted, capacity) is voided
@@ -28,6 +29,7 @@ holds their JSON form.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -59,6 +61,11 @@ PROGRESS_EVERY_S = 0.5
 #: effects below this (metric units) count as "within noise" even when the measured floor is
 #: smaller: float32 logprobs of differently batched requests differ at this scale
 MIN_EFFECT = 1e-6
+#: the fan-out submits its jobs in groups (one `Engine.agenerate_many` batch each) of at most this
+#: many, and of at most a quarter of the in-flight limit, so the engine starts on the first group
+#: while the next ones are prepared
+GROUP_MAX = 128
+GROUPS_PER_WINDOW = 4
 
 
 class SweepRun:
@@ -256,9 +263,8 @@ class SweepService:
         await self._emit_checksum(run)
 
     async def _score(self, ids: list[int], plan: SweepPlan, noise, patch=None) -> dict[int, float]:
-        spec = Interventions(patch=(patch,) if patch is not None else (), noise=noise, score_token_ids=plan.score_ids)
         # fresh: baselines are computed like the (never prefix-cached) patched cells
-        gen = await self.engine.agenerate(ids, GenerationParams(max_tokens=1), spec, fresh=True)
+        gen = await self.engine.agenerate(ids, GenerationParams(max_tokens=1), _spec(plan, noise, patch), fresh=True)
         if gen.intervention is not None and gen.intervention.voided:
             raise _Voided("; ".join(gen.intervention.errors) or "voided")
         return gen.scores[0]
@@ -266,7 +272,8 @@ class SweepService:
     # ---- phase 2: fan-out -----------------------------------------------------------------------
     async def _fan_out(self, run: SweepRun, base: _Baselines) -> None:
         plan = run.plan
-        sem = asyncio.Semaphore(plan.request.max_concurrency or max(1, self.engine.info.max_num_seqs))
+        limit = plan.request.max_concurrency or max(1, self.engine.info.max_num_seqs)
+        slots = asyncio.Semaphore(limit)  # jobs (a cell with its noise samples, or a baseline) in flight
         results: asyncio.Queue = asyncio.Queue()
         n = len(plan.cells)
         k_nf = plan.request.noise_floor_samples
@@ -280,71 +287,104 @@ class SweepService:
         raw: dict[tuple[str, int, int], float] = {}
         repeats: dict[tuple[str, int, int], float] = {}
 
-        async def cell_job(cell: SweepCell, kind: str = "cell") -> None:
-            async with sem:
-                try:
-                    vals = await asyncio.gather(*(self._score(plan.corrupt_ids, plan, plan.noise_for(k), plan.patch_for(cell))
-                                                  for k in range(plan.noise_samples)))
-                    results.put_nowait((kind, cell, sum(plan.basis_of(v) for v in vals) / len(vals), None))
-                except _Voided as exc:
-                    results.put_nowait((kind, cell, None, str(exc)))
-                except (asyncio.CancelledError, EngineDeadError):
-                    raise
-                except Exception as exc:  # one cell failing must not take the sweep down
-                    logger.exception("sweep %s: cell %s failed", plan.sweep_id, cell)
-                    results.put_nowait((kind, cell, None, f"{type(exc).__name__}: {exc}"))
+        # the jobs in submission order: baselines at evenly spaced points inside the cells, repeats last
+        jobs: list[tuple[str, SweepCell | None]] = []
+        for i, cell in enumerate(plan.cells):
+            if i in nf_at:
+                jobs.append(("baseline", None))
+            jobs.append(("cell", cell))
+        jobs += [("repeat", plan.cells[i]) for i in repeat_at]
+        group = max(1, min(GROUP_MAX, -(-limit // GROUPS_PER_WINDOW)))
 
-        async def baseline_job() -> None:
-            async with sem:
-                try:
-                    results.put_nowait(("baseline", None, plan.basis_of(await self._score(plan.corrupt_ids, plan, plan.noise_for(0))), None))
-                except _Voided as exc:
-                    results.put_nowait(("baseline", None, None, str(exc)))
+        async def group_job(chunk: list[tuple[str, SweepCell | None]]) -> None:
+            """One batch of jobs through `Engine.agenerate_many`; each job's result is queued as
+            soon as all its requests are in, and its slot freed."""
+            specs, owner = [], []  # per request: its spec, (job, noise sample)
+            for j, (kind, cell) in enumerate(chunk):
+                for k in range(1 if kind == "baseline" else plan.noise_samples):
+                    specs.append(_spec(plan, plan.noise_for(k), None if kind == "baseline" else plan.patch_for(cell)))
+                    owner.append((j, k))
+            vals: list[list[float | None]] = [[None] * (1 if kind == "baseline" else plan.noise_samples) for kind, _ in chunk]
+            left = [len(v) for v in vals]
+            errs: list[str | None] = [None] * len(chunk)
+            batch = self.engine.agenerate_many([plan.corrupt_ids] * len(specs), GenerationParams(max_tokens=1), specs, fresh=True)
+            async with contextlib.aclosing(batch) as finished:
+                async for r, res in finished:
+                    j, k = owner[r]
+                    kind, cell = chunk[j]
+                    try:
+                        if isinstance(res, Exception):
+                            raise res
+                        if res.intervention is not None and res.intervention.voided:
+                            raise _Voided("; ".join(res.intervention.errors) or "voided")
+                        vals[j][k] = plan.basis_of(res.scores[0])
+                    except _Voided as exc:
+                        errs[j] = errs[j] or str(exc)
+                    except Exception as exc:
+                        if kind == "baseline":  # a baseline that fails (not voided) ends the sweep
+                            raise
+                        # one cell failing must not take the sweep down
+                        if errs[j] is None:
+                            logger.error("sweep %s: cell %s failed", plan.sweep_id, cell, exc_info=exc)
+                            errs[j] = f"{type(exc).__name__}: {exc}"
+                    left[j] -= 1
+                    if not left[j]:
+                        value = None if errs[j] is not None else sum(vals[j]) / len(vals[j])
+                        results.put_nowait((kind, cell, value, errs[j]))
+                        slots.release()
+
+        def report_failure(task: asyncio.Task) -> None:  # a job that raised ends the sweep
+            if not task.cancelled() and task.exception() is not None:
+                results.put_nowait(("failed", None, None, task.exception()))
+
+        async def feed() -> None:
+            """Submit the jobs in groups, at most `limit` jobs in flight."""
+            for start in range(0, len(jobs), group):
+                chunk = jobs[start: start + group]
+                for _ in chunk:
+                    await slots.acquire()
+                t = asyncio.create_task(group_job(chunk))
+                t.add_done_callback(report_failure)
+                tasks.append(t)
 
         state = "done"
         waiter: asyncio.Future | None = None
         try:
-            for i, cell in enumerate(plan.cells):
-                if i in nf_at:
-                    tasks.append(asyncio.create_task(baseline_job()))
-                tasks.append(asyncio.create_task(cell_job(cell)))
-            tasks += [asyncio.create_task(cell_job(plan.cells[i], "repeat")) for i in repeat_at]
-
-            def report_failure(task: asyncio.Task) -> None:  # a job that raised ends the sweep
-                if not task.cancelled() and task.exception() is not None:
-                    results.put_nowait(("failed", None, None, task.exception()))
-
-            for t in tasks:
-                t.add_done_callback(report_failure)
-            pending = len(tasks)
+            feeder = asyncio.create_task(feed())
+            feeder.add_done_callback(report_failure)
+            tasks.append(feeder)
+            pending = len(jobs)
             last_progress = 0.0
             while pending:
                 waiter = asyncio.ensure_future(results.get())
-                kind, cell, value, error = await waiter
-                if kind == "failed":
-                    raise error
-                pending -= 1
-                if kind in ("baseline", "repeat"):
+                got = [await waiter]
+                while not results.empty():  # a group's burst: one wake-up for all its results
+                    got.append(results.get_nowait())
+                for kind, cell, value, error in got:
+                    if kind == "failed":
+                        raise error
+                    pending -= 1
+                    if kind in ("baseline", "repeat"):
+                        if value is not None:
+                            if kind == "baseline":
+                                in_batch.append(value)
+                            else:
+                                repeats[cell.key] = value
+                            if in_batch:
+                                nf = self._noise_floor(in_batch, base, _pairs(raw, repeats))
+                                run.emit(NoiseFloorEvent(**dict(nf), final=len(in_batch) + len(repeats) == k_nf + len(repeat_at)))
+                        continue
                     if value is not None:
-                        if kind == "baseline":
-                            in_batch.append(value)
-                        else:
-                            repeats[cell.key] = value
-                        if in_batch:
-                            nf = self._noise_floor(in_batch, base, _pairs(raw, repeats))
-                            run.emit(NoiseFloorEvent(**dict(nf), final=len(in_batch) + len(repeats) == k_nf + len(repeat_at)))
-                    continue
-                if value is not None:
-                    raw[cell.key] = value
-                shown = None if value is None else self._metric(value, base)
-                run.values[cell.key] = shown
-                if value is None:
-                    run.errors[cell.key] = error
-                run.emit(CellEvent(hook=cell.hook, layer=cell.layer, position=cell.position, value=shown, error=error, raw=value))
-                now = time.monotonic()
-                if now - last_progress >= PROGRESS_EVERY_S or len(run.values) == n:
-                    last_progress = now
-                    run.emit(self._progress(run))
+                        raw[cell.key] = value
+                    shown = None if value is None else self._metric(value, base)
+                    run.values[cell.key] = shown
+                    if value is None:
+                        run.errors[cell.key] = error
+                    run.emit(CellEvent(hook=cell.hook, layer=cell.layer, position=cell.position, value=shown, error=error, raw=value))
+                    now = time.monotonic()
+                    if now - last_progress >= PROGRESS_EVERY_S or len(run.values) == n:
+                        last_progress = now
+                        run.emit(self._progress(run))
         except asyncio.CancelledError:
             state = "cancelled"
         except EngineDeadError as exc:
@@ -476,6 +516,12 @@ def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int,
     """Repeated cells whose both runs have a value (basis units)."""
     return [CellRepeat(hook=k[0], layer=k[1], position=k[2], first=raw[k], repeat=v)
             for k, v in sorted(repeats.items()) if k in raw]
+
+
+def _spec(plan: SweepPlan, noise, patch=None) -> Interventions:
+    """A sweep request's spec: the corrupt prompt's noise sample, the cell's patch (none for a
+    baseline), scored exactly on the answer/foil ids."""
+    return Interventions(patch=(patch,) if patch is not None else (), noise=noise, score_token_ids=plan.score_ids)
 
 
 class _Voided(Exception):

@@ -5,9 +5,10 @@
         g = eng.generate("The capital of Tarn is", GenerationParams(max_tokens=4))
 
 One engine serves any number of concurrent callers: sync `generate` from threads, `agenerate` /
-`astream` from any asyncio loop; all requests are batched by vLLM on the engine thread
-(`EngineLoop`). Prompts are tokenized here with the model's own tokenizer and sent to vLLM as
-token ids, so the positions the caller sees are exactly the positions the engine computes on.
+`astream` / `agenerate_many` (a batch, results as each finishes) from any asyncio loop; all
+requests are batched by vLLM on the engine thread (`EngineLoop`). Prompts are tokenized here with
+the model's own tokenizer and sent to vLLM as token ids, so the positions the caller sees are
+exactly the positions the engine computes on.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from engine_ext.errors import EngineDeadError, SpecError
 from engine_ext.engine.config import EngineConfig, EngineInfo
 from engine_ext.engine.topology import (Topology, cpu_thread_binding, merge_model_info, merge_results, merge_store_info,
                                         merge_store_usage)
-from engine_ext.engine.outputs import AsyncSink, Prepared, QueueSink, delta_from_output
+from engine_ext.engine.outputs import AsyncSink, BatchSink, Prepared, QueueSink, delta_from_output
 from engine_ext.generation import Generation, GenerationDelta, GenerationParams
 from engine_ext.dynamic.engine import DynamicControl
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY
@@ -544,6 +545,25 @@ class Engine(DynamicControl):
         return functools.partial(delta_from_output, top_k=(params.logprobs or 0) if not score_ids else 0,
                                  score_ids=score_ids, program_hash=prep.program_hash, chosen=params.logprobs is not None)
 
+    def _prepare_many(self, batch: list[Prompt], params: list[GenerationParams], specs: list[Interventions | None], *,
+                      fresh: bool = False, dynamic: Any = None, errors: dict[int, Exception] | None = None) -> list[Prepared | None]:
+        """`_prepare` for a batch (one params and one spec per prompt): a spec object given for
+        several prompts is compiled once per prompt length (`ProgramTemplate`, for this call
+        only). Without `errors` the first invalid item raises; with it, an item that fails
+        validation is recorded there (by index) and its slot is None."""
+        seen = Counter(map(id, specs))
+        templates: dict = {}
+        out: list[Prepared | None] = []
+        for i, (p, gp, s) in enumerate(zip(batch, params, specs)):
+            try:
+                out.append(self._prepare(p, gp, s, fresh, dynamic=dynamic, templates=templates if seen[id(s)] > 1 else None))
+            except Exception as exc:
+                if errors is None:
+                    raise
+                errors[i] = exc
+                out.append(None)
+        return out
+
     def generate(self, prompts: Prompt | Sequence[Prompt], params: GenerationParams | None = None,
                  interventions: Interventions | Sequence[Interventions | None] | None = None, *,
                  dynamic: Any = None) -> Any:
@@ -558,11 +578,7 @@ class Engine(DynamicControl):
         if len(specs) != len(batch):
             raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
         loop = self._require_loop()
-        # a spec given for several prompts is compiled once per prompt length (for this call only)
-        seen = Counter(map(id, specs))
-        templates: dict = {}
-        prepared = [self._prepare(p, params, s, dynamic=dynamic, templates=templates if seen[id(s)] > 1 else None)
-                    for p, s in zip(batch, specs)]  # validate all before submitting any
+        prepared = self._prepare_many(batch, [params] * len(batch), specs, dynamic=dynamic)  # validate all before submitting any
         jobs, requests = [], []
         for prep, spec in zip(prepared, specs):
             rid = prep.key or self._new_id()
@@ -620,6 +636,75 @@ class Engine(DynamicControl):
         async for delta in self._astream(prep, params, interventions):
             gen.extend(delta)
         return gen
+
+    async def agenerate_many(self, prompts: Sequence[Prompt],
+                             params: GenerationParams | Sequence[GenerationParams] | None = None,
+                             interventions: Interventions | Sequence[Interventions | None] | None = None, *,
+                             fresh: bool = False, dynamic: Any = None) -> AsyncIterator[tuple[int, Generation | Exception]]:
+        """Run many prompts as one batch from asyncio; yield `(index, result)` as each finishes.
+
+        Contract:
+
+        - `prompts`, `interventions`, `dynamic` as in `generate` (one spec for all, or one per
+          prompt; a spec object given for several prompts is compiled once per prompt length);
+          `params` one for all or one per prompt; `fresh` as in `agenerate`, for every item.
+        - Every item is prepared first, then all are handed to the engine loop in one command
+          (`EngineLoop.submit_many`), so vLLM schedules them together. Results come back through one
+          shared sink: the caller's event loop is woken once per burst of finished requests, not
+          once per request.
+        - Yields each index exactly once, in completion order (not input order). The result is the
+          item's `Generation`, or the `Exception` of that item alone: a `SpecError` from its
+          validation (nothing of it was submitted) or vLLM refusing it. A bad item never fails the
+          others. A voided intervention is a normal `Generation` (`intervention.voided`).
+        - The engine dying (or being shut down) raises `EngineDeadError` from the iterator.
+        - Leaving early — `aclose()`, `break` inside `async with contextlib.aclosing(...)`, or
+          cancelling the task that iterates — aborts every item not yet finished, in one command
+          (`EngineLoop.abort_many`); `in_flight` then returns to what it was. (A generator merely
+          dropped without `aclose` is only closed when it is garbage-collected.)
+        """
+        batch = list(prompts)
+        specs = list(interventions) if isinstance(interventions, (list, tuple)) else [interventions] * len(batch)
+        if len(specs) != len(batch):
+            raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
+        per = list(params) if isinstance(params, (list, tuple)) else [params or GenerationParams()] * len(batch)
+        if len(per) != len(batch):
+            raise SpecError("params", f"{len(per)} parameter sets for {len(batch)} prompts")
+        loop = self._require_loop()
+        errors: dict[int, Exception] = {}
+        prepared = self._prepare_many(batch, per, specs, fresh=fresh, dynamic=dynamic, errors=errors)
+        sink = BatchSink(asyncio.get_running_loop())
+        gens: dict[int, Generation] = {}
+        rids: dict[int, str] = {}
+        requests = []
+        for i, (prep, gp, spec) in enumerate(zip(prepared, per, specs)):
+            if prep is None:
+                continue
+            rid = rids[i] = prep.key or self._new_id()
+            gens[i] = Generation(rid, prep.text, prep.ids)
+            requests.append((rid, prep.prompt(), prep.sampling, sink.member(i, self._converter(gp, spec, prep)), prep.key))
+        if requests:
+            loop.submit_many(requests)
+        try:
+            for i, exc in errors.items():
+                yield i, exc
+            while gens:
+                for i, item in await sink.get():
+                    if i is None:  # the whole engine failed
+                        raise item
+                    if isinstance(item, BaseException):
+                        gens.pop(i, None)
+                        yield i, item
+                        continue
+                    gen = gens.get(i)
+                    if gen is None:
+                        continue
+                    gen.extend(item)
+                    if item.finished:
+                        del gens[i]
+                        yield i, gen
+        finally:
+            if gens:
+                loop.abort_many([rids[i] for i in gens])
 
     # ---- conveniences ----------------------------------------------------------------------
     def capture(self, prompt: Prompt, sites: Any, positions: Any = "all_prompt", *, keep_as: str | None = None,

@@ -173,17 +173,22 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Its sink gets no further output."""
-        if not self.alive:
+        self.abort_many([request_id])
+
+    def abort_many(self, request_ids: list[str]) -> None:
+        """`abort` for several requests with one command (one wake-up of the loop thread, one
+        `abort_request` call into vLLM, one `cb_collect` to drop their worker-side results)."""
+        if not self.alive or not request_ids:
             return
 
         def abort() -> None:
             with self._lock:
-                known = self._sinks.pop(request_id, None) is not None
+                known = [r for r in request_ids if self._sinks.pop(r, None) is not None]
             if known:
-                self.engine.abort_request([request_id])
-            key = self._collect.pop(request_id, None)
-            if key is not None:  # drop the worker-side result nobody will read
-                self._collect_results([key])
+                self.engine.abort_request(known)
+            keys = [k for k in (self._collect.pop(r, None) for r in request_ids) if k is not None]
+            if keys:  # drop the worker-side results nobody will read
+                self._collect_results(keys)
 
         self._commands.put(abort)
 

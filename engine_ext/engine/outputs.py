@@ -1,6 +1,6 @@
 """Per-request plumbing between the engine loop and callers: the prepared vLLM request
 (`Prepared`), the sinks that receive a request's outputs on the loop thread (`QueueSink` for
-threads, `AsyncSink` for asyncio) and the conversion of vLLM `RequestOutput`s into plain
+threads, `AsyncSink` for asyncio, `BatchSink` for a batch of requests awaited from asyncio) and the conversion of vLLM `RequestOutput`s into plain
 `GenerationDelta`s (no vLLM type leaves this package)."""
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import queue
+import threading
 from dataclasses import dataclass
 from typing import Any
 
+from engine_ext.errors import EngineDeadError
 from engine_ext.generation import GenerationDelta, InterventionResult
 from engine_ext.sites import SitePosition, site_from_index
 
@@ -48,6 +50,67 @@ class AsyncSink:
 
     def on_error(self, error: BaseException) -> None:
         self._post(error)
+
+
+class BatchSink:
+    """Async sink shared by the requests of one batch (`Engine.agenerate_many`): each request
+    gets a `member(index, convert)`; their deltas (and errors) are appended to one list, and the
+    caller's event loop is woken once per burst — one `call_soon_threadsafe` for all the requests
+    that finish in one engine step, instead of one each. `get` returns every `(index, item)`
+    posted since the last call; an engine failure comes as `(None, EngineDeadError)`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[int | None, Any]] = []
+        self._waking = False  # a wake-up is scheduled on the caller's loop and has not run yet
+        self._ready = asyncio.Event()
+
+    def member(self, index: int, convert) -> "_BatchMember":
+        return _BatchMember(self, index, convert)
+
+    def post(self, index: int | None, item: Any) -> None:
+        """Loop thread: queue one item; schedule a wake-up unless one is already pending."""
+        with self._lock:
+            self._items.append((index, item))
+            if self._waking:
+                return
+            self._waking = True
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._waking = False
+        self._ready.set()
+
+    async def get(self) -> list[tuple[int | None, Any]]:
+        """Wait for news; return (and forget) everything posted so far, oldest first."""
+        while True:
+            with self._lock:
+                items, self._items = self._items, []
+            if items:
+                return items
+            await self._ready.wait()
+            self._ready.clear()
+
+
+class _BatchMember:
+    """One request of a `BatchSink` (the loop's per-request `Sink`)."""
+
+    __slots__ = ("_batch", "_index", "_convert")
+
+    def __init__(self, batch: BatchSink, index: int, convert):
+        self._batch, self._index, self._convert = batch, index, convert
+
+    def on_output(self, output: Any, worker_result: dict | None = None) -> None:
+        self._batch.post(self._index, self._convert(output, worker_result))
+
+    def on_error(self, error: BaseException) -> None:
+        # the engine's death ends the whole batch; anything else (vLLM refused this request) is this item's
+        self._batch.post(None if isinstance(error, EngineDeadError) else self._index, error)
 
 
 def delta_from_output(output: Any, worker_result: dict | None, top_k: int, score_ids: tuple[int, ...],

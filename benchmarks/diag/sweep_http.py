@@ -1,0 +1,175 @@
+"""Sweep throughput over HTTP (issue #13, P1 over `POST /v1/patch_sweep`), on the CPU with the
+bundled model by default: serve the API in-process (uvicorn in a thread, the engine in-process),
+run the same sweep several times, print cells/s.
+
+    PYTHONPATH=. python3 benchmarks/diag/sweep_http.py [--model DIR] [--device cpu|cuda] [--reps 5]
+        [--pair K] [--hooks pre_attn,post_attn,post_block] [--max-concurrency N] [--words N]
+
+The sweep: the K-th equal-length clean/corrupt pair of the model's `tasks.json`, padded in front
+with `--words` filler words (8: 13 tokens with the bundled model; 27: 32 tokens, i.e. 768 cells
+over its 8 layers and 3 hooks, the GPU workload's cell count); a model folder without
+`tasks.json` (the benchmark model of `benchmarks/compare/`) gets `cb_bench.py p1http`'s 16-token
+word prompts and answer/foil ids. Every layer x every prompt position x the hooks, metric
+logprob, non-streaming (the whole summary is the response). One warm-up sweep, then `--reps`
+timed ones; each timed sweep's wall time is the HTTP round trip (plan, clean capture, baselines,
+the cells, summary), as in `cb_bench.py p1http`.
+
+The CPU's speed is bimodal per process (the same decode runs at ~50 tok/s in some processes and
+~1,000+ tok/s in others; docs/performance.md): before the sweeps, a short decode probe (8 x 48
+tokens) reports `decode_tok_s` and the process's `mode` (`fast` above 300 tok/s, else `slow`).
+Compare only processes of the same mode.
+
+Wall time on a shared machine moves with the other processes' load, so each sweep also reports
+the CPU time (utime + stime from `/proc/self/task/TID/stat`, 10 ms ticks) of the thread that
+runs the API's event loop (`api_cpu_s`: HTTP, the sweep service, the client side of every
+request), of the engine-loop thread (`engine_cpu_s`: vLLM's scheduler and, on a CPU, the
+forward's main thread) and of the whole process (`process_cpu_s`, OpenMP workers included): the
+API thread's CPU per cell is the cost the per-cell asyncio path puts on the host, and it is far
+less sensitive to the load than wall time.
+
+To compare two trees, run this file from one tree against the other's code
+(`PYTHONPATH=/tmp/old-tree python3 benchmarks/diag/sweep_http.py`): it uses only the HTTP API
+and `Engine`, which both sides have. Output: JSON lines (`probe`, `sweep` per repetition, `summary`).
+"""
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import threading
+import time
+
+
+def emit(tag: str, **kw) -> None:
+    print(json.dumps({"bench": tag, **kw}, default=str), flush=True)
+
+
+def thread_cpu_s(native_id: int) -> float:
+    """CPU seconds (user + system) a thread of this process has used so far."""
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(api_tid: int, engine_tid: int) -> tuple[float, float, float]:
+    t = os.times()
+    return thread_cpu_s(api_tid), thread_cpu_s(engine_tid), t.user + t.system
+
+
+def git_head(path: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pair", type=int, default=0)
+    ap.add_argument("--hooks", default="pre_attn,post_attn,post_block")
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--words", type=int, default=8, help="filler words put in front of both prompts")
+    ap.add_argument("--label", default="", help="a free label copied into every line (e.g. old/new)")
+    args = ap.parse_args()
+
+    import httpx
+    import uvicorn
+
+    import engine_ext
+    try:
+        import panel  # noqa: F401
+    except ImportError:  # a GPU host without the dashboard stack: serve the API only
+        import app.dashboard
+        app.dashboard.mount = lambda app_: None
+    from app.api.app import create_app
+    from engine_ext import BUNDLED_MODEL_PATH, Engine, GenerationParams
+
+    t0 = time.perf_counter()
+    if args.device == "cuda":  # cb_bench.py's GPU settings
+        eng = Engine(model=args.model, device="cuda", enforce_eager=False, max_model_len=4096,
+                     gpu_memory_utilization=0.8).start()
+    else:
+        eng = Engine(model=args.model, device=args.device).start()
+    code = os.path.dirname(os.path.dirname(os.path.abspath(engine_ext.__file__)))
+    common = {"label": args.label, "code": code, "commit": git_head(code), "load_avg": os.getloadavg()[0]}
+    emit("start", seconds=round(time.perf_counter() - t0, 1), max_num_seqs=eng.info.max_num_seqs,
+         layers=eng.info.num_layers, **common)
+
+    # the bimodal-speed probe: a short decode (8 x 48 tokens), best of 2
+    probe = []
+    for _ in range(2):
+        t = time.perf_counter()
+        gens = eng.generate(["The capital of"] * 8, GenerationParams(max_tokens=48, ignore_eos=True))
+        probe.append(sum(len(g.token_ids) for g in gens) / (time.perf_counter() - t))
+    tok_s = max(probe)
+    mode = "fast" if tok_s > 300 else "slow"
+    emit("probe", decode_tok_s=round(tok_s, 1), mode=mode, **common)
+
+    tasks_path = os.path.join(args.model or str(BUNDLED_MODEL_PATH), "tasks.json")
+    if os.path.exists(tasks_path):
+        with open(tasks_path) as f:
+            tasks = json.load(f)
+        pair = [p for p in tasks["pairs"] if p["equal_length"]][args.pair]
+        filler = "".join(("and ", "then ")[k % 2] for k in range(args.words))
+        body = {"prompt": filler + pair["corrupt_prompt"], "clean_prompt": filler + pair["clean_prompt"],
+                "answer_token_id": pair["answer_id"], "foil_token_id": pair["foil_id"]}
+    else:  # the benchmark model of benchmarks/compare (word-level tokenizer "t<id>"): cb_bench.py p1http's body
+        rng = random.Random(0)
+        clean = [rng.randrange(1000, 128000) for _ in range(16)]
+        corrupt = list(clean)
+        corrupt[3:6] = [9001, 9002, 9003]
+        body = {"prompt": " ".join(f"t{i}" for i in corrupt), "clean_prompt": " ".join(f"t{i}" for i in clean),
+                "answer_token_id": 1000, "foil_token_id": 2000}
+    body.update(metric="logprob", hooks=args.hooks.split(","))
+    if args.max_concurrency:
+        body["max_concurrency"] = args.max_concurrency
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(eng), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as c:
+            def sweep() -> dict:
+                r = c.post("/v1/patch_sweep", json=body)
+                r.raise_for_status()
+                return r.json()
+
+            first = sweep()  # warm-up
+            times, cells, cpu = [], first["cells_done"], []
+            api_tid, engine_tid = thread.native_id, eng._loop._thread.native_id
+            for rep in range(args.reps):
+                c0 = cpu_snapshot(api_tid, engine_tid)
+                t = time.perf_counter()
+                r = sweep()
+                times.append(time.perf_counter() - t)
+                cpu.append([b - a for a, b in zip(c0, cpu_snapshot(api_tid, engine_tid))])
+                assert r["cells_done"] == cells and not r["cancelled"], r.get("notes")
+                emit("sweep", rep=rep, cells=cells, seconds=round(times[-1], 4), cells_per_s=round(cells / times[-1], 1),
+                     server_elapsed_s=r.get("elapsed_s"), api_cpu_s=round(cpu[-1][0], 3), engine_cpu_s=round(cpu[-1][1], 3),
+                     process_cpu_s=round(cpu[-1][2], 3), load_now=os.getloadavg()[0], **common)
+            m = statistics.median(times)
+            api_ms = statistics.median(c[0] for c in cpu) * 1000 / cells
+            engine_ms = statistics.median(c[1] for c in cpu) * 1000 / cells
+            emit("summary", cells=cells, prompt_tokens=len(first["prompt_token_ids"]), mode=mode,
+                 decode_tok_s=round(tok_s, 1), median_s=round(m, 4), cells_per_s=round(cells / m, 1),
+                 reps_s=[round(x, 4) for x in times], api_cpu_ms_per_cell=round(api_ms, 3),
+                 engine_cpu_ms_per_cell=round(engine_ms, 3), max_concurrency=args.max_concurrency, **common)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        eng.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The sweep fan-out's batches (`Engine.agenerate_many` groups) on the real engine (bundled model,
+CPU): never more than `max_concurrency` cells in flight, more than one group in flight at once,
+and the same grid as a sweep run one cell at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from app.sweep.service import GROUP_MAX, GROUPS_PER_WINDOW
+
+
+def watch_in_flight(engine) -> tuple[list[int], threading.Event, threading.Thread]:
+    """Poll `engine.in_flight` in a thread; the peak is in the returned list."""
+    peak, stop = [0], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], engine.in_flight)
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    return peak, stop, t
+
+
+def run_sweep(http, engine, body: dict) -> tuple[dict, int]:
+    peak, stop, t = watch_in_flight(engine)
+    try:
+        r = http.post("/v1/patch_sweep", json=body)
+    finally:
+        stop.set()
+        t.join()
+    assert r.status_code == 200, r.text
+    return r.json(), peak[0]
+
+
+def test_batched_sweep_respects_max_concurrency_and_matches_one_cell_at_a_time(http, engine, tasks):
+    pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
+    body = {"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"], "answer_token_id": pair["answer_id"],
+            "foil_token_id": pair["foil_id"], "metric": "logprob", "hooks": ["pre_attn", "post_attn", "post_block"]}
+    limit = 8
+    group = max(1, min(GROUP_MAX, -(-limit // GROUPS_PER_WINDOW)))
+    batched, peak = run_sweep(http, engine, {**body, "max_concurrency": limit})
+    assert batched["cells_done"] == batched["cells_total"] > limit and not batched["cancelled"]
+    assert peak <= limit, f"{peak} requests in flight with max_concurrency {limit}"
+    assert peak > group, f"at most one group ({group} cells) was ever in flight (peak {peak})"
+
+    serial, peak1 = run_sweep(http, engine, {**body, "max_concurrency": 1})
+    assert peak1 == 1
+    for a, b in zip(batched["hook_grids"], serial["hook_grids"]):
+        assert a["hook"] == b["hook"]
+        ga, gb = np.array(a["grid"], dtype=float), np.array(b["grid"], dtype=float)
+        assert ga.shape == gb.shape and not np.isnan(ga).any()
+        assert np.allclose(ga, gb, atol=1e-4), np.abs(ga - gb).max()
+    assert engine.in_flight == 0
+
+
+def test_noise_samples_count_once_per_cell_against_the_limit(http, engine, tasks):
+    f = tasks["facts"][7]
+    limit, samples = 3, 2
+    body = {"prompt": f["prompt"], "noise": {"span": f["subject"], "samples": samples}, "answer_token_id": f["answer_id"],
+            "metric": "logprob", "hooks": ["post_block"], "max_concurrency": limit}
+    res, peak = run_sweep(http, engine, body)
+    assert res["cells_done"] == res["cells_total"] > limit
+    assert samples < peak <= limit * samples, peak
+    assert engine.in_flight == 0
