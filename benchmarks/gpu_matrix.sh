@@ -31,3 +31,5 @@ case "$WHAT" in
   throughput)
     run "tp-$MODEL" benchmarks/gpu_validate.py --throughput --model "$MODEL" ;;
 esac
+# the device returns a limited number of files: everything in one archive too
+tar -czf "$OUT/matrix-results.tgz" -C "$OUT" $(cd "$OUT" && ls ./*.json ./*.log 2>/dev/null) 2>/dev/null || true
