@@ -134,4 +134,6 @@ def test_bad_capture_requests_name_the_field(http, tasks):
     # the engine keeps serving
     r = http.post("/v1/capture", json={"prompt": prompt, "sites": "L1.post_block"})
     assert r.status_code == 200 and len(r.json()["captures"]["L1.post_block"][0]) > 0
-    assert http.get("/v1/status").json()["in_flight_requests"] == 0
+    st = http.get("/v1/status").json()
+    assert st["in_flight_requests"] == 0
+    assert st["kv_isolation"] == "blocks"  # one rank: the scheduler salts single blocks

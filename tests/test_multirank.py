@@ -374,6 +374,7 @@ def test_checksum_is_consistent_then_detects_a_fault_on_one_rank(ranked, ranked_
     assert {(w["tp_rank"], w["pp_rank"]) for w in status["workers"]} == (
         {(0, 0), (1, 0)} if ranked.name == "tp2" else {(0, 0), (0, 1)})
     assert ranked_http.get("/v1/status").json()["checksum"]["consistent"] is True
+    assert ranked_http.get("/v1/status").json()["kv_isolation"] == "blocks"  # the plugin entry point is installed
     prompt = tasks["facts"][40]["prompt"]
     steer = Interventions(steer=(Steer.make(["L0.pre_attn"], _vec(ranked, 7)),))
     if ranked.name == "pp2":

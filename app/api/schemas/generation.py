@@ -201,6 +201,10 @@ class StatusResponse(BaseModel):
     dtype: str
     enforce_eager: bool
     batch_invariant: bool = Field(False, description="vLLM's batch-invariant kernels are on (GPU).")
+    kv_isolation: Literal["blocks", "requests"] = Field(
+        "blocks", description="How KV blocks computed under an intervention are kept from other requests: 'blocks' (salted "
+                              "from the first modified position; earlier blocks stay shared) or 'requests' (whole intervened "
+                              "requests salted: several ranks without the installed plugin entry point, docs/distributed.md).")
     topology: Topology = Field(default_factory=Topology, description="TP x PP and the layers each pipeline stage computes.")
     hooks: list[str] = Field(description="Hooks the engine can intervene on, per layer (residual stream and MLP branch).")
     versions: dict[str, str]
