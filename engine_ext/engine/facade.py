@@ -574,9 +574,7 @@ class Engine(DynamicControl):
         params = params or GenerationParams()
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
-        specs = list(interventions) if isinstance(interventions, (list, tuple)) else [interventions] * len(batch)
-        if len(specs) != len(batch):
-            raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
+        _, specs = _per_prompt(batch, params, interventions)
         loop = self._require_loop()
         prepared = self._prepare_many(batch, [params] * len(batch), specs, dynamic=dynamic)  # validate all before submitting any
         jobs, requests = [], []
@@ -663,12 +661,7 @@ class Engine(DynamicControl):
           dropped without `aclose` is only closed when it is garbage-collected.)
         """
         batch = list(prompts)
-        specs = list(interventions) if isinstance(interventions, (list, tuple)) else [interventions] * len(batch)
-        if len(specs) != len(batch):
-            raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
-        per = list(params) if isinstance(params, (list, tuple)) else [params or GenerationParams()] * len(batch)
-        if len(per) != len(batch):
-            raise SpecError("params", f"{len(per)} parameter sets for {len(batch)} prompts")
+        per, specs = _per_prompt(batch, params, interventions)
         loop = self._require_loop()
         errors: dict[int, Exception] = {}
         prepared = self._prepare_many(batch, per, specs, fresh=fresh, dynamic=dynamic, errors=errors)
@@ -906,6 +899,18 @@ class Engine(DynamicControl):
         """Testing aid: make one worker misbehave (`skip_action`: skip the next planned request
         window, as a faulty rank would). Returns whether a worker took the fault."""
         return any(self._rpc("cb_debug_fault", kind, tp_rank, pp_rank))
+
+
+def _per_prompt(batch: list, params: Any, interventions: Any) -> tuple[list, list]:
+    """One `GenerationParams` and one spec per prompt of `batch`, from one for all or one each
+    (a count that does not match is a SpecError naming the field)."""
+    specs = list(interventions) if isinstance(interventions, (list, tuple)) else [interventions] * len(batch)
+    if len(specs) != len(batch):
+        raise SpecError("interventions", f"{len(specs)} specs for {len(batch)} prompts")
+    per = list(params) if isinstance(params, (list, tuple)) else [params or GenerationParams()] * len(batch)
+    if len(per) != len(batch):
+        raise SpecError("params", f"{len(per)} parameter sets for {len(batch)} prompts")
+    return per, specs
 
 
 def _stream_splitting_features(engine: Any) -> list[str]:
