@@ -47,16 +47,16 @@ LOGPROB_TOL_BF16 = 0.1
 
 
 def _engine(args, batch_invariant):
-    from benchmarks.gpu_validate import _model_path
+    from benchmarks.gpu_validate import _model_path, engine_memory
     from engine_ext import Engine
 
-    kw = {"kv_cache_memory_bytes": int(args.kv_gib * 2**30)} if args.device == "cuda" else {}
     return Engine(model=_model_path(args.model, args.scratch), device=args.device,
                   enforce_eager=args.mode == "eager" or args.device == "cpu",
-                  max_model_len=None if args.model == "bundled" else 1024, gpu_memory_utilization=0.08,
+                  max_model_len=None if args.model == "bundled" else 1024,
                   source_store_bytes=512 * 1024 * 1024, batch_invariant=batch_invariant if args.device == "cuda" else None,
                   tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                  distributed_executor_backend=args.executor, engine_kwargs=kw).start()
+                  distributed_executor_backend=args.executor,
+                  **engine_memory(args.kv_gib, args.device, default_utilization=0.08)).start()
 
 
 def _fault(eng) -> dict:

@@ -57,6 +57,15 @@ def _model_path(name: str, scratch: str) -> str | None:
     return str(path)
 
 
+def engine_memory(kv_gib: float | None, device: str, default_utilization: float) -> dict:
+    """Engine keyword arguments for GPU memory: with `kv_gib`, a fixed KV cache of that size
+    (vLLM's `kv_cache_memory_bytes`: no memory profiling, so several engines can share one GPU
+    at once); else `default_utilization` of the GPU."""
+    if kv_gib and device == "cuda":
+        return {"gpu_memory_utilization": 0.08, "engine_kwargs": {"kv_cache_memory_bytes": int(kv_gib * 2**30)}}
+    return {"gpu_memory_utilization": default_utilization}
+
+
 def _prompts(model: str) -> dict:
     if model == "bundled":
         from engine_ext import BUNDLED_MODEL_PATH
@@ -87,10 +96,7 @@ def run_checks(args, eng=None) -> dict:
     t0 = time.perf_counter()
     own = eng is None
     if own:
-        kv = getattr(args, "kv_gib", None)
-        # a fixed KV cache (no memory profiling) lets several configurations share one GPU at once
-        mem = ({"gpu_memory_utilization": 0.08, "engine_kwargs": {"kv_cache_memory_bytes": int(kv * 2**30)}}
-               if kv and args.device == "cuda" else {"gpu_memory_utilization": 0.45})
+        mem = engine_memory(getattr(args, "kv_gib", None), args.device, default_utilization=0.45)
         eng = Engine(model=_model_path(args.model, args.scratch), device=args.device, enforce_eager=args.mode == "eager",
                      max_model_len=None if args.model == "bundled" else 512, **mem).start()
     res["startup_s"] = round(time.perf_counter() - t0, 1)
