@@ -283,8 +283,17 @@ class LabNotebook:
 
 
 def stdout_of(nb: nbformat.NotebookNode) -> str:
+    return _stream_of(nb, "stdout")
+
+
+def stderr_of(nb: nbformat.NotebookNode) -> str:
+    """What the kernel wrote to stderr (warnings, logged errors) in the saved notebook."""
+    return _stream_of(nb, "stderr")
+
+
+def _stream_of(nb: nbformat.NotebookNode, name: str) -> str:
     return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                   if o.output_type == "stream" and o.name == "stdout")
+                   if o.output_type == "stream" and o.name == name)
 
 
 def _read(path: Path) -> nbformat.NotebookNode | None:

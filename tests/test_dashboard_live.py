@@ -91,6 +91,61 @@ def test_sweep_runs_without_zoom_when_the_kept_run_does_not_fit(server_url, http
     assert state.count(CellStatus.PENDING) == 0
 
 
+@pytest.mark.parametrize("fault", ["render", "fold", "fold_task_killed"])
+def test_a_failing_or_dead_fold_never_leaves_the_view_running(server_url, http, engine, monkeypatch, fault):
+    """The periodic fold is what moves the view out of `running`: showing the sweep failing once,
+    folding one event failing, or the fold's task dying must not leave it running for ever (the
+    notebook's `await view.wait()` would hang) nor lose the events after the failure."""
+    from app.dashboard.tracing.state import SweepState
+
+    if fault == "fold":
+        apply = SweepState.apply
+        failed = []
+
+        def apply_once_failing(self, ev):
+            if ev.get("type") == "progress" and not failed:
+                failed.append(ev)
+                raise RuntimeError("injected fold fault")
+            return apply(self, ev)
+
+        monkeypatch.setattr(SweepState, "apply", apply_once_failing)
+
+    async def main():
+        view = TracingView(server_url)
+        view.hooks = ["post_block"]
+        if fault == "render":
+            push = view._push_cells
+            calls = []
+
+            def push_once_failing():
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("injected render fault")
+                push()
+
+            view._push_cells = push_once_failing
+        view.param.trigger("run_sweep")
+        if fault == "fold_task_killed":
+            view._flush_task.cancel()
+            await asyncio.sleep(0)
+            assert view._flush_task.done()
+        state = await view.wait(timeout=60)
+        await view.aclose()
+        return view, state
+
+    view, state = run(main())
+    assert view.phase == "done" and state.finished and state.cells_done == state.cells_total
+    assert state.count(CellStatus.PENDING) == 0
+    if fault == "render":
+        assert view.error.startswith("showing the sweep failed: RuntimeError: injected render fault")
+        hm = view.heatmaps["post_block"]
+        assert hm.filled_cells() == state.cells_total  # the cells of the failed push were pushed later
+    elif fault == "fold":
+        assert view.error == "folding a sweep event failed: RuntimeError: injected fold fault"
+    else:
+        assert not view.error
+
+
 def test_cancel_then_aclose_mid_sweep(server_url, http):
     """Cancel shows the server's cancelled summary; closing the view while a sweep runs cancels
     it on the server."""
@@ -136,7 +191,11 @@ from app.dashboard.tracing.view import TracingView
 
 async def main():
     view = TracingView()  # $CAUSALBOARD_URL
-    view.max_concurrency = 1  # slow enough to exit in the middle of the zoom
+    # a zoom long enough to exit in the middle of it on a fast CPU too: ~30 positions x 8 layers x
+    # 3 hooks, one cell at a time (the kept clean run, every hook of ~30 tokens, fits the store)
+    clean, corrupt = " ".join(["Guzar is ruled by"] * 7), " ".join(["Garrow is ruled by"] * 7)
+    view.param.update(clean_prompt=clean, corrupt_prompt=corrupt, subject="",
+                      hooks=["pre_attn", "post_attn", "post_block"], max_concurrency=1)
     view.param.trigger("run_sweep")
     await view.wait(timeout=120)
     assert view.kept_run, view.status_html
@@ -158,5 +217,6 @@ def test_an_exiting_kernel_cancels_its_sweep_and_drops_its_kept_run(server_url, 
     words = proc.stdout.split()
     kept, running = words[words.index("KEPT") + 1], words[words.index("RUNNING") + 1]
     summary = wait_for_summary(http, running)
-    assert summary["cancelled"] is True and summary["cells_done"] < summary["cells_total"]
+    assert summary["cancelled"] is True and summary["cells_done"] < summary["cells_total"], (
+        {k: summary.get(k) for k in ("cancelled", "cells_done", "cells_total")}, proc.stderr[-2000:])
     assert kept not in kept_runs(http)

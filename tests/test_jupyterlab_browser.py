@@ -20,7 +20,7 @@ pytest_plugins = ["tests.browser", "tests.jupyterlab"]
 pytest.register_assert_rewrite("tests.browser", "tests.jupyterlab")
 
 from tests.browser import bokeh_columns, bokeh_figures, screenshot, wait_until  # noqa: E402
-from tests.jupyterlab import stdout_of  # noqa: E402
+from tests.jupyterlab import stderr_of, stdout_of  # noqa: E402
 
 pytestmark = pytest.mark.browser
 
@@ -72,7 +72,10 @@ def test_01_causal_tracing_runs_and_shows_its_figures(jupyterlab, page, http):
 
         # the live TracingView, rendered by Panel/Bokeh in the output: its heatmap, as the browser
         # holds it, has every cell of the sweep the next cell ran from code
-        done = int(re.search(r"dashboard sweep finished: True, cells done (\d+)", out).group(1))
+        finished = re.search(r"dashboard sweep finished: True, cells done (\d+)", out)
+        assert finished, ([line for line in out.splitlines() if line.startswith("dashboard ")],
+                          stderr_of(nb.save())[-3000:])
+        done = int(finished.group(1))
         view = nb.cell("TracingView(URL)").locator(".jp-OutputArea")
         view.get_by_role("button", name="Run sweep").scroll_into_view_if_needed()
         figures = [f for f in bokeh_figures(page) if f["title"].endswith("clean → corrupt")]  # presentation.figure_title

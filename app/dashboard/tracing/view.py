@@ -28,8 +28,8 @@ several places.
 
 How it streams (Bokeh models must not be changed from an asyncio task): `start` launches a task
 that reads the SSE events of `POST /v1/patch_sweep` (`stream: true`, `keep_source: true`) through
-`AsyncCausalboardClient` and only appends them to a buffer; a periodic callback (`FLUSH_MS`)
-folds the buffer into `state` (a `SweepState`, the sweep's one event reader
+`AsyncCausalboardClient` and only appends them to a buffer; a periodic fold (`FLUSH_MS`: the
+session's periodic callback on a served page, the view's own task elsewhere; `_flush`) folds the buffer into `state` (a `SweepState`, the sweep's one event reader
 `app.sweep.fold.SweepFold`), updates the run parameters, and sends the heatmaps' cells through
 ONE method (`_push_cells`: one `ColumnDataSource.patch` per heatmap, at most every
 `HEATMAP_PUSH_MS` while the sweep runs). The view talks to the API over HTTP only.
@@ -161,7 +161,8 @@ class TracingView(NotebookOutputs, pn.viewable.Viewer):
         self._fetching = False  # fetching a cancelled sweep's final summary
         self._replaying = False
         self._selected_hook: str | None = None
-        self._flusher = None
+        self._flusher = None  # a served page's periodic callback
+        self._flush_task: asyncio.Task | None = None  # elsewhere: the view's own periodic fold
         self._heatmaps_pushed_at = 0.0
         self._closed = False
         self._doc = pn.state.curdoc if pn.state.curdoc is not None and pn.state.curdoc.session_context else None
@@ -289,13 +290,24 @@ class TracingView(NotebookOutputs, pn.viewable.Viewer):
 
     async def wait(self, timeout: float | None = None) -> SweepState:
         """Wait until the running sweep has ended (and, after a cancel, until its final summary
-        is shown); returns `state`."""
+        is shown); returns `state`. Outside a served page the fold is (re)started here if it is
+        not running, so waiting never depends on a callback someone else owns. On `timeout`,
+        raises `TimeoutError` saying where the view stands (phase, cells, error)."""
 
         async def settled() -> None:
             while self.phase == "running" or self._fetching or self._has_pending():
+                if self._doc is None:
+                    self._ensure_flusher()
                 await asyncio.sleep(FLUSH_MS / 1000)
 
-        await asyncio.wait_for(settled(), timeout)
+        try:
+            await asyncio.wait_for(settled(), timeout)
+        except asyncio.TimeoutError:
+            s = self.state
+            raise TimeoutError(
+                f"the sweep did not settle in {timeout} s: phase {self.phase!r}, sweep {s.sweep_id}, cells "
+                f"{s.cells_done}/{s.cells_total}, finished {s.finished}, fetching {self._fetching}, "
+                f"events buffered {len(self._events)}, error {self.error!r}") from None
         return self.state
 
     @property
@@ -436,27 +448,63 @@ class TracingView(NotebookOutputs, pn.viewable.Viewer):
 
     # ---- folding and showing (periodic callback; holds the Bokeh document lock when served) ----
     def _ensure_flusher(self) -> None:
-        if self._flusher is None or not self._flusher.running:
-            if self._doc is not None:
+        """Make sure `_flush` runs every `FLUSH_MS` until the run has settled. A served page uses
+        its session's periodic callback (it holds the document lock). Elsewhere — a notebook
+        kernel, a script, a test — it is the view's own asyncio task on the running loop, not
+        Panel's periodic callback: that one's task dies silently on an exception while still
+        saying `running`, and it follows whichever document Panel holds as current."""
+        if self._doc is not None:
+            if self._flusher is None or not self._flusher.running:
                 from panel.io.state import set_curdoc
 
                 with set_curdoc(self._doc):
                     self._flusher = pn.state.add_periodic_callback(self._flush, period=FLUSH_MS, start=True)
-            else:
-                self._flusher = pn.state.add_periodic_callback(self._flush, period=FLUSH_MS, start=True)
+            return
+        if self._flush_task is not None and not self._flush_task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a worker thread: start it on the view's loop
+            if self._loop is not None and self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._ensure_flusher)
+            return
+        self._flush_task = loop.create_task(self._flush_loop(), name="tracing-view-flush")
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_MS / 1000)
+            if not self._flush():
+                return
 
     def _stop_flusher(self) -> None:
         if self._flusher is not None:
             self._flusher.stop()
+        task, self._flush_task = self._flush_task, None
+        if task is not None and not task.done():
+            try:
+                current = asyncio.current_task()
+            except RuntimeError:
+                current = None
+            if task is not current:  # the loop itself returns after this flush
+                _cancel_task(task)
 
     def _has_pending(self) -> bool:
         return any(g == self._generation for g, _k, _p in self._events)
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Fold and show what the stream task buffered; stop the periodic fold once the run has
+        settled. Never raises: a failure to show is logged and put in `error`, and the fold goes
+        on (a dead fold would leave the view `running` for ever). Returns whether to go on."""
         self._fold_pending()
-        self._render()
+        try:
+            self._render()
+        except Exception as exc:
+            logger.exception("tracing view: showing the sweep failed")
+            self.error = f"showing the sweep failed: {type(exc).__name__}: {exc}"
         if self.phase != "running" and not self._fetching and not self._has_pending():
             self._stop_flusher()
+            return False
+        return True
 
     def _fold_pending(self) -> None:
         """Fold the buffered events of the current run into `state` (pure: no Bokeh model is
@@ -477,11 +525,13 @@ class TracingView(NotebookOutputs, pn.viewable.Viewer):
             else:
                 try:
                     folded = self.state.apply(payload)
+                    if isinstance(folded, SummaryEvent):
+                        self._on_summary(folded)
                 except SweepEventError as exc:
                     self.error = f"malformed sweep event: {exc}"
-                    continue
-                if isinstance(folded, SummaryEvent):
-                    self._on_summary(folded)
+                except Exception as exc:  # one event must not lose the ones after it (the end of the stream)
+                    logger.exception("tracing view: folding a sweep event failed")
+                    self.error = f"folding a sweep event failed: {type(exc).__name__}: {exc}"
 
     def _end_phase(self) -> str:
         """The phase a run ends in, from what its events said."""
