@@ -114,8 +114,9 @@ class DynRequest:
     last_scored: int = -1
     #: the sites its probes read (flat indices, sorted; fixed at registration)
     monitor_sites: tuple[int, ...] = ()
-    #: (scales, base slot keys per site) -> (per site: (slot key, make), the action's crc); an
-    #: action repeated with the same inputs (a threshold policy holding) is composed once
+    #: (scales, whether the row gate acts, base slot keys per site) -> (per site: (slot key,
+    #: make), the action's crc, gated); an action repeated with the same inputs (a threshold
+    #: policy holding) is composed once
     actions_cache: dict = field(default_factory=dict)
     #: the fork's declarative gates: their decision state and their components (applied after
     #: the policies; `decided` tuples hold the policies' scales, then the components')
@@ -128,6 +129,8 @@ class DynRequest:
     #: what the op's gate row holds apart from the term: probe direction, threshold, sharpness
     gate_site: int | None = None
     gate_row: tuple[np.ndarray, float, float] | None = None
+    #: the content key of `gate_row` (probe crc32, threshold and sharpness as float32 hex)
+    gate_row_key: tuple[int, str, str] | None = None
 
     def engaged(self) -> bool:
         return (any(s.current_scale() != 0.0 for s in self.states)
@@ -218,7 +221,11 @@ class DynamicWorker:
                 g = gs.gates[gs.row_gate]
                 dr.gate_site = g.probe.site.index()
                 thr = float(np.float32(g.threshold) - np.float32(g.probe.bias[0]))  # gate probes have bias 0
-                dr.gate_row = (np.ascontiguousarray(g.probe.weights[0], np.float32), thr, float(np.float32(g.sharp)))
+                probe = np.ascontiguousarray(g.probe.weights[0], np.float32)
+                sharp = float(np.float32(g.sharp))
+                dr.gate_row = (probe, thr, sharp)
+                dr.gate_row_key = (zlib.crc32(probe.astype("<f4").tobytes()), np.float32(thr).tobytes().hex(),
+                                   np.float32(sharp).tobytes().hex())
         dr.monitor_sites = tuple(sorted({self.probes[name].spec.site.index() for name, _ in dr.score_refs()}))
         if any(s.current_scale() != 0.0 for s in states):
             dr.decided[n_prompt] = tuple(s.current_scale() for s in states) + (0.0,) * len(dr.gate_actions)
@@ -344,8 +351,8 @@ class DynamicWorker:
     def _action_plan(self, dr: DynRequest, row: int, scales: tuple[float, ...], hs: np.ndarray):
         """What `_apply` acquires for `scales` on `row` — per site (slot key, make) — the
         action's crc (request key, sites, payload crcs, the row gate's content) and whether a row
-        gate acts; or the reason it cannot be composed. Cached per (scales, the content keys of
-        the slots already on the row's sites).
+        gate acts; or the reason it cannot be composed. Cached per (scales, whether the row gate
+        acts, the content keys of the slots already on the row's sites).
 
         The row gate (the fork's `this_token` probe gate): where the request's gate components
         apply, the slot at the gate's probe site carries a gate row whose term is the request's
@@ -353,25 +360,26 @@ class DynamicWorker:
         slots = self.st.slots
         sites_set = {site for pol, scale in zip(dr.actors(), scales) if scale != 0.0
                      for site in pol.sites if self.st.owns_site(site)}
-        gate = None
-        if dr.gate_site is not None and self.st.owns_site(dr.gate_site):
-            gscales = scales[len(dr.policies):]
-            if dr.gate.row_gated(gscales):
-                site_obj = dr.gate.gs.gates[dr.gate.gs.row_gate].probe.site
-                term = dr.gate.gs.row_term(gscales, site_obj)
-                probe, thr, sharp = dr.gate_row
-                term = np.zeros_like(probe) if term is None else term
-                gkey = ("gate", zlib.crc32(probe.astype("<f4").tobytes()), np.float32(thr).tobytes().hex(),
-                        np.float32(sharp).tobytes().hex(), zlib.crc32(term.astype("<f4").tobytes()))
-                gate = (dr.gate_site, gkey, dict(gate_probe=probe, gate_threshold=thr, gate_sharpness=sharp,
-                                                 gate_term=term, gate_key=gkey))
-                sites_set.add(dr.gate_site)
+        gscales = scales[len(dr.policies):]
+        row_gated = (dr.gate_site is not None and self.st.owns_site(dr.gate_site) and dr.gate.row_gated(gscales))
+        if row_gated:
+            sites_set.add(dr.gate_site)
         sites = sorted(sites_set)
         bases = tuple(int(hs[row, site]) for site in sites)
-        sig = (scales, tuple(slots.key_of(b) if b >= 0 else None for b in bases))
+        # the row gate's term is a function of the scales: (scales, whether the gate acts, the
+        # bases' content keys) decides the whole plan, so the term is only built on a miss
+        sig = (scales, row_gated, tuple(slots.key_of(b) if b >= 0 else None for b in bases))
         got = dr.actions_cache.get(sig)
         if got is not None:
             return got
+        gate = None
+        if row_gated:
+            term = dr.gate.gs.row_term(gscales, dr.gate.gs.gates[dr.gate.gs.row_gate].probe.site)
+            probe, thr, sharp = dr.gate_row
+            term = np.zeros_like(probe) if term is None else term
+            gkey = ("gate", *dr.gate_row_key, zlib.crc32(term.astype("<f4").tobytes()))
+            gate = (dr.gate_site, gkey, dict(gate_probe=probe, gate_threshold=thr, gate_sharpness=sharp,
+                                             gate_term=term, gate_key=gkey))
         by_site: dict[int, list[tuple[np.ndarray, int]]] = {site: [] for site in sites}
         for pol, scale in zip(dr.actors(), scales):
             if scale == 0.0:
