@@ -87,6 +87,11 @@ class PatchSweepRequest(StrictModel):
     noise_floor_samples: int = Field(6, ge=1, le=32, description="Unpatched baseline re-runs spread through the cell batch.")
     max_concurrency: int | None = Field(None, ge=1, le=4096, description="Cells in flight at once (default: as many as "
                                                                       "the engine batches, its max_num_seqs).")
+    prefix_reuse: bool | None = Field(
+        None, description="Cells (and baselines) read the corrupt prompt's KV from the prefix cache below their first "
+                          "patched (or noised) position, at KV-block granularity, instead of computing the whole prompt; "
+                          "what they write from there on is never shared. Default: on where a reused cell is "
+                          "bit-identical to the same cell computed from scratch (the CPU engine), off elsewhere.")
 
     def hook_list(self) -> list[str]:
         return list(dict.fromkeys(self.hooks)) if self.hooks else [self.hook]
@@ -289,6 +294,9 @@ class SweepSetup(_Wire):
     mask: dict | None = Field(None, description='The dimension mask of every cell\'s patch ({"indices": [...]} or {"weights": base64 float32}); absent without one.')
     subject_positions: list[int] = Field(default_factory=list, description="Positions of `subject` (or the noise span), marked in figures.")
     noise: SweepNoise | None = Field(None, description="Noise corruption of the prompt, or null.")
+    prefix_reuse: bool | None = Field(None, description="Whether cells and baselines read the corrupt prompt's cached KV below "
+                                                        "their first modified position (the request's `prefix_reuse`, else the "
+                                                        "server's default).")
 
 
 class SweepSummary(SweepSetup):
@@ -310,6 +318,8 @@ class SweepSummary(SweepSetup):
     cells_done: int | None = Field(None, description="Cells that completed (voided ones included).")
     cells_voided: int | None = Field(None, description="Cells whose patch could not be applied.")
     elapsed_s: float | None = Field(None, description="Seconds from planning to the summary.")
+    reused_prompt_tokens: int | None = Field(None, description="Prompt tokens the cells and baselines read from the prefix "
+                                                               "cache instead of computing them (0 without `prefix_reuse`).")
     cancelled: bool = Field(False, description="Whether the sweep stopped before every cell ran (cancel, disconnect or failure).")
     notes: list[str] = Field(default_factory=list, description="Caveats (e.g. recovered undefined, batch-dependent numerics).")
     versions: dict[str, str] = Field(default_factory=dict, description="Versions of the server's components.")

@@ -84,6 +84,10 @@ class SweepRun:
         self.checksum: SweepChecksum | None = None
         self.summary: SweepSummary | None = None
         self.started = time.monotonic()
+        #: cells and baselines read the corrupt prompt's cached KV below their first modified
+        #: position (`prefix_reuse`); the prompt tokens they read from the cache
+        self.prefix_reuse = False
+        self.reused_tokens = 0
         #: the fan-out reached its cleanup (`cancel` is then a no-op)
         self.finishing = False
         self._wake = asyncio.Event()
@@ -186,6 +190,7 @@ class SweepService:
             stored[req.source_run] = await anyio.to_thread.run_sync(eng.source_info, req.source_run)
         plan = build_plan(eng, req, stored)
         run = SweepRun(plan)
+        run.prefix_reuse = prefix_reuse_default(eng.info) if req.prefix_reuse is None else req.prefix_reuse
         base = _Baselines()
         try:
             await self._prepare(run, base)
@@ -225,7 +230,7 @@ class SweepService:
                 raise PlanError(507, field, f"the clean run was evicted from the source store before it could be leased, "
                                             f"{CLEAN_CAPTURE_ATTEMPTS} times (the store is under pressure); retry later")
         elif plan.clean_ids is not None:
-            base.clean = plan.basis_of(await self._score(plan.clean_ids, plan, None))
+            base.clean = plan.basis_of(await self._score(run, plan.clean_ids, None))
         if src.run_id is not None and base.leased is None:
             if not await anyio.to_thread.run_sync(eng.lease_source, src.run_id):
                 raise PlanError(404, "source_run", f"run {src.run_id!r} vanished from the source store before it could be leased")
@@ -239,7 +244,8 @@ class SweepService:
         if info.device == "cuda" and (info.enforce_eager or not info.batch_invariant):
             base.notes.append("batch-dependent GPU numerics (eager mode or batch invariance off): cells can differ from "
                               "their solo runs by more than the measured noise floor; see docs/validation.md")
-        solo = [plan.basis_of(await self._score(plan.corrupt_ids, plan, plan.noise_for(k))) for k in range(plan.noise_samples)]
+        # with prefix reuse, the first of these writes the blocks the cells read
+        solo = [plan.basis_of(await self._score(run, plan.corrupt_ids, plan.noise_for(k))) for k in range(plan.noise_samples)]
         base.corrupt_solo0 = solo[0]
         base.corrupt = sum(solo) / len(solo)
         base.metric = plan.metric
@@ -254,7 +260,7 @@ class SweepService:
             base.notes.append(f"recovered is undefined: the clean and corrupt baselines are equal ({plan.basis} "
                               f"{base.clean:.6g} vs {base.corrupt:.6g}); values are raw {plan.basis}")
 
-        run.setup = self._setup(plan, base)
+        run.setup = self._setup(run, base)
         run.emit(StartEvent(**dict(run.setup)))
         for note in base.notes:
             run.emit(WarningEvent(message=note))
@@ -262,11 +268,13 @@ class SweepService:
             run.emit(SkipEvent(**s))
         await self._emit_checksum(run)
 
-    async def _score(self, ids: list[int], plan: SweepPlan, noise, patch=None) -> dict[int, float]:
-        # fresh: baselines are computed like the (never prefix-cached) patched cells
-        gen = await self.engine.agenerate(ids, GenerationParams(max_tokens=1), _spec(plan, noise, patch), fresh=True)
+    async def _score(self, run: SweepRun, ids: list[int], noise) -> dict[int, float]:
+        # a baseline is computed like the cells: from the prefix cache with prefix reuse, else fresh
+        gen = await self.engine.agenerate(ids, GenerationParams(max_tokens=1), _spec(run.plan, noise),
+                                          fresh=not run.prefix_reuse)
         if gen.intervention is not None and gen.intervention.voided:
             raise _Voided("; ".join(gen.intervention.errors) or "voided")
+        run.reused_tokens += gen.num_cached_tokens
         return gen.scores[0]
 
     # ---- phase 2: fan-out -----------------------------------------------------------------------
@@ -307,7 +315,8 @@ class SweepService:
             vals: list[list[float | None]] = [[None] * (1 if kind == "baseline" else plan.noise_samples) for kind, _ in chunk]
             left = [len(v) for v in vals]
             errs: list[str | None] = [None] * len(chunk)
-            batch = self.engine.agenerate_many([plan.corrupt_ids] * len(specs), GenerationParams(max_tokens=1), specs, fresh=True)
+            batch = self.engine.agenerate_many([plan.corrupt_ids] * len(specs), GenerationParams(max_tokens=1), specs,
+                                               fresh=not run.prefix_reuse)
             async with contextlib.aclosing(batch) as finished:
                 async for r, res in finished:
                     j, k = owner[r]
@@ -318,6 +327,7 @@ class SweepService:
                         if res.intervention is not None and res.intervention.voided:
                             raise _Voided("; ".join(res.intervention.errors) or "voided")
                         vals[j][k] = plan.basis_of(res.scores[0])
+                        run.reused_tokens += res.num_cached_tokens
                     except _Voided as exc:
                         errs[j] = errs[j] or str(exc)
                     except Exception as exc:
@@ -457,8 +467,9 @@ class SweepService:
         return ProgressEvent(done=done, total=len(run.plan.cells), voided=len(run.errors), elapsed_s=round(elapsed, 3),
                              cells_per_s=round(done / elapsed, 3) if elapsed > 0 else None)
 
-    def _setup(self, plan: SweepPlan, base: _Baselines) -> SweepSetup:
+    def _setup(self, run: SweepRun, base: _Baselines) -> SweepSetup:
         """What the sweep is, once its baselines are known: the `start` event's fields."""
+        plan = run.plan
         eng, req, src, a = self.engine, plan.request, plan.source, plan.alignment
         return SweepSetup(
             sweep_id=plan.sweep_id, layers=plan.layers, positions=plan.run_positions, swept_positions=plan.positions,
@@ -476,6 +487,7 @@ class SweepService:
             foil_token_id=plan.foil_id, foil_token=eng.token_strings([plan.foil_id])[0] if plan.foil_id is not None else None,
             alpha=req.alpha, source=SweepSource(**src.to_json()), subject_positions=plan.subject_positions,
             mask=plan.mask.to_json() if plan.mask is not None else None,
+            prefix_reuse=run.prefix_reuse,
             noise=(SweepNoise(positions=plan.noise_positions, scale=req.noise.scale, seed=req.noise.seed,
                               samples=req.noise.samples) if req.noise else None),
         )
@@ -508,8 +520,17 @@ class SweepService:
             checksum=run.checksum,
             cells_done=len(run.values), cells_voided=len(run.errors),
             elapsed_s=round(time.monotonic() - run.started, 3), cancelled=cancelled,
+            reused_prompt_tokens=run.reused_tokens,
             notes=notes, versions=dict(self.engine.info.versions),
         )
+
+
+def prefix_reuse_default(info) -> bool:
+    """Whether a sweep reuses the corrupt prompt's cached KV when the request does not say: where
+    a reused cell is bit-identical to the same cell computed from scratch. Shown for the CPU
+    engine (tests/test_sweep_prefix_reuse.py); not shown on a GPU yet, so there it is opt-in
+    (`prefix_reuse: true`)."""
+    return info.device == "cpu"
 
 
 def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int, int], float]) -> list[CellRepeat]:

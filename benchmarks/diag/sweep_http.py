@@ -4,12 +4,13 @@ run the same sweep several times, print cells/s.
 
     PYTHONPATH=. python3 benchmarks/diag/sweep_http.py [--model DIR] [--device cpu|cuda] [--reps 5]
         [--pair K] [--hooks pre_attn,post_attn,post_block] [--max-concurrency N] [--words N]
+        [--prompt-tokens N] [--prefix-reuse default|on|off|both]
 
 The sweep: the K-th equal-length clean/corrupt pair of the model's `tasks.json`, padded in front
 with `--words` filler words (8: 13 tokens with the bundled model; 27: 32 tokens, i.e. 768 cells
 over its 8 layers and 3 hooks, the GPU workload's cell count); a model folder without
 `tasks.json` (the benchmark model of `benchmarks/compare/`) gets `cb_bench.py p1http`'s 16-token
-word prompts and answer/foil ids. Every layer x every prompt position x the hooks, metric
+word prompts and answer/foil ids (`--prompt-tokens 128`: P1c's prompt length). Every layer x every prompt position x the hooks, metric
 logprob, non-streaming (the whole summary is the response). One warm-up sweep, then `--reps`
 timed ones; each timed sweep's wall time is the HTTP round trip (plan, clean capture, baselines,
 the cells, summary), as in `cb_bench.py p1http`.
@@ -26,6 +27,12 @@ request), of the engine-loop thread (`engine_cpu_s`: vLLM's scheduler and, on a 
 forward's main thread) and of the whole process (`process_cpu_s`, OpenMP workers included): the
 API thread's CPU per cell is the cost the per-cell asyncio path puts on the host, and it is far
 less sensitive to the load than wall time.
+
+`--prefix-reuse` sets the request's `prefix_reuse` (`default`: leave it to the server); `both`
+runs every repetition twice in the same process, reuse on then off (same CPU mode, same load),
+reports a summary per variant and checks that the two sweeps' grids are bit-identical
+(`grids_equal` on each `sweep` line of the second variant): the exactness claim of prefix reuse,
+measured where the speed is.
 
 To compare two trees, run this file from one tree against the other's code
 (`PYTHONPATH=/tmp/old-tree python3 benchmarks/diag/sweep_http.py`): it uses only the HTTP API
@@ -76,6 +83,8 @@ def main() -> None:
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--words", type=int, default=8, help="filler words put in front of both prompts")
     ap.add_argument("--label", default="", help="a free label copied into every line (e.g. old/new)")
+    ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length for a model without tasks.json")
+    ap.add_argument("--prefix-reuse", choices=["default", "on", "off", "both"], default="default")
     args = ap.parse_args()
 
     import httpx
@@ -121,7 +130,7 @@ def main() -> None:
                 "answer_token_id": pair["answer_id"], "foil_token_id": pair["foil_id"]}
     else:  # the benchmark model of benchmarks/compare (word-level tokenizer "t<id>"): cb_bench.py p1http's body
         rng = random.Random(0)
-        clean = [rng.randrange(1000, 128000) for _ in range(16)]
+        clean = [rng.randrange(1000, 128000) for _ in range(args.prompt_tokens)]
         corrupt = list(clean)
         corrupt[3:6] = [9001, 9002, 9003]
         body = {"prompt": " ".join(f"t{i}" for i in corrupt), "clean_prompt": " ".join(f"t{i}" for i in clean),
@@ -140,31 +149,49 @@ def main() -> None:
         time.sleep(0.05)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as c:
-            def sweep() -> dict:
-                r = c.post("/v1/patch_sweep", json=body)
+            def sweep(reuse: bool | None) -> dict:
+                r = c.post("/v1/patch_sweep", json=body if reuse is None else {**body, "prefix_reuse": reuse})
                 r.raise_for_status()
                 return r.json()
 
-            first = sweep()  # warm-up
-            times, cells, cpu = [], first["cells_done"], []
+            variants = {"default": [None], "on": [True], "off": [False], "both": [True, False]}[args.prefix_reuse]
+            first = sweep(variants[0])  # warm-up
+            cells = first["cells_done"]
+            times: dict = {v: [] for v in variants}
+            cpu: dict = {v: [] for v in variants}
+            reused: dict = {v: [] for v in variants}
             api_tid, engine_tid = thread.native_id, eng._loop._thread.native_id
             for rep in range(args.reps):
-                c0 = cpu_snapshot(api_tid, engine_tid)
-                t = time.perf_counter()
-                r = sweep()
-                times.append(time.perf_counter() - t)
-                cpu.append([b - a for a, b in zip(c0, cpu_snapshot(api_tid, engine_tid))])
-                assert r["cells_done"] == cells and not r["cancelled"], r.get("notes")
-                emit("sweep", rep=rep, cells=cells, seconds=round(times[-1], 4), cells_per_s=round(cells / times[-1], 1),
-                     server_elapsed_s=r.get("elapsed_s"), api_cpu_s=round(cpu[-1][0], 3), engine_cpu_s=round(cpu[-1][1], 3),
-                     process_cpu_s=round(cpu[-1][2], 3), load_now=os.getloadavg()[0], **common)
-            m = statistics.median(times)
-            api_ms = statistics.median(c[0] for c in cpu) * 1000 / cells
-            engine_ms = statistics.median(c[1] for c in cpu) * 1000 / cells
-            emit("summary", cells=cells, prompt_tokens=len(first["prompt_token_ids"]), mode=mode,
-                 decode_tok_s=round(tok_s, 1), median_s=round(m, 4), cells_per_s=round(cells / m, 1),
-                 reps_s=[round(x, 4) for x in times], api_cpu_ms_per_cell=round(api_ms, 3),
-                 engine_cpu_ms_per_cell=round(engine_ms, 3), max_concurrency=args.max_concurrency, **common)
+                grids = None
+                for v in variants:
+                    c0 = cpu_snapshot(api_tid, engine_tid)
+                    t = time.perf_counter()
+                    r = sweep(v)
+                    times[v].append(time.perf_counter() - t)
+                    cpu[v].append([b - a for a, b in zip(c0, cpu_snapshot(api_tid, engine_tid))])
+                    reused[v].append(r.get("reused_prompt_tokens"))
+                    assert r["cells_done"] == cells and not r["cancelled"], r.get("notes")
+                    extra = {}
+                    if len(variants) > 1:
+                        g = [h["grid"] for h in r["hook_grids"]]
+                        if grids is None:
+                            grids = g
+                        else:
+                            extra["grids_equal"] = g == grids
+                    emit("sweep", rep=rep, prefix_reuse=r.get("prefix_reuse"), cells=cells, seconds=round(times[v][-1], 4),
+                         cells_per_s=round(cells / times[v][-1], 1), server_elapsed_s=r.get("elapsed_s"),
+                         reused_prompt_tokens=r.get("reused_prompt_tokens"), api_cpu_s=round(cpu[v][-1][0], 3),
+                         engine_cpu_s=round(cpu[v][-1][1], 3), process_cpu_s=round(cpu[v][-1][2], 3),
+                         load_now=os.getloadavg()[0], **extra, **common)
+            for v in variants:
+                m = statistics.median(times[v])
+                api_ms = statistics.median(c[0] for c in cpu[v]) * 1000 / cells
+                engine_ms = statistics.median(c[1] for c in cpu[v]) * 1000 / cells
+                emit("summary", prefix_reuse=v, cells=cells, prompt_tokens=len(first["prompt_token_ids"]), mode=mode,
+                     decode_tok_s=round(tok_s, 1), median_s=round(m, 4), cells_per_s=round(cells / m, 1),
+                     reps_s=[round(x, 4) for x in times[v]], reused_prompt_tokens=reused[v][-1],
+                     api_cpu_ms_per_cell=round(api_ms, 3), engine_cpu_ms_per_cell=round(engine_ms, 3),
+                     max_concurrency=args.max_concurrency, **common)
     finally:
         server.should_exit = True
         thread.join(timeout=10)
