@@ -120,6 +120,10 @@ def test_option_parsing_builds_the_request():
         "mask": {"indices": [0, 1, 3]},
         "layers": [0, 1, 2, 3], "positions": [{"span": "Garrow", "occurrence": 0}, 5, 6],
         "noise": {"span": "Garrow", "occurrence": 0, "scale": 2.5}, "keep_source": True}
+    # --prefix-reuse / --no-prefix-reuse send the field; neither leaves it to the server
+    for flag, value in (("--prefix-reuse", True), ("--no-prefix-reuse", False)):
+        assert build_request(build_parser().parse_args(["sweep", "--prompt", "P", flag]))["prefix_reuse"] is value
+    assert "prefix_reuse" not in build_request(build_parser().parse_args(["sweep", "--prompt", "P"]))
     with pytest.raises(OptionError) as info:
         build_request(build_parser().parse_args(["sweep", "--prompt", "P", "--noise-seed", "1"]))
     assert info.value.field == "noise"

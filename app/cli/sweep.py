@@ -58,7 +58,8 @@ def build_request(args: argparse.Namespace) -> dict:
                      ("answer", "answer_token"), ("answer_id", "answer_token_id"), ("foil", "foil_token"),
                      ("foil_id", "foil_token_id"), ("metric", "metric"), ("recovered_basis", "recovered_basis"),
                      ("clean_baseline", "clean_baseline"), ("alpha", "alpha"), ("hook", "hook"), ("model", "model"),
-                     ("max_concurrency", "max_concurrency"), ("noise_floor_samples", "noise_floor_samples")):
+                     ("max_concurrency", "max_concurrency"), ("noise_floor_samples", "noise_floor_samples"),
+                     ("prefix_reuse", "prefix_reuse")):
         value = getattr(args, opt)
         if value is not None:
             req[key] = value
@@ -311,6 +312,8 @@ def add_parsers(sub: Any) -> None:
     run = sw.add_argument_group("running")
     run.add_argument("--max-concurrency", type=int, help="cells in flight at once")
     run.add_argument("--noise-floor-samples", type=int, help="unpatched re-runs that measure the noise floor")
+    run.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=None,
+                     help="read the prompt's cached KV below each cell's patch position (default: the server's choice)")
     out = sw.add_argument_group("output")
     out.add_argument("--out", metavar="PATH", help="save the result (.json or .npz)")
     out.add_argument("--figure", metavar="PATH", help="draw the heatmap (.pdf, .svg or .png; PATH_<hook> per hook when several)")
