@@ -35,6 +35,7 @@ def _engine_config(args: argparse.Namespace):
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         multiprocess=args.multiprocess,
+        cpu_threads=args.cpu_threads,
         **({"source_store_bytes": int(args.source_store_mb * 1024 * 1024)} if args.source_store_mb is not None else {}),
     )
 
@@ -54,6 +55,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source-store-mb", type=float, default=None,
                    help="byte budget of the stored source runs (keep_as), in MiB (default 256); the least recently used "
                         "unleased runs are evicted beyond it")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="CPU: the forward's threads (default: OMP_NUM_THREADS, else one fewer than the cores, so that "
+                        "other work on the machine cannot stall it; docs/performance.md)")
     mp = p.add_mutually_exclusive_group()
     mp.add_argument("--multiprocess", dest="multiprocess", action="store_true", default=None,
                     help="run vLLM's engine core in its own process (default: off on CPU, vLLM's default on GPU)")

@@ -4,7 +4,7 @@ run the same sweep several times, print cells/s.
 
     PYTHONPATH=. python3 benchmarks/diag/sweep_http.py [--model DIR] [--device cpu|cuda] [--reps 5]
         [--pair K] [--hooks pre_attn,post_attn,post_block] [--max-concurrency N] [--words N]
-        [--prompt-tokens N] [--prefix-reuse default|on|off|both]
+        [--prompt-tokens N] [--prefix-reuse default|on|off|both] [--cpu-threads N]
 
 The sweep: the K-th equal-length clean/corrupt pair of the model's `tasks.json`, padded in front
 with `--words` filler words (8: 13 tokens with the bundled model; 27: 32 tokens, i.e. 768 cells
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a free label copied into every line (e.g. old/new)")
     ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length for a model without tasks.json")
     ap.add_argument("--prefix-reuse", choices=["default", "on", "off", "both"], default="default")
+    ap.add_argument("--cpu-threads", type=int, default=None, help="CPU: the engine's cpu_threads (default: its rule)")
     args = ap.parse_args()
 
     import httpx
@@ -104,9 +105,12 @@ def main() -> None:
         eng = Engine(model=args.model, device="cuda", enforce_eager=False, max_model_len=4096,
                      gpu_memory_utilization=0.8).start()
     else:
-        eng = Engine(model=args.model, device=args.device).start()
+        eng = Engine(model=args.model, device=args.device, cpu_threads=args.cpu_threads).start()
     code = os.path.dirname(os.path.dirname(os.path.abspath(engine_ext.__file__)))
-    common = {"label": args.label, "code": code, "commit": git_head(code), "load_avg": os.getloadavg()[0]}
+    import torch
+
+    common = {"label": args.label, "code": code, "commit": git_head(code), "load_avg": os.getloadavg()[0],
+              "torch_threads": torch.get_num_threads()}
     emit("start", seconds=round(time.perf_counter() - t0, 1), max_num_seqs=eng.info.max_num_seqs,
          layers=eng.info.num_layers, **common)
 

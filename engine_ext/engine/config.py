@@ -48,6 +48,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    #: CPU, one rank: the forward's intra-op threads (None: `OMP_NUM_THREADS` when set, else one
+    #: fewer than the cores the process may use, at least 1; see `runtime.cpu_thread_count`).
+    #: Several ranks get their cores from `VLLM_CPU_OMP_THREADS_BIND` instead.
+    cpu_threads: int | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

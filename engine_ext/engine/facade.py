@@ -121,6 +121,13 @@ class Engine(DynamicControl):
         if self._loop is not None:
             return self
         runtime.prepare_environment(self.device)
+        if self.device == "cpu" and self.world_size == 1:
+            try:
+                threads = runtime.cpu_thread_count(self.config.cpu_threads)
+            except ValueError as exc:
+                raise SpecError("cpu_threads", str(exc).split(": ", 1)[1]) from None
+            runtime.apply_cpu_threads(threads)
+            logger.info("CPU engine: %d intra-op thread(s)", threads)
         from transformers import AutoConfig, AutoTokenizer
 
         from engine_ext.worker import seam

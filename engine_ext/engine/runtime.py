@@ -65,6 +65,35 @@ def defaults_for(device: Device) -> RuntimeDefaults:
     return RuntimeDefaults(device, "bfloat16", False, "TRITON_ATTN")
 
 
+def cpu_thread_count(configured: int | None = None, cores: int | None = None) -> int:
+    """Intra-op threads for a single-rank CPU engine's forward: `configured` when given, else
+    `OMP_NUM_THREADS` when set, else one fewer than the cores this process may run on (at least
+    one). The spare core is for everything else in the process and on the machine — the engine
+    loop, the API, a browser: with as many OpenMP threads as cores, any other runnable thread
+    takes a core from one of them and every parallel region then waits for it (decode measured
+    4x slower on 2 cores next to one busy process; docs/performance.md, "The CPU's slow mode").
+    vLLM's own multiprocess CPU executor reserves a core for its scheduler the same way."""
+    if configured is not None:
+        if not isinstance(configured, int) or isinstance(configured, bool) or configured < 1:
+            raise ValueError(f"cpu_threads: expected a positive integer, got {configured!r}")
+        return configured
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    n = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, n - 1)
+
+
+def apply_cpu_threads(n: int) -> None:
+    """Use `n` intra-op threads in this process (an in-process engine's forward) and in the
+    processes it starts (`OMP_NUM_THREADS`, unless the user set it). vLLM's CPU worker replaces
+    `torch.set_num_threads` with a no-op once a worker has started, so the C function is called."""
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(n))
+    torch._C.set_num_threads(n)
+
+
 def prepare_environment(device: Device) -> None:
     """Set vLLM's environment defaults for `device` (never overriding the user's own values)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded at run time
