@@ -125,7 +125,7 @@ class Engine(DynamicControl):
             try:
                 threads = runtime.cpu_thread_count(self.config.cpu_threads)
             except ValueError as exc:
-                raise SpecError("cpu_threads", str(exc).split(": ", 1)[1]) from None
+                raise SpecError("cpu_threads", str(exc)) from None
             runtime.apply_cpu_threads(threads)
             logger.info("CPU engine: %d intra-op thread(s)", threads)
         from transformers import AutoConfig, AutoTokenizer

@@ -75,7 +75,7 @@ def cpu_thread_count(configured: int | None = None, cores: int | None = None) ->
     vLLM's own multiprocess CPU executor reserves a core for its scheduler the same way."""
     if configured is not None:
         if not isinstance(configured, int) or isinstance(configured, bool) or configured < 1:
-            raise ValueError(f"cpu_threads: expected a positive integer, got {configured!r}")
+            raise ValueError(f"expected a positive integer, got {configured!r}")
         return configured
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
@@ -86,7 +86,8 @@ def cpu_thread_count(configured: int | None = None, cores: int | None = None) ->
 
 def apply_cpu_threads(n: int) -> None:
     """Use `n` intra-op threads in this process (an in-process engine's forward) and in the
-    processes it starts (`OMP_NUM_THREADS`, unless the user set it). vLLM's CPU worker replaces
+    processes it starts (`OMP_NUM_THREADS`, unless the user set it; a later engine of the process
+    then finds it set, as the thread count is process-wide anyway). vLLM's CPU worker replaces
     `torch.set_num_threads` with a no-op once a worker has started, so the C function is called."""
     import torch
 
