@@ -142,5 +142,8 @@ def server_url(engine):
 def http(server_url):
     import httpx
 
-    with httpx.Client(base_url=server_url, timeout=120) as client:
+    from app.client.http import KEEPALIVE_EXPIRY_S
+
+    # idle connections retired before the server's keep-alive timeout closes them (see the constant)
+    with httpx.Client(base_url=server_url, timeout=120, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)) as client:
         yield client

@@ -398,6 +398,13 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 # ---- the clients ------------------------------------------------------------------------------------
+#: seconds an idle pooled connection is kept for reuse: less than the 5 s after which uvicorn
+#: (`causalboard serve`) closes an idle keep-alive connection. A request sent on a connection just
+#: as the server closes it fails with "connection reset by peer" (seen in CI, a poll after a pause
+#: of a few seconds); a connection the client retires first is never in that race.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 class CausalboardClient:
     """Synchronous client. `timeout` (seconds) bounds connecting and each read, so for a
     streaming sweep it is the longest silence between two events. `transport` replaces httpx's
@@ -406,7 +413,8 @@ class CausalboardClient:
     def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0, *,
                  transport: httpx.BaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, headers=_headers(api_key), timeout=timeout, transport=transport)
+        self._http = httpx.Client(base_url=self.base_url, headers=_headers(api_key), timeout=timeout, transport=transport,
+                                  limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
     def __enter__(self) -> "CausalboardClient":
         return self
@@ -592,7 +600,8 @@ class AsyncCausalboardClient:
     def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0, *,
                  transport: httpx.AsyncBaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(api_key), timeout=timeout, transport=transport)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(api_key), timeout=timeout,
+                                       transport=transport, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
     async def __aenter__(self) -> "AsyncCausalboardClient":
         return self
