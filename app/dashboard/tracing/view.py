@@ -28,8 +28,9 @@ several places.
 
 How it streams (Bokeh models must not be changed from an asyncio task): `start` launches a task
 that reads the SSE events of `POST /v1/patch_sweep` (`stream: true`, `keep_source: true`) through
-`AsyncCausalboardClient` and only appends them to a buffer; a periodic fold (`FLUSH_MS`: the
-session's periodic callback on a served page, the view's own task elsewhere; `_flush`) folds the buffer into `state` (a `SweepState`, the sweep's one event reader
+`AsyncCausalboardClient` and only appends them to a buffer; a periodic fold (`_flush` every
+`FLUSH_MS`: the session's periodic callback on a served page, the view's own task elsewhere)
+folds the buffer into `state` (a `SweepState`, the sweep's one event reader
 `app.sweep.fold.SweepFold`), updates the run parameters, and sends the heatmaps' cells through
 ONE method (`_push_cells`: one `ColumnDataSource.patch` per heatmap, at most every
 `HEATMAP_PUSH_MS` while the sweep runs). The view talks to the API over HTTP only.
