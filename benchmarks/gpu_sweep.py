@@ -201,6 +201,26 @@ def run(args, eng=None, *, checks: bool = True, throughput: bool = True) -> dict
                 and summary.get("cancelled") is True,
                 "in_flight_after": eng.in_flight, "cells_done": summary.get("cells_done"), "cells_total": summary.get("cells_total"), "runs_left": [x["run_id"] for x in usage["runs"]]}
 
+    def prefix_reuse_exact():
+        """A sweep whose cells read the corrupt prompt's cached KV below their position
+        (`prefix_reuse`) against the same sweep computed from scratch: with batch invariance on,
+        equal as floats (pairs and noise corruption); off, within the two noise floors."""
+        out, ok = {"batch_invariant": eng.info.batch_invariant}, True
+        bodies = (("pair_3_hooks", dict(B["big"], metric="logprob", hooks=["pre_attn", "post_attn", "post_block"])),
+                  ("noise_2_samples", dict(B["big"], clean_prompt=None, metric="logprob",
+                                           noise={"positions": [34, 35, 36, 37], "samples": 2})))  # past a block
+        for label, body in bodies:
+            on, off = sweep(**body, prefix_reuse=True), sweep(**body, prefix_reuse=False)
+            d = max(float(np.nanmax(np.abs(grid(on, h) - grid(off, h)))) for h in on["hooks"])
+            equal = all(np.array_equal(grid(on, h), grid(off, h), equal_nan=True) for h in on["hooks"])
+            floor = on["noise_floor"] + off["noise_floor"]
+            good = (equal and on["corrupt"] == off["corrupt"]) if eng.info.batch_invariant else d <= floor + 1e-6
+            out[label] = {"grids_equal": equal, "max_abs_diff": d, "noise_floors": [on["noise_floor"], off["noise_floor"]],
+                          "cells": on["cells_done"], "reused_prompt_tokens": [on["reused_prompt_tokens"], off["reused_prompt_tokens"]],
+                          "prefix_reuse": [on["prefix_reuse"], off["prefix_reuse"]]}
+            ok &= good and on["reused_prompt_tokens"] > 0 and off["reused_prompt_tokens"] == 0
+        return {"ok": ok, **out}
+
     def trace_structure():
         facts = sweep_trace_facts(B["facts"], lambda prompt: len(eng.tokenize(prompt)))
         mean = mean_by_category(
@@ -215,6 +235,7 @@ def run(args, eng=None, *, checks: bool = True, throughput: bool = True) -> dict
         check("concurrent_equals_solo", concurrent)
         check("zoom_reuses_source", zoom)
         check("disconnect_cancels", disconnect)
+        check("prefix_reuse_exact", prefix_reuse_exact)
         if args.model == "bundled":
             check("trace_structure", trace_structure)
 

@@ -91,7 +91,8 @@ class PatchSweepRequest(StrictModel):
         None, description="Cells (and baselines) read the corrupt prompt's KV from the prefix cache below their first "
                           "patched (or noised) position, at KV-block granularity, instead of computing the whole prompt; "
                           "what they write from there on is never shared. Default: on where a reused cell is "
-                          "bit-identical to the same cell computed from scratch (the CPU engine), off elsewhere.")
+                          "bit-identical to the same cell computed from scratch (the CPU engine, a GPU engine with batch "
+                          "invariance on: its default), off elsewhere.")
 
     def hook_list(self) -> list[str]:
         return list(dict.fromkeys(self.hooks)) if self.hooks else [self.hook]

@@ -527,10 +527,12 @@ class SweepService:
 
 def prefix_reuse_default(info) -> bool:
     """Whether a sweep reuses the corrupt prompt's cached KV when the request does not say: where
-    a reused cell is bit-identical to the same cell computed from scratch. Shown for the CPU
-    engine (tests/test_sweep_prefix_reuse.py); not shown on a GPU yet, so there it is opt-in
-    (`prefix_reuse: true`)."""
-    return info.device == "cpu"
+    a reused cell is bit-identical to the same cell computed from scratch. The CPU engine
+    (tests/test_sweep_prefix_reuse.py) and a GPU engine with batch invariance on, its default
+    (`benchmarks/gpu_sweep.py` check `prefix_reuse_exact`, `benchmarks/diag/sweep_http.py
+    --prefix-reuse both`; docs/performance.md). A GPU engine without batch invariance computes no
+    cell exactly twice, reused or not, so there it stays opt-in (`prefix_reuse: true`)."""
+    return info.device == "cpu" or bool(getattr(info, "batch_invariant", False))
 
 
 def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int, int], float]) -> list[CellRepeat]:

@@ -5,6 +5,8 @@ run the same sweep several times, print cells/s.
     PYTHONPATH=. python3 benchmarks/diag/sweep_http.py [--model DIR] [--device cpu|cuda] [--reps 5]
         [--pair K] [--hooks pre_attn,post_attn,post_block] [--max-concurrency N] [--words N]
         [--prompt-tokens N] [--prefix-reuse default|on|off|both] [--cpu-threads N]
+        [--batch-invariant default|on|off] [--stack-dir DIR] [--multiprocess]
+        [--switch-interval S]
 
 The sweep: the K-th equal-length clean/corrupt pair of the model's `tasks.json`, padded in front
 with `--words` filler words (8: 13 tokens with the bundled model; 27: 32 tokens, i.e. 768 cells
@@ -86,10 +88,31 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length for a model without tasks.json")
     ap.add_argument("--prefix-reuse", choices=["default", "on", "off", "both"], default="default")
     ap.add_argument("--cpu-threads", type=int, default=None, help="CPU: the engine's cpu_threads (default: its rule)")
+    ap.add_argument("--stack-dir", default=None,
+                    help="sample every thread's stack (this process and the engine-core process) during the timed "
+                         "sweeps; reports to DIR/stack-<pid>.json (benchmarks/diag/stack_sampler.py)")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s) for this process")
+    ap.add_argument("--multiprocess", action="store_true", help="CPU: run vLLM's engine core in its own process, as on a GPU")
+    ap.add_argument("--batch-invariant", choices=["default", "on", "off"], default="default",
+                    help="the engine's batch_invariant (default: its rule, on for a GPU)")
     args = ap.parse_args()
 
     import httpx
     import uvicorn
+
+    if args.switch_interval is not None:
+        import sys
+
+        sys.setswitchinterval(args.switch_interval)
+
+    if args.stack_dir:  # before the engine starts, so that its engine-core process is armed too
+        from benchmarks.diag.stack_sampler import StackSampler, arm_children
+
+        from benchmarks.diag import core_timeline
+
+        flag = os.path.join(args.stack_dir, "sampling")
+        arm_children(args.stack_dir, flag)
+        core_timeline.install()  # an in-process engine core (CPU) runs here
 
     import engine_ext
     try:
@@ -102,15 +125,18 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if args.device == "cuda":  # cb_bench.py's GPU settings
+        bi = {} if args.batch_invariant == "default" else {"batch_invariant": args.batch_invariant == "on"}
         eng = Engine(model=args.model, device="cuda", enforce_eager=False, max_model_len=4096,
-                     gpu_memory_utilization=0.8).start()
+                     gpu_memory_utilization=0.8, **bi).start()
     else:
-        eng = Engine(model=args.model, device=args.device, cpu_threads=args.cpu_threads).start()
+        eng = Engine(model=args.model, device=args.device, cpu_threads=args.cpu_threads,
+                     **({"multiprocess": True} if args.multiprocess else {})).start()
     code = os.path.dirname(os.path.dirname(os.path.abspath(engine_ext.__file__)))
     import torch
 
     common = {"label": args.label, "code": code, "commit": git_head(code), "load_avg": os.getloadavg()[0],
-              "torch_threads": torch.get_num_threads()}
+              "torch_threads": torch.get_num_threads(), "batch_invariant": eng.batch_invariant,
+              "switch_interval": __import__("sys").getswitchinterval()}
     emit("start", seconds=round(time.perf_counter() - t0, 1), max_num_seqs=eng.info.max_num_seqs,
          layers=eng.info.num_layers, **common)
 
@@ -165,10 +191,15 @@ def main() -> None:
             cpu: dict = {v: [] for v in variants}
             reused: dict = {v: [] for v in variants}
             api_tid, engine_tid = thread.native_id, eng._loop._thread.native_id
+            if args.stack_dir:
+                core_timeline.install_client(eng)
+                open(flag, "w").close()
+                sampler, since = StackSampler().start(), time.time()
             for rep in range(args.reps):
                 grids = None
                 for v in variants:
                     c0 = cpu_snapshot(api_tid, engine_tid)
+                    wall0 = time.time()
                     t = time.perf_counter()
                     r = sweep(v)
                     times[v].append(time.perf_counter() - t)
@@ -186,7 +217,16 @@ def main() -> None:
                          cells_per_s=round(cells / times[v][-1], 1), server_elapsed_s=r.get("elapsed_s"),
                          reused_prompt_tokens=r.get("reused_prompt_tokens"), api_cpu_s=round(cpu[v][-1][0], 3),
                          engine_cpu_s=round(cpu[v][-1][1], 3), process_cpu_s=round(cpu[v][-1][2], 3),
-                         load_now=os.getloadavg()[0], **extra, **common)
+                         load_now=os.getloadavg()[0], wall=[round(wall0, 4), round(time.time(), 4)], **extra, **common)
+            if args.stack_dir:
+                report = sampler.stop(top=80)
+                report["core_timeline"] = core_timeline.report(since, time.time())
+                report["core_timeline"]["since"] = since
+                report["client_events"] = core_timeline.client_events(since)
+                with open(os.path.join(args.stack_dir, f"stack-{os.getpid()}.json"), "w") as f:
+                    json.dump(report, f)
+                os.remove(flag)
+                time.sleep(0.5)  # the children write theirs
             for v in variants:
                 m = statistics.median(times[v])
                 api_ms = statistics.median(c[0] for c in cpu[v]) * 1000 / cells
@@ -202,5 +242,9 @@ def main() -> None:
         eng.close()
 
 
+if __name__ == "__mp_main__":  # a spawned child (vLLM's engine core) of a --stack-dir run
+    from benchmarks.diag.stack_sampler import arm_spawned_child
+
+    arm_spawned_child()
 if __name__ == "__main__":
     main()
