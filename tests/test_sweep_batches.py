@@ -67,3 +67,32 @@ def test_noise_samples_count_once_per_cell_against_the_limit(http, engine, tasks
     assert res["cells_done"] == res["cells_total"] > limit
     assert samples < peak <= limit * samples, peak
     assert engine.in_flight == 0
+
+
+def test_the_clean_capture_and_the_corrupt_baselines_are_in_flight_together(http, engine, tasks, monkeypatch):
+    """Phase 1 submits the clean run's capture and the corrupt solo baselines (one per noise
+    sample) at once instead of one round trip after another; the sweep's result is unchanged."""
+    intervals: list[tuple[str, float, float]] = []
+    orig = engine.agenerate
+
+    async def timed(prompt, params, interventions=None, **kw):
+        t = time.monotonic()
+        try:
+            return await orig(prompt, params, interventions, **kw)
+        finally:
+            kind = "capture" if interventions is not None and interventions.capture is not None else "score"
+            intervals.append((kind, t, time.monotonic()))
+
+    pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
+    body = {"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"], "answer_token_id": pair["answer_id"],
+            "foil_token_id": pair["foil_id"], "metric": "recovered", "hooks": ["post_block"], "layers": [0]}
+    before, _ = run_sweep(http, engine, body)
+    monkeypatch.setattr(engine, "agenerate", timed)
+    after, _ = run_sweep(http, engine, body)
+    capture = [iv for iv in intervals if iv[0] == "capture"]
+    scores = [iv for iv in intervals if iv[0] == "score"]
+    assert len(capture) == 1 and scores, intervals
+    _, c0, c1 = capture[0]
+    assert any(s0 < c1 and c0 < s1 for _, s0, s1 in scores), f"no baseline overlapped the capture: {intervals}"
+    assert after["grid"] == before["grid"] and after["corrupt"] == before["corrupt"] and after["clean"] == before["clean"]
+    assert engine.in_flight == 0

@@ -86,7 +86,9 @@ class PatchSweepRequest(StrictModel):
     subject: SpanSpec | None = Field(None, description="Subject span of the corrupt prompt, marked in figures.")
     noise_floor_samples: int = Field(6, ge=1, le=32, description="Unpatched baseline re-runs spread through the cell batch.")
     max_concurrency: int | None = Field(None, ge=1, le=4096, description="Cells in flight at once (default: as many as "
-                                                                      "the engine batches, its max_num_seqs).")
+                                                                      "the engine batches, its max_num_seqs); below 1 + "
+                                                                      "the noise samples, the setup's clean capture and "
+                                                                      "corrupt baselines also run one at a time.")
     prefix_reuse: bool | None = Field(
         None, description="Cells (and baselines) read the corrupt prompt's KV from the prefix cache below their first "
                           "patched (or noised) position, at KV-block granularity, instead of computing the whole prompt; "

@@ -203,6 +203,56 @@ class SweepService:
         return run
 
     async def _prepare(self, run: SweepRun, base: _Baselines) -> None:
+        """Phase 1: the clean side (`_prepare_clean`) and the corrupt prompt's solo baselines run
+        concurrently (neither needs the other: one engine step instead of several round trips
+        before the fan-out) unless `max_concurrency` is smaller than their number (then one after
+        the other, so the limit holds here too); then the baselines' notes and the start event."""
+        plan, eng, req = run.plan, self.engine, run.plan.request
+        solo_jobs = [lambda k=k: self._score(run, plan.corrupt_ids, plan.noise_for(k)) for k in range(plan.noise_samples)]
+        # with prefix reuse, the solo baselines write the blocks the cells read (the fan-out starts after them)
+        if req.max_concurrency is None or req.max_concurrency >= 1 + len(solo_jobs):
+            async def corrupt_solos() -> list:
+                return await _all_or_none(*(job() for job in solo_jobs))
+
+            _, scores = await _all_or_none(self._prepare_clean(run, base), corrupt_solos())
+        else:
+            await self._prepare_clean(run, base)
+            scores = [await job() for job in solo_jobs]
+        solo = [plan.basis_of(v) for v in scores]
+        if base.clean is None and req.clean_baseline is not None:
+            base.clean = float(req.clean_baseline)
+        elif base.clean is not None and req.clean_baseline is not None:
+            base.notes.append(f"clean_baseline {req.clean_baseline} ignored: the clean run was measured ({base.clean:.6g})")
+
+        info = eng.info
+        if info.device == "cuda" and (info.enforce_eager or not info.batch_invariant):
+            base.notes.append("batch-dependent GPU numerics (eager mode or batch invariance off): cells can differ from "
+                              "their solo runs by more than the measured noise floor; see docs/validation.md")
+        base.corrupt_solo0 = solo[0]
+        base.corrupt = sum(solo) / len(solo)
+        base.metric = plan.metric
+        if plan.metric == "recovered" and base.clean is None:
+            # a stored run and no clean value: the raw grid, as the fork returns it — but labelled
+            # with its real unit (the fork would call raw values `recovered`)
+            base.metric = plan.basis
+            base.notes.append(f"recovered needs the clean baseline (give clean_prompt or clean_baseline); "
+                              f"values are raw {plan.basis}")
+        elif plan.metric == "recovered" and abs(base.clean - base.corrupt) < RECOVERED_EPS:
+            base.metric = plan.basis
+            base.notes.append(f"recovered is undefined: the clean and corrupt baselines are equal ({plan.basis} "
+                              f"{base.clean:.6g} vs {base.corrupt:.6g}); values are raw {plan.basis}")
+
+        run.setup = self._setup(run, base)
+        run.emit(StartEvent(**dict(run.setup)))
+        for note in base.notes:
+            run.emit(WarningEvent(message=note))
+        for s in plan.skipped_positions:
+            run.emit(SkipEvent(**s))
+        await self._emit_checksum(run)
+
+    async def _prepare_clean(self, run: SweepRun, base: _Baselines) -> None:
+        """The clean side of phase 1: capture, store and lease the clean run (auto capture), else
+        score the clean prompt when there is one; lease a given source run."""
         plan, eng, req = run.plan, self.engine, run.plan.request
         src = plan.source
         if src.capture:
@@ -235,38 +285,6 @@ class SweepService:
             if not await anyio.to_thread.run_sync(eng.lease_source, src.run_id):
                 raise PlanError(404, "source_run", f"run {src.run_id!r} vanished from the source store before it could be leased")
             base.leased = src.run_id
-        if base.clean is None and req.clean_baseline is not None:
-            base.clean = float(req.clean_baseline)
-        elif base.clean is not None and req.clean_baseline is not None:
-            base.notes.append(f"clean_baseline {req.clean_baseline} ignored: the clean run was measured ({base.clean:.6g})")
-
-        info = eng.info
-        if info.device == "cuda" and (info.enforce_eager or not info.batch_invariant):
-            base.notes.append("batch-dependent GPU numerics (eager mode or batch invariance off): cells can differ from "
-                              "their solo runs by more than the measured noise floor; see docs/validation.md")
-        # with prefix reuse, the first of these writes the blocks the cells read
-        solo = [plan.basis_of(await self._score(run, plan.corrupt_ids, plan.noise_for(k))) for k in range(plan.noise_samples)]
-        base.corrupt_solo0 = solo[0]
-        base.corrupt = sum(solo) / len(solo)
-        base.metric = plan.metric
-        if plan.metric == "recovered" and base.clean is None:
-            # a stored run and no clean value: the raw grid, as the fork returns it — but labelled
-            # with its real unit (the fork would call raw values `recovered`)
-            base.metric = plan.basis
-            base.notes.append(f"recovered needs the clean baseline (give clean_prompt or clean_baseline); "
-                              f"values are raw {plan.basis}")
-        elif plan.metric == "recovered" and abs(base.clean - base.corrupt) < RECOVERED_EPS:
-            base.metric = plan.basis
-            base.notes.append(f"recovered is undefined: the clean and corrupt baselines are equal ({plan.basis} "
-                              f"{base.clean:.6g} vs {base.corrupt:.6g}); values are raw {plan.basis}")
-
-        run.setup = self._setup(run, base)
-        run.emit(StartEvent(**dict(run.setup)))
-        for note in base.notes:
-            run.emit(WarningEvent(message=note))
-        for s in plan.skipped_positions:
-            run.emit(SkipEvent(**s))
-        await self._emit_checksum(run)
 
     async def _score(self, run: SweepRun, ids: list[int], noise) -> dict[int, float]:
         # a baseline is computed like the cells: from the prefix cache with prefix reuse, else fresh
@@ -523,6 +541,20 @@ class SweepService:
             reused_prompt_tokens=run.reused_tokens,
             notes=notes, versions=dict(self.engine.info.versions),
         )
+
+
+async def _all_or_none(*coros):
+    """Await coroutines concurrently and return their results in order; when one raises (or the
+    caller is cancelled), cancel the others, wait for them, and raise that first exception as is
+    (no exception group: the callers' `PlanError`s keep their type)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def prefix_reuse_default(info) -> bool:
