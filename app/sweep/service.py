@@ -211,10 +211,7 @@ class SweepService:
         solo_jobs = [lambda k=k: self._score(run, plan.corrupt_ids, plan.noise_for(k)) for k in range(plan.noise_samples)]
         # with prefix reuse, the solo baselines write the blocks the cells read (the fan-out starts after them)
         if req.max_concurrency is None or req.max_concurrency >= 1 + len(solo_jobs):
-            async def corrupt_solos() -> list:
-                return await _all_or_none(*(job() for job in solo_jobs))
-
-            _, scores = await _all_or_none(self._prepare_clean(run, base), corrupt_solos())
+            _, *scores = await _all_or_none(self._prepare_clean(run, base), *(job() for job in solo_jobs))
         else:
             await self._prepare_clean(run, base)
             scores = [await job() for job in solo_jobs]
