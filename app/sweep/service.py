@@ -208,13 +208,14 @@ class SweepService:
         before the fan-out) unless `max_concurrency` is smaller than their number (then one after
         the other, so the limit holds here too); then the baselines' notes and the start event."""
         plan, eng, req = run.plan, self.engine, run.plan.request
-        solo_jobs = [lambda k=k: self._score(run, plan.corrupt_ids, plan.noise_for(k)) for k in range(plan.noise_samples)]
+        noises = [plan.noise_for(k) for k in range(plan.noise_samples)]
         # with prefix reuse, the solo baselines write the blocks the cells read (the fan-out starts after them)
-        if req.max_concurrency is None or req.max_concurrency >= 1 + len(solo_jobs):
-            _, *scores = await _all_or_none(self._prepare_clean(run, base), *(job() for job in solo_jobs))
+        if req.max_concurrency is None or req.max_concurrency >= 1 + len(noises):
+            _, *scores = await _all_or_none(self._prepare_clean(run, base),
+                                            *(self._score(run, plan.corrupt_ids, n) for n in noises))
         else:
             await self._prepare_clean(run, base)
-            scores = [await job() for job in solo_jobs]
+            scores = [await self._score(run, plan.corrupt_ids, n) for n in noises]
         solo = [plan.basis_of(v) for v in scores]
         if base.clean is None and req.clean_baseline is not None:
             base.clean = float(req.clean_baseline)
@@ -561,7 +562,7 @@ def prefix_reuse_default(info) -> bool:
     (`benchmarks/gpu_sweep.py` check `prefix_reuse_exact`, `benchmarks/diag/sweep_http.py
     --prefix-reuse both`; docs/performance.md). A GPU engine without batch invariance computes no
     cell exactly twice, reused or not, so there it stays opt-in (`prefix_reuse: true`)."""
-    return info.device == "cpu" or bool(getattr(info, "batch_invariant", False))
+    return info.device == "cpu" or info.batch_invariant
 
 
 def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int, int], float]) -> list[CellRepeat]:

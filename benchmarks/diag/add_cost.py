@@ -21,6 +21,8 @@ def main() -> None:
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
+    from benchmarks.compare.stock_diag import p1c_prefix_only_requests, p1c_prompt
+
     llm = LLM(model=args.model, dtype="bfloat16", attention_backend="TRITON_ATTN", seed=0,
               gpu_memory_utilization=0.8, enable_prefix_caching=True)
     engine = llm.llm_engine
@@ -35,13 +37,11 @@ def main() -> None:
             times.append(time.perf_counter() - t)
 
     engine.add_request = timed
-    rng, tails = random.Random(5), random.Random(6)
-    base = [rng.randrange(1000, 128000) for _ in range(128)]
+    tails, base = random.Random(6), p1c_prompt()
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[1000, 2000])
 
     def reqs():
-        return [{"prompt_token_ids": base[:p] + [1000 + (base[p] + 7) % 127000]
-                 + [tails.randrange(1000, 128000) for _ in range(127 - p)]} for _ in range(16) for p in range(128)]
+        return p1c_prefix_only_requests(base, tails)
 
     llm.generate([{"prompt_token_ids": base}], sp, use_tqdm=False)
     llm.generate(reqs(), sp, use_tqdm=False)
