@@ -7,7 +7,8 @@ Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
   composed at their sites on top of whatever slot the static plan put there (static steering,
   then global steering, then the dynamic policies in order: the oracle's order), through the
   content-addressed `SlotTable`. Each applied (request, position) is one checksum action whose
-  identity is the crc32 of the request key, the sites and the exact fp32 bytes of every payload.
+  identity is the crc32 of the request key, the sites and every payload's name (`_Policy.parts`:
+  bit-exact, from the vector's fp32 bytes and `f32(scale)`).
   An action that cannot be applied (no slot left) is rejected: not applied, not folded, and the
   request is voided with the reason.
 * **row gates** — a request with a `this_token` probe gate (the fork's per-row monitor,
@@ -77,24 +78,34 @@ class _Policy:
     vec: np.ndarray | None  # fp32
     sites: list[int]
     vecs: list[np.ndarray] | None = None
-    _payloads: dict = field(default_factory=dict)
+    _parts: dict = field(default_factory=dict)
+    _vec_crcs: dict = field(default_factory=dict)
 
-    def parts(self, scale: float) -> list[tuple[int, np.ndarray, int]]:
-        """Per site: (site, `vector * f32(scale)`, crc32 of its bytes), cached per scale."""
-        got = self._payloads.get(scale)
+    def parts(self, scale: float) -> list[tuple[int, np.ndarray, np.float32, int]]:
+        """Per site: (site, vector, `f32(scale)`, crc), cached per scale. The payload is
+        `vector * f32(scale)` (fp32; `payload`, computed only when a slot is made); the crc names it
+        bit-exactly: the crc32 of `f32(scale)`'s bytes continued from the crc32 of the vector's fp32
+        bytes (the payload is a deterministic function of the two, so payloads differing in any
+        bit have different (vector, scale) and, but for a crc32 collision, different crcs)."""
+        got = self._parts.get(scale)
         if got is None:
+            s32 = np.float32(scale)
             vecs = self.vecs if self.vecs is not None else [self.vec] * len(self.sites)
-            done: dict[int, tuple[np.ndarray, int]] = {}
             got = []
             for site, vec in zip(self.sites, vecs):
-                if id(vec) not in done:
-                    v = (vec * np.float32(scale)).astype(np.float32)
-                    done[id(vec)] = (v, zlib.crc32(v.astype("<f4").tobytes()))
-                got.append((site, *done[id(vec)]))
-            if len(self._payloads) > 64:
-                self._payloads.clear()
-            self._payloads[scale] = got
+                vcrc = self._vec_crcs.get(id(vec))
+                if vcrc is None:
+                    vcrc = self._vec_crcs[id(vec)] = zlib.crc32(np.ascontiguousarray(vec, "<f4").tobytes())
+                got.append((site, vec, s32, zlib.crc32(s32.astype("<f4").tobytes(), vcrc)))
+            if len(self._parts) > 64:  # proportional control: a new scale nearly every step
+                self._parts.clear()
+            self._parts[scale] = got
         return got
+
+
+def payload(vec: np.ndarray, s32: np.float32) -> np.ndarray:
+    """`vector * f32(scale)` in fp32 (a new array): what a dynamic action adds at a site."""
+    return np.multiply(vec, s32, dtype=np.float32)
 
 
 @dataclass
@@ -118,6 +129,8 @@ class DynRequest:
     #: make), the action's crc, gated); an action repeated with the same inputs (a threshold
     #: policy holding) is composed once
     actions_cache: dict = field(default_factory=dict)
+    #: scales -> (sites an action writes on this worker, whether the row gate acts): `_layout`
+    layouts: dict = field(default_factory=dict)
     #: the fork's declarative gates: their decision state and their components (applied after
     #: the policies; `decided` tuples hold the policies' scales, then the components')
     gate: GateState | None = None
@@ -274,56 +287,66 @@ class DynamicWorker:
         self._gated = []
         max_row = 0
         actions: list[tuple[int, int, int]] = []
-        if self.requests:
+        requests = self.requests
+        if requests:
+            starts = qsl.tolist() if hasattr(qsl, "tolist") else list(qsl)
+            computed = num_computed.tolist() if hasattr(num_computed, "tolist") else list(num_computed)
+            owns_site = self.st.owns_site
             for i, rid in enumerate(req_ids):
-                dr = self.requests.get(rid)
+                dr = requests.get(rid)
                 if dr is None or not (dr.policies or dr.gate_actions):
                     continue
-                row0, p0 = int(qsl[i]), int(num_computed[i])
-                n = int(qsl[i + 1]) - row0
+                row0, p0 = starts[i], computed[i]
+                n = starts[i + 1] - row0
                 if n <= 0:
                     continue
                 p1 = p0 + n
                 last = p1 - 1
                 gated_last = False
                 if p1 > dr.n_prompt and dr.decided:
+                    decided = dr.decided
                     for p in range(max(p0, dr.n_prompt), p1):
-                        scales = dr.decided.get(p)
+                        scales = decided.get(p)
                         if scales is None or not any(scales):
                             continue
                         if planner.skip_next_action:  # test-only fault: this rank skips one action
                             planner.skip_next_action = False
                             continue
-                        got = self._apply(dr, row0 + p - p0, scales, hs)
+                        row = row0 + p - p0
+                        got = self._apply(dr, row, scales, hs)
                         if got is None:
                             continue
                         crc, gated = got
                         actions.append((crc, p, p + 1))
                         dr.actions += 1
-                        max_row = max(max_row, row0 + p - p0 + 1)
+                        if row >= max_row:
+                            max_row = row + 1
                         gated_last |= gated and p == last
-                if gated_last and last > dr.last_scored:
+                if last < dr.n_prompt - 1 or last <= dr.last_scored:
+                    continue
+                if gated_last:
                     # the op writes the row gate's (score, g) of this row: read after the forward
                     self._gated.append((dr, last, row0 + n - 1))
-                if last >= dr.n_prompt - 1 and last > dr.last_scored and not dr.monitor_sites:
+                if not dr.monitor_sites:
                     # gates that read no host probe (`always`, `this_token`): decided without a score
                     # (after the forward when the op gates this row: the trace reports its g)
                     if not gated_last:
                         self._decide(dr, last, [])
-                elif last >= dr.n_prompt - 1 and last > dr.last_scored:
-                    row = row0 + n - 1
-                    for site in dr.monitor_sites:
-                        if not self.st.owns_site(site):
+                    continue
+                row = row0 + n - 1
+                for site in dr.monitor_sites:
+                    if not owns_site(site):
+                        continue
+                    idx = int(hc[row, site])
+                    if idx < 0:
+                        if n_cap >= planner.b.max_capture_rows:
+                            dr.errors.append(f"position {last}: no capture row left for the probe; not scored")
                             continue
-                        idx = int(hc[row, site])
-                        if idx < 0:
-                            if n_cap >= planner.b.max_capture_rows:
-                                dr.errors.append(f"position {last}: no capture row left for the probe; not scored")
-                                continue
-                            idx = hc[row, site] = n_cap
-                            n_cap += 1
-                        self._monitors.append((dr, last, site, idx))
-                    max_row = max(max_row, row + 1)
+                        idx = hc[row, site] = n_cap
+                        n_cap += 1
+                    self._monitors.append((dr, last, site, idx))
+                if row >= max_row:
+                    max_row = row + 1
         self.st.slots.release(held_before)
         self.actions += len(actions)
         return max_row, n_cap, actions
@@ -343,10 +366,32 @@ class DynamicWorker:
         except SlotCapacityError as exc:
             slots.release([s for _, s in acquired])
             return self._reject(dr, str(exc))
+        held = self._held
         for site, slot in acquired:
             hs[row, site] = slot
-            self._held.append(slot)
+            held.append(slot)
         return crc, gated
+
+    def _layout(self, dr: DynRequest, scales: tuple[float, ...]) -> tuple[tuple[int, ...], bool]:
+        """The sites an action with `scales` writes on this worker (sorted) and whether the row
+        gate acts there. Cached per scales for requests without a row gate (whether a row gate
+        acts also depends on its gate's state)."""
+        got = dr.layouts.get(scales)
+        if got is not None:
+            return got
+        owns_site = self.st.owns_site
+        sites_set = {site for pol, scale in zip(dr.actors(), scales) if scale != 0.0
+                     for site in pol.sites if owns_site(site)}
+        row_gated = (dr.gate_site is not None and owns_site(dr.gate_site)
+                     and dr.gate.row_gated(scales[len(dr.policies):]))
+        if row_gated:
+            sites_set.add(dr.gate_site)
+        got = (tuple(sorted(sites_set)), row_gated)
+        if dr.gate_site is None:
+            if len(dr.layouts) > 64:
+                dr.layouts.clear()
+            dr.layouts[scales] = got
+        return got
 
     def _action_plan(self, dr: DynRequest, row: int, scales: tuple[float, ...], hs: np.ndarray):
         """What `_apply` acquires for `scales` on `row` — per site (slot key, make) — the
@@ -358,20 +403,16 @@ class DynamicWorker:
         apply, the slot at the gate's probe site carries a gate row whose term is the request's
         row there (`GateSet.row_term`); the op scales that term by the same position's `g`."""
         slots = self.st.slots
-        sites_set = {site for pol, scale in zip(dr.actors(), scales) if scale != 0.0
-                     for site in pol.sites if self.st.owns_site(site)}
-        gscales = scales[len(dr.policies):]
-        row_gated = (dr.gate_site is not None and self.st.owns_site(dr.gate_site) and dr.gate.row_gated(gscales))
-        if row_gated:
-            sites_set.add(dr.gate_site)
-        sites = sorted(sites_set)
-        bases = tuple(int(hs[row, site]) for site in sites)
+        sites, row_gated = self._layout(dr, scales)
+        here = hs[row]
+        bases = tuple(int(here[site]) for site in sites)
         # the row gate's term is a function of the scales: (scales, whether the gate acts, the
         # bases' content keys) decides the whole plan, so the term is only built on a miss
         sig = (scales, row_gated, tuple(slots.key_of(b) if b >= 0 else None for b in bases))
         got = dr.actions_cache.get(sig)
         if got is not None:
             return got
+        gscales = scales[len(dr.policies):]
         gate = None
         if row_gated:
             term = dr.gate.gs.row_term(gscales, dr.gate.gs.gates[dr.gate.gs.row_gate].probe.site)
@@ -380,13 +421,14 @@ class DynamicWorker:
             gkey = ("gate", *dr.gate_row_key, zlib.crc32(term.astype("<f4").tobytes()))
             gate = (dr.gate_site, gkey, dict(gate_probe=probe, gate_threshold=thr, gate_sharpness=sharp,
                                              gate_term=term, gate_key=gkey))
-        by_site: dict[int, list[tuple[np.ndarray, int]]] = {site: [] for site in sites}
+        by_site: dict[int, list[tuple[np.ndarray, np.float32, int]]] = {site: [] for site in sites}
+        owns_site = self.st.owns_site
         for pol, scale in zip(dr.actors(), scales):
             if scale == 0.0:
                 continue
-            for site, vec, crc in pol.parts(scale):
-                if self.st.owns_site(site):
-                    by_site[site].append((vec, crc))
+            for site, vec, s32, crc in pol.parts(scale):
+                if owns_site(site):
+                    by_site[site].append((vec, s32, crc))
         desc = [dr.key]
         entries = []
         for (site, parts), base in zip(sorted(by_site.items()), bases):
@@ -394,12 +436,13 @@ class DynamicWorker:
             if base_val is not None and base_val.mode != SlotMode.AFFINE:
                 return f"position has a stored-pair patch at site {site}; dynamic steering cannot compose with it"
             g = gate[2] if gate is not None and gate[0] == site else {}
-            key = ("dyn", slots.key_of(base) if base >= 0 else None, tuple(c for _, c in parts), g.get("gate_key"))
+            key = ("dyn", slots.key_of(base) if base >= 0 else None, tuple(c for _, _, c in parts), g.get("gate_key"))
 
             def make(base_val=base_val, parts=parts, g=g):
                 c = None if base_val is None or base_val.c is None else base_val.c.astype(np.float32)
-                for v, _ in parts:
-                    c = v.copy() if c is None else c + v
+                for vec, s32, _ in parts:
+                    add = payload(vec, s32)
+                    c = add if c is None else c + add
                 if base_val is None:
                     return SlotValue(SlotMode.AFFINE, a=1.0, c=c, **g)
                 # keep the base's per-dimension a (a dimension-masked patch) and its directional clamps
@@ -407,7 +450,7 @@ class DynamicWorker:
                 return dataclasses.replace(base_val, c=c, **g)
 
             entries.append((site, key, make))
-            desc.append(f"{site}:{','.join(f'{c:08x}' for _, c in parts)}")
+            desc.append(f"{site}:{','.join(f'{c:08x}' for _, _, c in parts)}")
             if g:
                 _, pcrc, thr, sharp, tcrc = g["gate_key"]
                 desc.append(f"gate:{site}:{pcrc:08x}:{thr}:{sharp}:{tcrc:08x}")

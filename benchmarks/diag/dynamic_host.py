@@ -1,0 +1,92 @@
+"""Host time per step of dynamic steering inside a real engine (issue 15's cost, host side): the
+worker's `WorkerState.plan_step` (and its dynamic part, `DynamicWorker.plan_rows`, which takes the
+previous step's decisions first) and `WorkerState.after_forward`, timed around each call in an
+IN-PROCESS engine (worker and client in one process), batch-32 decode with one probe and one
+policy on every request (the variants of `benchmarks/dynamic_bench.py`).
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=. python3 benchmarks/diag/dynamic_host.py [--model DIR] [--device cpu|cuda] [--tokens 64] [--reps 3]
+
+On a GPU, `plan_rows` runs after the wait for the previous step's scores, so its time is time the
+GPU idles; compare with `benchmarks/dynamic_planner_bench.py` (the same work without an engine:
+warmer caches, lower figures). One JSON line per variant and repetition: median microseconds per
+call of each timed function, the wall time of the batch, the number of planned steps.
+"""
+import argparse
+import json
+import random
+import statistics
+import time
+
+import numpy as np
+
+from engine_ext.dynamic.worker import DynamicWorker
+from engine_ext.worker.state import WorkerState
+
+TIMES: dict[str, list[int]] = {}
+
+
+def _timed(cls, name: str) -> None:
+    orig = getattr(cls, name)
+
+    def wrapper(self, *a, **k):
+        t = time.perf_counter_ns()
+        try:
+            return orig(self, *a, **k)
+        finally:
+            TIMES.setdefault(name, []).append(time.perf_counter_ns() - t)
+
+    setattr(cls, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    for cls, name in ((WorkerState, "plan_step"), (WorkerState, "after_forward"), (DynamicWorker, "plan_rows")):
+        _timed(cls, name)
+
+    from engine_ext import Engine, GenerationParams
+    from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
+
+    kw = {"model": args.model} if args.model else {}
+    if args.device == "cuda":
+        kw.update(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8)
+    eng = Engine(device=args.device, multiprocess=False, **kw).start()
+    info = eng.info
+    L, H = info.num_layers, info.hidden_size
+    rng = np.random.default_rng(0)
+    eng.register_probe(Probe.make("bench-probe", f"L{L // 2}.post_block", direction=rng.standard_normal(H)))
+    v = (rng.standard_normal(H) * 0.01).astype(np.float32)
+    steer = [f"L{max(L // 2 - 1, 0)}.post_attn"]
+    variants = {
+        "vanilla": None,
+        "monitor_only": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=1e30)]),
+        "threshold_on": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=-1e30)]),
+        "proportional": DynamicRequest.make([Policy.make(probe="bench-probe", mode="proportional", sites=steer,
+                                                         vector=v, target=0.0, gain=1e-3, min_scale=-5.0,
+                                                         max_scale=5.0, initial_scale=0.5)]),
+    }
+    prng = random.Random(132)
+    lo, hi = (1000, min(info.vocab_size - 1, 128000)) if info.vocab_size > 2000 else (4, info.vocab_size - 1)
+    prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(32)]
+    params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
+    for dyn in variants.values():  # warm-up
+        eng.generate(prompts, GenerationParams(max_tokens=4, ignore_eos=True), dynamic=dyn)
+    for rep in range(args.reps):
+        for name, dyn in variants.items():
+            TIMES.clear()
+            t = time.perf_counter()
+            eng.generate(prompts, params, dynamic=dyn)
+            wall = time.perf_counter() - t
+            med = {k: round(statistics.median(x) / 1e3, 1) for k, x in TIMES.items()}
+            print(json.dumps({"bench": "dyn_host_us", "variant": name, "rep": rep, "device": args.device,
+                              "wall_s": round(wall, 3), "median_us": med, "steps": len(TIMES.get("plan_step", []))}),
+                  flush=True)
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""CPU micro-benchmark of dynamic steering's per-step host work on the worker (issue 15's cost):
+batch-32 decode steps of a Llama-3.2-1B-shaped model (16 layers, hidden 2048), every request
+carrying one probe and one policy, as `benchmarks/dynamic_bench.py` runs them on the GPU. No
+engine and no forward: `WorkerState.plan_step` then `WorkerState.after_forward` per step, the
+capture rows the probe reads filled with fixed random values (so the scores are non-zero and the
+proportional policy's scale moves every step).
+
+    .venv/bin/python benchmarks/dynamic_planner_bench.py [--steps 60] [--reps 5]
+
+On a GPU, `plan_step`'s dynamic part runs after it waits for the previous step's scores, so its
+host time is time the GPU idles (docs/performance.md, "Dynamic steering"); `after_forward` runs
+while the forward it follows is still on the device. Variants as in `dynamic_bench.py`
+(vanilla, monitor_only, threshold_on, proportional). One JSON line per variant: median
+microseconds per step of `plan_step` (and of its dynamic part, `plan_rows`) and of `after_forward`,
+and the dynamic actions applied in one run (batch x steps for a policy engaged throughout).
+"""
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, DynamicRequest, Policy, Probe
+from engine_ext.program import ModelDims, PromptInfo, compile_program, program_to_extra_args
+from engine_ext.specs import Interventions, canonical_json
+from engine_ext.worker.state import WorkerConfig, WorkerState
+
+L, H, BATCH, PROMPT = 16, 2048, 32, 16
+
+
+def variants(v: np.ndarray) -> dict:
+    steer = [f"L{L // 2 - 1}.post_attn"]
+    return {
+        "vanilla": None,
+        "monitor_only": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=1e30)]),
+        "threshold_on": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=-1e30)]),
+        "proportional": DynamicRequest.make([Policy.make(probe="bench-probe", mode="proportional", sites=steer, vector=v,
+                                                         target=0.0, gain=1e-3, min_scale=-5.0, max_scale=5.0,
+                                                         initial_scale=0.5)]),
+    }
+
+
+def run(dyn, steps: int) -> dict:
+    """One batch: register, prefill step, `steps` decode steps; median us per call."""
+    st = WorkerState(L, H, 8192, torch.device("cpu"), torch.float32, WorkerConfig())
+    rng = np.random.default_rng(0)
+    st.dynamic.set_probe(Probe.make("bench-probe", f"L{L // 2}.post_block", direction=rng.standard_normal(H)).to_json())
+    st.buffers.cap_x.copy_(torch.from_numpy(rng.standard_normal(tuple(st.buffers.cap_x.shape)).astype(np.float32)))
+    dims = ModelDims(L, H, 128256, 0.02)
+    req_ids = [f"r{i}" for i in range(BATCH)]
+    for i, rid in enumerate(req_ids):
+        prog = compile_program(Interventions(), PromptInfo(list(range(PROMPT)), None, None, steps + 1), dims,
+                               key=f"k{i}", named_vector_dims=lambda n: None)
+        extra = program_to_extra_args(prog)
+        if dyn is not None:
+            extra[DYNAMIC_ARGS_KEY] = canonical_json(dyn.wire(()))
+        st.register(rid, extra)
+    times: dict[str, list[int]] = {"plan_step": [], "plan_rows": [], "after_forward": []}
+    orig = st.dynamic.plan_rows
+
+    def plan_rows(*a):
+        t = time.perf_counter_ns()
+        out = orig(*a)
+        times["plan_rows"].append(time.perf_counter_ns() - t)
+        return out
+
+    st.dynamic.plan_rows = plan_rows
+    st.plan_step(req_ids, np.arange(0, PROMPT * BATCH + 1, PROMPT, dtype=np.int32), np.zeros(BATCH, np.int32))
+    st.after_forward()
+    qsl = np.arange(BATCH + 1, dtype=np.int32)
+    for step in range(steps):
+        t = time.perf_counter_ns()
+        st.plan_step(req_ids, qsl, np.full(BATCH, PROMPT + step, np.int32))
+        t1 = time.perf_counter_ns()
+        st.after_forward()
+        t2 = time.perf_counter_ns()
+        times["plan_step"].append(t1 - t)
+        times["after_forward"].append(t2 - t1)
+    actions = st.dynamic.actions
+    for rid in req_ids:
+        st.finish(rid)
+    out = {k: statistics.median(v[5:] or v) / 1e3 for k, v in times.items() if v}
+    return {**out, "actions": actions}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    v = (np.random.default_rng(1).standard_normal(H) * 0.01).astype(np.float32)
+    results: dict[str, list[dict]] = {}
+    for _ in range(args.reps):
+        for name, dyn in variants(v).items():
+            results.setdefault(name, []).append(run(dyn, args.steps))
+    for name, reps in results.items():
+        out = {k: round(statistics.median(r[k] for r in reps), 1) for k in reps[0] if k != "actions"}
+        out["actions_per_run"] = reps[0]["actions"]
+        print(json.dumps({"bench": "dyn_planner_us", "variant": name, "batch": BATCH, "hidden": H, **out}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
