@@ -11,8 +11,11 @@ On a GPU, `plan_step`'s dynamic part runs after it waits for the previous step's
 host time is time the GPU idles (docs/performance.md, "Dynamic steering"); `after_forward` runs
 while the forward it follows is still on the device. Variants as in `dynamic_bench.py`
 (vanilla, monitor_only, threshold_on, proportional). One JSON line per variant: median
-microseconds per step of `plan_step` (and of its dynamic part, `plan_rows`) and of `after_forward`,
-and the dynamic actions applied in one run (batch x steps for a policy engaged throughout).
+microseconds per step of `plan_step` (and of its dynamic part, `plan_rows`), of the part of
+`plan_step` after its plan takes the previous step's decisions (`after_wait`: on a GPU the wait for
+the scores is there, so this is the host time between two forwards that dynamic steering adds),
+of `after_forward`, and the dynamic actions applied in one run (batch x steps for a policy engaged
+throughout).
 """
 import argparse
 import json
@@ -57,16 +60,24 @@ def run(dyn, steps: int) -> dict:
         if dyn is not None:
             extra[DYNAMIC_ARGS_KEY] = canonical_json(dyn.wire(()))
         st.register(rid, extra)
-    times: dict[str, list[int]] = {"plan_step": [], "plan_rows": [], "after_forward": []}
-    orig = st.dynamic.plan_rows
+    times: dict[str, list[int]] = {"plan_step": [], "plan_rows": [], "after_wait": [], "after_forward": []}
+    orig, orig_decide = st.dynamic.plan_rows, st.dynamic.decide_pending
+    wait: list[int] = []  # when this step's plan took the pending decisions (a GPU waits there)
 
     def plan_rows(*a):
+        wait.clear()
         t = time.perf_counter_ns()
         out = orig(*a)
         times["plan_rows"].append(time.perf_counter_ns() - t)
         return out
 
+    def decide_pending(*a, **k):
+        if not wait and st.dynamic._pending is not None:
+            wait.append(time.perf_counter_ns())
+        return orig_decide(*a, **k)
+
     st.dynamic.plan_rows = plan_rows
+    st.dynamic.decide_pending = decide_pending
     st.plan_step(req_ids, np.arange(0, PROMPT * BATCH + 1, PROMPT, dtype=np.int32), np.zeros(BATCH, np.int32))
     st.after_forward()
     qsl = np.arange(BATCH + 1, dtype=np.int32)
@@ -74,6 +85,8 @@ def run(dyn, steps: int) -> dict:
         t = time.perf_counter_ns()
         st.plan_step(req_ids, qsl, np.full(BATCH, PROMPT + step, np.int32))
         t1 = time.perf_counter_ns()
+        if wait:
+            times["after_wait"].append(t1 - wait[0])
         st.after_forward()
         t2 = time.perf_counter_ns()
         times["plan_step"].append(t1 - t)

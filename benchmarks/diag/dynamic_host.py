@@ -1,13 +1,13 @@
 """Host time per step of dynamic steering inside a real engine (issue 15's cost, host side): the
 worker's `WorkerState.plan_step` (and its dynamic part, `DynamicWorker.plan_rows`, which takes the
-previous step's decisions first) and `WorkerState.after_forward`, timed around each call in an
+previous step's decisions) and `WorkerState.after_forward`, timed around each call in an
 IN-PROCESS engine (worker and client in one process), batch-32 decode with one probe and one
 policy on every request (the variants of `benchmarks/dynamic_bench.py`).
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=. python3 benchmarks/diag/dynamic_host.py [--model DIR] [--device cpu|cuda] [--tokens 64] [--reps 3]
 
-On a GPU, `plan_rows` runs after the wait for the previous step's scores, so its time is time the
-GPU idles; compare with `benchmarks/dynamic_planner_bench.py` (the same work without an engine:
+On a GPU, the part of `plan_step` after the wait for the previous step's scores is time the GPU
+idles (`after_wait`: from that wait to the end of `plan_step`); compare with `benchmarks/dynamic_planner_bench.py` (the same work without an engine:
 warmer caches, lower figures). One JSON line per variant and repetition: median microseconds per
 call of each timed function, the wall time of the batch, the number of planned steps.
 """
@@ -38,6 +38,31 @@ def _timed(cls, name: str) -> None:
     setattr(cls, name, wrapper)
 
 
+def _time_after_wait() -> None:
+    """`after_wait`: from the moment a plan takes the previous step's decisions (on a GPU, the wait
+    for their scores) to the end of `plan_step`."""
+    mark: list[int] = []
+    plan_step, plan_rows, decide = WorkerState.plan_step, DynamicWorker.plan_rows, DynamicWorker.decide_pending
+
+    def plan_step_w(self, *a, **k):
+        mark.clear()
+        out = plan_step(self, *a, **k)
+        if mark:
+            TIMES.setdefault("after_wait", []).append(time.perf_counter_ns() - mark[0])
+        return out
+
+    def plan_rows_w(self, *a, **k):
+        mark.append(-1)  # inside a plan: the next decide_pending with scores pending is the wait
+        return plan_rows(self, *a, **k)
+
+    def decide_w(self, *a, **k):
+        if mark == [-1] and self._pending is not None:
+            mark[0] = time.perf_counter_ns()
+        return decide(self, *a, **k)
+
+    WorkerState.plan_step, DynamicWorker.plan_rows, DynamicWorker.decide_pending = plan_step_w, plan_rows_w, decide_w
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -47,6 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     for cls, name in ((WorkerState, "plan_step"), (WorkerState, "after_forward"), (DynamicWorker, "plan_rows")):
         _timed(cls, name)
+    _time_after_wait()
 
     from engine_ext import Engine, GenerationParams
     from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe

@@ -24,10 +24,12 @@ Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
 
 After the forward (`after_forward`): the monitored rows are read from the capture buffer on the
 device, each probe's `W @ s + b` is computed there, and only those score floats are copied to the
-host (one non-blocking copy per step, the row gates' `(score, g)` included). At the start of
-the next step's planning (`decide_pending`, which waits for that copy) the policies decide (`policy.PolicyState.decide`)
-and the scales for position `p + 1` are recorded in `decided`: that step applies them, exactly. Positions
-recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
+host (one non-blocking copy per step, the row gates' `(score, g)` included). The next step's
+planning hands out its monitor rows first (they do not depend on decisions), then takes the
+decisions (`decide_pending`, which waits for that copy; `policy.PolicyState.decide`) and records the
+scales for position `p + 1` in `decided`: that step applies them, exactly. The decisions' trace
+entries are recorded after that step's forward is launched. Positions recomputed after a
+preemption reuse their recorded decisions (nothing is decided twice).
 
 Every tensor-parallel rank holds the same registrations, sees the same post-all-reduce stream and
 runs the same code, so all ranks take the same decisions; the applied-action checksum proves it.
@@ -176,6 +178,9 @@ class DynamicWorker:
         self._gated: list[tuple[DynRequest, int, int]] = []  # (request, position, row) whose row gate the op scores
         #: scores of the last step not yet decided on: (work, host scores, copy event or None)
         self._pending: tuple | None = None
+        #: trace entries of decisions taken in the last plan, recorded after its upload
+        #: (`_record_traces`): (request, policy index, position, score, threshold, scale there)
+        self._unrecorded: list[tuple[DynRequest, int, int, float, float, float]] = []
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
@@ -280,18 +285,25 @@ class DynamicWorker:
 
     def plan_rows(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
         """Write this step's dynamic actions and monitor rows (see the module docstring).
-        Returns (max row written + 1, capture rows used, checksum actions)."""
-        self.decide_pending()  # the previous step's decisions apply from this step
+        Returns (max row written + 1, capture rows used, checksum actions).
+
+        The monitor rows do not depend on the previous step's decisions, so they are handed out
+        first; only then are the decisions taken (`decide_pending`: on a GPU, the wait for the
+        previous step's scores) and the actions written. Their trace entries are recorded after
+        the step's forward is launched (`after_forward`), off the path between the two forwards."""
         held_before, self._held = self._held, []
         self._monitors = []
         self._gated = []
         max_row = 0
         actions: list[tuple[int, int, int]] = []
         requests = self.requests
+        windows: list[tuple[DynRequest, int, int, int]] = []
         if requests:
             starts = qsl.tolist() if hasattr(qsl, "tolist") else list(qsl)
             computed = num_computed.tolist() if hasattr(num_computed, "tolist") else list(num_computed)
             owns_site = self.st.owns_site
+            # the positions the pending decisions are taken on: scored once they are taken
+            deciding = {id(w[0]): w[1] for w in self._pending[0]} if self._pending is not None else {}
             for i, rid in enumerate(req_ids):
                 dr = requests.get(rid)
                 if dr is None or not (dr.policies or dr.gate_actions):
@@ -300,38 +312,10 @@ class DynamicWorker:
                 n = starts[i + 1] - row0
                 if n <= 0:
                     continue
-                p1 = p0 + n
-                last = p1 - 1
-                gated_last = False
-                if p1 > dr.n_prompt and dr.decided:
-                    decided = dr.decided
-                    for p in range(max(p0, dr.n_prompt), p1):
-                        scales = decided.get(p)
-                        if scales is None or not any(scales):
-                            continue
-                        if planner.skip_next_action:  # test-only fault: this rank skips one action
-                            planner.skip_next_action = False
-                            continue
-                        row = row0 + p - p0
-                        got = self._apply(dr, row, scales, hs)
-                        if got is None:
-                            continue
-                        crc, gated = got
-                        actions.append((crc, p, p + 1))
-                        dr.actions += 1
-                        if row >= max_row:
-                            max_row = row + 1
-                        gated_last |= gated and p == last
-                if last < dr.n_prompt - 1 or last <= dr.last_scored:
-                    continue
-                if gated_last:
-                    # the op writes the row gate's (score, g) of this row: read after the forward
-                    self._gated.append((dr, last, row0 + n - 1))
-                if not dr.monitor_sites:
-                    # gates that read no host probe (`always`, `this_token`): decided without a score
-                    # (after the forward when the op gates this row: the trace reports its g)
-                    if not gated_last:
-                        self._decide(dr, last, [])
+                windows.append((dr, row0, p0, n))
+                last = p0 + n - 1
+                if (not dr.monitor_sites or last < dr.n_prompt - 1
+                        or last <= max(dr.last_scored, deciding.get(id(dr), -1))):
                     continue
                 row = row0 + n - 1
                 for site in dr.monitor_sites:
@@ -347,6 +331,39 @@ class DynamicWorker:
                     self._monitors.append((dr, last, site, idx))
                 if row >= max_row:
                     max_row = row + 1
+        self.decide_pending(record=False)  # the previous step's decisions apply from this step
+        for dr, row0, p0, n in windows:
+            p1 = p0 + n
+            last = p1 - 1
+            gated_last = False
+            if p1 > dr.n_prompt and dr.decided:
+                decided = dr.decided
+                for p in range(max(p0, dr.n_prompt), p1):
+                    scales = decided.get(p)
+                    if scales is None or not any(scales):
+                        continue
+                    if planner.skip_next_action:  # test-only fault: this rank skips one action
+                        planner.skip_next_action = False
+                        continue
+                    row = row0 + p - p0
+                    got = self._apply(dr, row, scales, hs)
+                    if got is None:
+                        continue
+                    crc, gated = got
+                    actions.append((crc, p, p + 1))
+                    dr.actions += 1
+                    if row >= max_row:
+                        max_row = row + 1
+                    gated_last |= gated and p == last
+            if dr.monitor_sites or last < dr.n_prompt - 1 or last <= dr.last_scored:
+                continue
+            if gated_last:
+                # the op writes the row gate's (score, g) of this row: read after the forward
+                self._gated.append((dr, last, row0 + n - 1))
+            else:
+                # gates that read no host probe (`always`, `this_token`): decided without a score
+                # (after the forward when the op gates this row: the trace reports its g)
+                self._decide(dr, last, [])
         self.st.slots.release(held_before)
         self.actions += len(actions)
         return max_row, n_cap, actions
@@ -471,10 +488,11 @@ class DynamicWorker:
         copy is not waited for here: the decisions are taken when they are first needed
         (`decide_pending`: at the start of the next step's planning, or before a result or the
         status is read), so on a GPU the host keeps running ahead of the forward until the next
-        step's plan needs them."""
+        step's plan needs them. The trace entries of the decisions this step's plan took are
+        recorded first (the forward they steer is launched already)."""
+        self.decide_pending()
         if not self._monitors and not self._gated:
             return
-        self.decide_pending()
         monitors, self._monitors = self._monitors, []
         gated, self._gated = self._gated, []
         b = self.st.buffers
@@ -532,18 +550,27 @@ class DynamicWorker:
         else:  # CPU: the scores are computed already; the decisions are still taken when needed (same path)
             self._pending = (work, flat, None)
 
-    def decide_pending(self) -> None:
-        """Take the decisions of the last scored step (waits for its scores' copy)."""
-        if self._pending is None:
-            return
-        work, host, event = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()
-        flat = host.tolist()
-        for dr, pos, picks, gp in work:
-            self._decide(dr, pos, [None if pick is None else flat[pick] for pick in picks],
-                         None if gp is None else (flat[gp], flat[gp + 1]))
+    def decide_pending(self, record: bool = True) -> None:
+        """Take the decisions of the last scored step (waits for its scores' copy); with `record`,
+        also record every trace entry not yet recorded (`plan_rows` leaves that to `after_forward`)."""
+        if self._pending is not None:
+            work, host, event = self._pending
+            self._pending = None
+            if event is not None:
+                event.synchronize()
+            flat = host.tolist()
+            for dr, pos, picks, gp in work:
+                self._decide(dr, pos, [None if pick is None else flat[pick] for pick in picks],
+                             None if gp is None else (flat[gp], flat[gp + 1]))
+        if record and self._unrecorded:
+            self._record_traces()
+
+    def _record_traces(self) -> None:
+        """The policies' trace entries of the decisions taken so far, in the order taken."""
+        rows, self._unrecorded = self._unrecorded, []
+        for dr, k, pos, score, threshold, scale_here in rows:
+            dr.trace[k].append({"position": pos, "score": score, "threshold": threshold,
+                                "engaged": scale_here != 0.0, "scale": scale_here})
 
     def _decide(self, dr: DynRequest, pos: int, scores: list[float | None],
                 row_gate: tuple[float, float] | None = None) -> None:
@@ -560,11 +587,8 @@ class DynamicWorker:
                 nxt.append(state.current_scale())
                 continue
             threshold = state.threshold()
-            scale_here = applied[k] if applied is not None else 0.0
-            new = state.decide(score)
-            nxt.append(new)
-            dr.trace[k].append({"position": pos, "score": score, "threshold": threshold,
-                                "engaged": scale_here != 0.0, "scale": scale_here})
+            nxt.append(state.decide(score))
+            self._unrecorded.append((dr, k, pos, score, threshold, applied[k] if applied is not None else 0.0))
             if state.latched and pol.spec.latch == "conversation" and dr.conversation_id is not None:
                 self._latch(dr.conversation_id, pol.ident)
         if dr.gate is not None:
