@@ -1,0 +1,87 @@
+"""Fast tier (no engine): the order inside the dynamic plan (`DynamicWorker.plan_rows`). The
+monitors' capture rows are handed out before the previous step's decisions are taken, and the
+decisions' trace entries are recorded after the step's forward is launched; neither may change
+what is scored, decided or traced. Driven on a CPU `WorkerState` with the decode steps of
+`benchmarks/dynamic_planner_bench.py` (no forward: the capture rows hold fixed random values)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, DynamicRequest, Policy, Probe
+from engine_ext.program import ModelDims, PromptInfo, compile_program, program_to_extra_args
+from engine_ext.specs import Interventions, canonical_json
+from engine_ext.worker.state import WorkerConfig, WorkerState
+
+L, H, PROMPT, N = 4, 32, 6, 3
+
+
+def _state(dyn: DynamicRequest) -> WorkerState:
+    st = WorkerState(L, H, 256, torch.device("cpu"), torch.float32, WorkerConfig(max_capture_rows=64))
+    rng = np.random.default_rng(0)
+    st.dynamic.set_probe(Probe.make("p", "L2.post_block", direction=rng.standard_normal(H)).to_json())
+    st.buffers.cap_x.copy_(torch.from_numpy(rng.standard_normal(tuple(st.buffers.cap_x.shape)).astype(np.float32)))
+    for i in range(N):
+        prog = compile_program(Interventions(), PromptInfo(list(range(PROMPT)), None, None, 32), ModelDims(L, H, 100, 0.02),
+                               key=f"k{i}", named_vector_dims=lambda n: None)
+        extra = program_to_extra_args(prog)
+        extra[DYNAMIC_ARGS_KEY] = canonical_json(dyn.wire(()))
+        st.register(f"r{i}", extra)
+    return st
+
+
+def _plan(st: WorkerState, positions: list[int]) -> None:
+    """A decode step's plan: request i computes position positions[i] (one row each)."""
+    st.plan_step([f"r{i}" for i in range(N)], np.arange(N + 1, dtype=np.int32), np.asarray(positions, np.int32))
+
+
+def test_traces_monitors_and_decisions_line_up_step_by_step():
+    # engaged from the first score on: the scores are fixed random values of either sign
+    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.ones(H, np.float32) * 0.1, on=-1e30)
+    st = _state(DynamicRequest.make([pol]))
+    st.plan_step([f"r{i}" for i in range(N)], np.arange(0, PROMPT * N + 1, PROMPT, dtype=np.int32), np.zeros(N, np.int32))
+    st.after_forward()
+    for step in range(5):
+        _plan(st, [PROMPT + step] * N)
+        # one monitor row per request and step, for the position this step computes
+        assert [(m[1], m[3]) for m in st.dynamic._monitors] == [(PROMPT + step, i) for i in range(N)]
+        st.after_forward()
+    for i in range(N):
+        res = st.dynamic.result(f"r{i}")
+        trace = res["trace"][0]
+        # the prompt's last position, then every decode position, each once and in order
+        assert [e["position"] for e in trace] == list(range(PROMPT - 1, PROMPT + 5))
+        # engaged where the decision taken one position earlier applied (the first: nothing yet)
+        assert [e["engaged"] for e in trace] == [False] + [True] * 5
+        assert res["actions"] == 5 and not res["errors"]
+
+
+def test_a_position_recomputed_while_its_decision_is_pending_is_not_scored_twice():
+    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.ones(H, np.float32) * 0.1, on=1e30)
+    st = _state(DynamicRequest.make([pol]))
+    st.plan_step([f"r{i}" for i in range(N)], np.arange(0, PROMPT * N + 1, PROMPT, dtype=np.int32), np.zeros(N, np.int32))
+    st.after_forward()
+    _plan(st, [PROMPT] * N)
+    st.after_forward()  # scores position PROMPT; its decisions are pending now
+    assert st.dynamic._pending is not None
+    # the same position again (a recomputation) before those decisions are taken: no monitor row
+    _plan(st, [PROMPT] * N)
+    assert st.dynamic._monitors == []
+    st.after_forward()
+    _plan(st, [PROMPT + 1] * N)
+    assert [m[1] for m in st.dynamic._monitors] == [PROMPT + 1] * N
+    st.after_forward()
+    trace = st.dynamic.result("r0")["trace"][0]
+    assert [e["position"] for e in trace] == [PROMPT - 1, PROMPT, PROMPT + 1]
+
+
+def test_a_status_read_between_steps_sees_every_decision_taken():
+    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.ones(H, np.float32) * 0.1, on=-1e30)
+    st = _state(DynamicRequest.make([pol]))
+    st.plan_step([f"r{i}" for i in range(N)], np.arange(0, PROMPT * N + 1, PROMPT, dtype=np.int32), np.zeros(N, np.int32))
+    st.after_forward()
+    # a plan takes the prompt's decisions; before this step's after_forward, a result is read
+    _plan(st, [PROMPT] * N)
+    assert [e["position"] for e in st.dynamic.result("r1")["trace"][0]] == [PROMPT - 1]
+    assert st.dynamic.status()["engaged_requests"] == ["k0", "k1", "k2"]
