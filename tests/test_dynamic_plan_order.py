@@ -85,3 +85,47 @@ def test_a_status_read_between_steps_sees_every_decision_taken():
     _plan(st, [PROMPT] * N)
     assert [e["position"] for e in st.dynamic.result("r1")["trace"][0]] == [PROMPT - 1]
     assert st.dynamic.status()["engaged_requests"] == ["k0", "k1", "k2"]
+
+
+def test_decisions_taken_ahead_that_do_not_hold_are_undone_and_taken_exactly():
+    """Scores chosen per request and step (written into the monitors' capture rows) make threshold
+    policies with hysteresis engage and release at known positions; the rows the plan steers, the
+    trace and the action count follow `PolicyState.decide` run by hand."""
+    from engine_ext.dynamic.policy import PolicyState
+    from engine_ext.sites import Site
+
+    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.ones(H, np.float32) * 0.1, on=0.5, off=-0.5)
+    st = _state(DynamicRequest.make([pol]))
+    direction = np.asarray(st.dynamic.probes["p"].w[0])
+    steer_site = Site(1, "post_attn").index()
+    scores = {"r0": [-1.0, 1.0, 1.0, 0.0, -1.0, -1.0, 1.0, 0.0],
+              "r1": [1.0, 0.0, -1.0, 0.0, 1.0, 1.0, -1.0, 1.0],
+              "r2": [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]}
+
+    def score_rows(step: int) -> None:  # the score each monitored row will read (fp32 rounding aside)
+        for dr, _, _, idx in st.dynamic._monitors:
+            st.buffers.cap_x[idx] = torch.from_numpy(direction * np.float32(scores[dr.req_id][step] / (direction @ direction)))
+            st.buffers.cap_r[idx] = 0.0
+
+    st.plan_step([f"r{i}" for i in range(N)], np.arange(0, PROMPT * N + 1, PROMPT, dtype=np.int32), np.zeros(N, np.int32))
+    score_rows(0)
+    st.after_forward()
+    steps = len(scores["r0"]) - 1
+    steered = {rid: [] for rid in scores}
+    for step in range(steps):
+        _plan(st, [PROMPT + step] * N)
+        for i, rid in enumerate(scores):
+            steered[rid].append(bool(st.planner.hs[i, steer_site] >= 0))
+        score_rows(step + 1)
+        st.after_forward()
+    st.dynamic.decide_pending()
+    for rid, seq in scores.items():
+        ref = PolicyState.start(pol)
+        engaged_at = [ref.decide(x) != 0.0 for x in seq]  # engaged at the position after each score
+        assert steered[rid] == engaged_at[:steps], rid
+        res = st.dynamic.result(rid)
+        trace = res["trace"][0]
+        assert [e["position"] for e in trace] == list(range(PROMPT - 1, PROMPT + steps))
+        assert [e["engaged"] for e in trace] == [False] + engaged_at[:steps], rid
+        assert np.allclose([e["score"] for e in trace], seq, atol=1e-4)
+        assert res["actions"] == sum(engaged_at[:steps]) and not res["errors"]

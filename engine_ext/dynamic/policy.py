@@ -49,6 +49,25 @@ class PolicyState:
             return self.policy.target
         return self.policy.release_at if self.engaged else self.policy.on
 
+    def holds(self, score: float) -> bool:
+        """Would `decide(score)` leave a threshold policy as it is (engaged stays engaged, released
+        stays released; it is then exactly `hold()`)? False for proportional control (every score
+        moves its scale) and whenever the policy would flip."""
+        pol = self.policy
+        if pol.mode == "proportional":
+            return False
+        if self.engaged:
+            return not (pol.latch == "none" and not self.latched and self.held + 1 >= pol.min_hold
+                        and score < pol.release_at)
+        return not score >= pol.on
+
+    def hold(self) -> float:
+        """`decide(score)` for a score that `holds`: the state holds (an engaged policy counts one
+        more steered position). Returns the scale at the next position."""
+        if self.engaged:
+            self.held += 1
+        return self.current_scale()
+
     def decide(self, score: float) -> float:
         """Update with the score at position p; return the scale at position p + 1."""
         pol = self.policy

@@ -25,11 +25,16 @@ Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
 After the forward (`after_forward`): the monitored rows are read from the capture buffer on the
 device, each probe's `W @ s + b` is computed there, and only those score floats are copied to the
 host (one non-blocking copy per step, the row gates' `(score, g)` included). The next step's
-planning hands out its monitor rows first (they do not depend on decisions), then takes the
-decisions (`decide_pending`, which waits for that copy; `policy.PolicyState.decide`) and records the
-scales for position `p + 1` in `decided`: that step applies them, exactly. The decisions' trace
-entries are recorded after that step's forward is launched. Positions recomputed after a
-preemption reuse their recorded decisions (nothing is decided twice).
+planning (`plan_rows`) hands out its monitor rows first (they do not depend on decisions), then
+takes the decisions (`decide_pending`, which waits for that copy; `policy.PolicyState.decide`) and
+records the scales for position `p + 1` in `decided`: that step applies them, exactly. A request
+whose policies are all threshold policies has its decision taken *ahead*, before the wait: its
+policies are assumed to hold (stay engaged or released), its action is applied with those scales,
+and after the wait each score is checked (`PolicyState.holds`); where one does not hold, the
+action is undone and the decision taken as usual, so the result is the same as deciding after the
+wait, with most of the per-request work done while the previous forward still runs. The
+decisions' bookkeeping and trace entries are recorded after that step's forward is launched.
+Positions recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
 
 Every tensor-parallel rank holds the same registrations, sees the same post-all-reduce stream and
 runs the same code, so all ranks take the same decisions; the applied-action checksum proves it.
@@ -179,8 +184,11 @@ class DynamicWorker:
         #: scores of the last step not yet decided on: (work, host scores, copy event or None)
         self._pending: tuple | None = None
         #: trace entries of decisions taken in the last plan, recorded after its upload
-        #: (`_record_traces`): (request, policy index, position, score, threshold, scale there)
+        #: (`_settle`): (request, policy index, position, score, threshold, scale there)
         self._unrecorded: list[tuple[DynRequest, int, int, float, float, float]] = []
+        #: decisions taken ahead that held (request, position, scores): their bookkeeping
+        #: (`PolicyState.hold`, `last_scored`, trace, latches) is done by `_settle`
+        self._held_decisions: list[tuple[DynRequest, int, list[float]]] = []
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
@@ -287,23 +295,35 @@ class DynamicWorker:
         """Write this step's dynamic actions and monitor rows (see the module docstring).
         Returns (max row written + 1, capture rows used, checksum actions).
 
-        The monitor rows do not depend on the previous step's decisions, so they are handed out
-        first; only then are the decisions taken (`decide_pending`: on a GPU, the wait for the
-        previous step's scores) and the actions written. Their trace entries are recorded after
-        the step's forward is launched (`after_forward`), off the path between the two forwards."""
+        In three phases, so that little is left between the wait for the previous step's scores
+        (on a GPU, the end of the previous forward) and the upload:
+
+        1. before the wait: the monitors' capture rows (they depend on no decision), and the actions
+           of every window whose scales are known: no decision pending for its request, or one
+           taken ahead (`_speculate`: a request whose policies are all threshold policies applies
+           the scales they hold at, the common case: an engaged policy staying engaged);
+        2. the wait, then the pending decisions (`decide_pending`): one taken ahead is checked
+           (`PolicyState.holds`; its bookkeeping waits for `_settle`), any other is taken;
+        3. the actions of the other windows, and of each window whose decision taken ahead did not
+           hold (its action undone first).
+
+        The checksum's actions are listed in batch order whatever the phase that applied them.
+        Trace entries are recorded after the step's forward is launched (`after_forward`)."""
+        self._settle()
         held_before, self._held = self._held, []
         self._monitors = []
         self._gated = []
         max_row = 0
-        actions: list[tuple[int, int, int]] = []
         requests = self.requests
-        windows: list[tuple[DynRequest, int, int, int]] = []
+        work = self._pending[0] if self._pending is not None else ()
+        ahead = self._speculate(work)  # id(request) -> the position whose decision is taken ahead
+        deciding = {id(w[0]): w[1] for w in work}  # positions the pending scores decide
+        # per window: [request, first row, first position, rows, actions (None: not applied yet), undo]
+        windows: list[list] = []
         if requests:
             starts = qsl.tolist() if hasattr(qsl, "tolist") else list(qsl)
             computed = num_computed.tolist() if hasattr(num_computed, "tolist") else list(num_computed)
             owns_site = self.st.owns_site
-            # the positions the pending decisions are taken on: scored once they are taken
-            deciding = {id(w[0]): w[1] for w in self._pending[0]} if self._pending is not None else {}
             for i, rid in enumerate(req_ids):
                 dr = requests.get(rid)
                 if dr is None or not (dr.policies or dr.gate_actions):
@@ -312,49 +332,41 @@ class DynamicWorker:
                 n = starts[i + 1] - row0
                 if n <= 0:
                     continue
-                windows.append((dr, row0, p0, n))
+                win = [dr, row0, p0, n, None, None]
+                windows.append(win)
                 last = p0 + n - 1
-                if (not dr.monitor_sites or last < dr.n_prompt - 1
-                        or last <= max(dr.last_scored, deciding.get(id(dr), -1))):
-                    continue
-                row = row0 + n - 1
-                for site in dr.monitor_sites:
-                    if not owns_site(site):
-                        continue
-                    idx = int(hc[row, site])
-                    if idx < 0:
-                        if n_cap >= planner.b.max_capture_rows:
-                            dr.errors.append(f"position {last}: no capture row left for the probe; not scored")
+                if (dr.monitor_sites and last >= dr.n_prompt - 1
+                        and last > max(dr.last_scored, deciding.get(id(dr), -1))):
+                    row = row0 + n - 1
+                    for site in dr.monitor_sites:
+                        if not owns_site(site):
                             continue
-                        idx = hc[row, site] = n_cap
-                        n_cap += 1
-                    self._monitors.append((dr, last, site, idx))
-                if row >= max_row:
-                    max_row = row + 1
-        self.decide_pending(record=False)  # the previous step's decisions apply from this step
-        for dr, row0, p0, n in windows:
-            p1 = p0 + n
-            last = p1 - 1
-            gated_last = False
-            if p1 > dr.n_prompt and dr.decided:
-                decided = dr.decided
-                for p in range(max(p0, dr.n_prompt), p1):
-                    scales = decided.get(p)
-                    if scales is None or not any(scales):
-                        continue
-                    if planner.skip_next_action:  # test-only fault: this rank skips one action
-                        planner.skip_next_action = False
-                        continue
-                    row = row0 + p - p0
-                    got = self._apply(dr, row, scales, hs)
-                    if got is None:
-                        continue
-                    crc, gated = got
-                    actions.append((crc, p, p + 1))
-                    dr.actions += 1
+                        idx = int(hc[row, site])
+                        if idx < 0:
+                            if n_cap >= planner.b.max_capture_rows:
+                                dr.errors.append(f"position {last}: no capture row left for the probe; not scored")
+                                continue
+                            idx = hc[row, site] = n_cap
+                            n_cap += 1
+                        self._monitors.append((dr, last, site, idx))
                     if row >= max_row:
                         max_row = row + 1
-                    gated_last |= gated and p == last
+                if dr.gate is None and (id(dr) not in deciding or (n == 1 and ahead.get(id(dr)) == p0 - 1)):
+                    got = self._apply_window(planner, dr, row0, p0, n, hs, speculative=id(dr) in ahead)
+                    if got is not None:
+                        win[4], win[5], top, _ = got
+                        max_row = max(max_row, top)
+        flipped = self.decide_pending(record=False, ahead=ahead)  # the previous step's decisions apply from this step
+        for win in windows:
+            dr, row0, p0, n, acts, undo = win
+            if acts is not None and id(dr) in flipped:
+                self._undo(dr, acts, undo, hs)
+                acts = None
+            if acts is not None:
+                continue
+            win[4], _, top, gated_last = self._apply_window(planner, dr, row0, p0, n, hs, speculative=False)
+            max_row = max(max_row, top)
+            last = p0 + n - 1
             if dr.monitor_sites or last < dr.n_prompt - 1 or last <= dr.last_scored:
                 continue
             if gated_last:
@@ -364,17 +376,82 @@ class DynamicWorker:
                 # gates that read no host probe (`always`, `this_token`): decided without a score
                 # (after the forward when the op gates this row: the trace reports its g)
                 self._decide(dr, last, [])
+        actions = [a for win in windows for a in win[4]]
         self.st.slots.release(held_before)
         self.actions += len(actions)
         return max_row, n_cap, actions
 
-    def _apply(self, dr: DynRequest, row: int, scales: tuple[float, ...], hs: np.ndarray) -> tuple[int, bool] | None:
+    def _speculate(self, work) -> dict[int, int]:
+        """Take ahead the pending decisions of requests whose policies are all threshold policies
+        (no gates): each is assumed to hold (`PolicyState.holds`), so the scales at the next
+        position are the current ones, written to `decided` now and checked after the wait.
+        Returns id(request) -> the position decided."""
+        ahead: dict[int, int] = {}
+        for dr, pos, picks, gp in work:
+            if gp is not None or dr.gate is not None or None in picks:
+                continue
+            if any(st.policy.mode != "threshold" for st in dr.states):
+                continue
+            dr.decided[pos + 1] = tuple(st.current_scale() for st in dr.states)
+            ahead[id(dr)] = pos
+        return ahead
+
+    def _apply_window(self, planner: Any, dr: DynRequest, row0: int, p0: int, n: int, hs: np.ndarray,
+                      speculative: bool):
+        """Apply the decided scales over a window. Returns (checksum actions, undo records, max row
+        written + 1, whether a row gate acts on the window's last row); None when `speculative`
+        and an action could not be applied (nothing is left applied or recorded: the window waits
+        for its checked decision). Undo records (speculative only): (row, the row's slots before,
+        the slots acquired)."""
+        acts: list[tuple[int, int, int]] = []
+        undo: list[tuple[int, np.ndarray, list[int]]] = []
+        top = 0
+        gated_last = False
+        p1 = p0 + n
+        if p1 > dr.n_prompt and dr.decided:
+            decided = dr.decided
+            for p in range(max(p0, dr.n_prompt), p1):
+                scales = decided.get(p)
+                if scales is None or not any(scales):
+                    continue
+                if planner.skip_next_action:  # test-only fault: this rank skips one action
+                    planner.skip_next_action = False
+                    continue
+                row = row0 + p - p0
+                if speculative:
+                    before, start = hs[row].copy(), len(self._held)
+                got = self._apply(dr, row, scales, hs, quiet=speculative)
+                if got is None:
+                    if speculative:
+                        self._undo(dr, acts, undo, hs)
+                        return None
+                    continue
+                if speculative:
+                    undo.append((row, before, self._held[start:]))
+                crc, gated = got
+                acts.append((crc, p, p + 1))
+                dr.actions += 1
+                top = max(top, row + 1)
+                gated_last |= gated and p == p1 - 1
+        return acts, undo, top, gated_last
+
+    def _undo(self, dr: DynRequest, acts: list, undo: list, hs: np.ndarray) -> None:
+        """Take back a window's speculative actions (its decision taken ahead did not hold)."""
+        for row, before, slots in reversed(undo):
+            hs[row] = before
+            self.st.slots.release(slots)
+            for slot in slots:
+                self._held.remove(slot)
+        dr.actions -= len(acts)
+
+    def _apply(self, dr: DynRequest, row: int, scales: tuple[float, ...], hs: np.ndarray,
+               quiet: bool = False) -> tuple[int, bool] | None:
         """Compose the engaged policies at their sites on `row`; the action's crc and whether a
-        row gate acts on it, or None when rejected."""
+        row gate acts on it, or None when rejected (`quiet`: without recording the rejection)."""
         slots = self.st.slots
         plan = self._action_plan(dr, row, scales, hs)
         if isinstance(plan, str):
-            return self._reject(dr, plan)
+            return None if quiet else self._reject(dr, plan)
         entries, crc, gated = plan
         acquired: list[tuple[int, int]] = []
         try:
@@ -382,7 +459,7 @@ class DynamicWorker:
                 acquired.append((site, slots.acquire(key, make)))
         except SlotCapacityError as exc:
             slots.release([s for _, s in acquired])
-            return self._reject(dr, str(exc))
+            return None if quiet else self._reject(dr, str(exc))
         held = self._held
         for site, slot in acquired:
             hs[row, site] = slot
@@ -550,9 +627,13 @@ class DynamicWorker:
         else:  # CPU: the scores are computed already; the decisions are still taken when needed (same path)
             self._pending = (work, flat, None)
 
-    def decide_pending(self, record: bool = True) -> None:
-        """Take the decisions of the last scored step (waits for its scores' copy); with `record`,
-        also record every trace entry not yet recorded (`plan_rows` leaves that to `after_forward`)."""
+    def decide_pending(self, record: bool = True, ahead: dict[int, int] | None = None) -> set[int]:
+        """Take the decisions of the last scored step (waits for its scores' copy). A decision
+        taken ahead (`ahead`, from `_speculate`) is checked: if every policy holds, its bookkeeping
+        is queued for `_settle`; else it is taken here (it overwrites the scales written ahead).
+        With `record`, everything queued is settled too (`plan_rows` leaves that for later).
+        Returns the ids of the requests whose decision taken ahead did not hold."""
+        flipped: set[int] = set()
         if self._pending is not None:
             work, host, event = self._pending
             self._pending = None
@@ -560,17 +641,39 @@ class DynamicWorker:
                 event.synchronize()
             flat = host.tolist()
             for dr, pos, picks, gp in work:
+                if ahead and id(dr) in ahead:
+                    scores = [flat[pick] for pick in picks]
+                    if all(st.holds(x) for st, x in zip(dr.states, scores)):
+                        self._held_decisions.append((dr, pos, scores))
+                        continue
+                    flipped.add(id(dr))
+                    self._decide(dr, pos, scores)
+                    continue
                 self._decide(dr, pos, [None if pick is None else flat[pick] for pick in picks],
                              None if gp is None else (flat[gp], flat[gp + 1]))
-        if record and self._unrecorded:
-            self._record_traces()
+        if record:
+            self._settle()
+        return flipped
 
-    def _record_traces(self) -> None:
-        """The policies' trace entries of the decisions taken so far, in the order taken."""
-        rows, self._unrecorded = self._unrecorded, []
-        for dr, k, pos, score, threshold, scale_here in rows:
-            dr.trace[k].append({"position": pos, "score": score, "threshold": threshold,
-                                "engaged": scale_here != 0.0, "scale": scale_here})
+    def _settle(self) -> None:
+        """The bookkeeping of the decisions taken so far, in the order taken: the held ones'
+        (`PolicyState.hold`, `last_scored`, latches), then every policy's trace entries."""
+        if self._held_decisions:
+            held, self._held_decisions = self._held_decisions, []
+            for dr, pos, scores in held:
+                dr.last_scored = max(dr.last_scored, pos)
+                applied = dr.decided.get(pos)
+                for k, (pol, state, score) in enumerate(zip(dr.policies, dr.states, scores)):
+                    self._unrecorded.append((dr, k, pos, score, state.threshold(),
+                                             applied[k] if applied is not None else 0.0))
+                    state.hold()
+                    if state.latched and pol.spec.latch == "conversation" and dr.conversation_id is not None:
+                        self._latch(dr.conversation_id, pol.ident)
+        if self._unrecorded:
+            rows, self._unrecorded = self._unrecorded, []
+            for dr, k, pos, score, threshold, scale_here in rows:
+                dr.trace[k].append({"position": pos, "score": score, "threshold": threshold,
+                                    "engaged": scale_here != 0.0, "scale": scale_here})
 
     def _decide(self, dr: DynRequest, pos: int, scores: list[float | None],
                 row_gate: tuple[float, float] | None = None) -> None:
