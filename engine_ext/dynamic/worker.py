@@ -73,6 +73,10 @@ class _Probe:
     spec: Probe
     w: torch.Tensor  # [k, H] fp32 on the device
     b: torch.Tensor  # [k]
+    site: int = -1  # the flat index of `spec.site`
+
+    def __post_init__(self) -> None:
+        self.site = self.spec.site.index()
 
 
 @dataclass
@@ -151,6 +155,7 @@ class DynRequest:
     gate_row: tuple[np.ndarray, float, float] | None = None
     #: the content key of `gate_row` (probe crc32, threshold and sharpness as float32 hex)
     gate_row_key: tuple[int, str, str] | None = None
+    _refs: tuple[tuple[str, int], ...] | None = None
 
     def engaged(self) -> bool:
         return (any(s.current_scale() != 0.0 for s in self.states)
@@ -160,13 +165,15 @@ class DynRequest:
         """Every action source, in the order of the `decided` tuples."""
         return self.policies + self.gate_actions
 
-    def score_refs(self) -> list[tuple[str, int]]:
+    def score_refs(self) -> tuple[tuple[str, int], ...]:
         """(probe, component) of every score a decision needs: the policies', then each
-        probe-triggered gate's."""
-        refs = [(p.spec.probe, p.spec.component) for p in self.policies]
-        if self.gate is not None:  # a `this_token` probe is scored in the op (the row gate), not here
-            refs += [(g.probe.name, 0) for g in self.gate.gs.gates if g.probe is not None and not g.soft]
-        return refs
+        probe-triggered gate's (fixed at registration; built once)."""
+        if self._refs is None:
+            refs = [(p.spec.probe, p.spec.component) for p in self.policies]
+            if self.gate is not None:  # a `this_token` probe is scored in the op (the row gate), not here
+                refs += [(g.probe.name, 0) for g in self.gate.gs.gates if g.probe is not None and not g.soft]
+            self._refs = tuple(refs)
+        return self._refs
 
 
 class DynamicWorker:
@@ -578,13 +585,14 @@ class DynamicWorker:
         # one score block per (monitor row, probe); probes grouped so each is one matmul
         wanted: dict[str, list[int]] = {}
         row_of: dict[tuple[int, int], int] = {}  # (id(request), site) -> row in vals
+        probes = self.probes
         for j, (dr, _, site, _) in enumerate(monitors):
             row_of[(id(dr), site)] = j
             for name, _ in dr.score_refs():
-                pr = self.probes.get(name)
-                if pr is not None and pr.spec.site.index() == site:
-                    rows = wanted.setdefault(pr.spec.name, [])
-                    if j not in rows:
+                pr = probes.get(name)
+                if pr is not None and pr.site == site:
+                    rows = wanted.setdefault(name, [])
+                    if not rows or rows[-1] != j:  # j ascends: a repeat can only be the last
                         rows.append(j)
         blocks, layout = [], {}
         offset = 0
@@ -609,9 +617,9 @@ class DynamicWorker:
             done.add(id(dr))
             picks: list[int | None] = []
             for name, component in dr.score_refs():
-                pr = self.probes.get(name)
-                j = row_of.get((id(dr), pr.spec.site.index())) if pr is not None else None
-                picks.append(None if j is None else layout[(pr.spec.name, j)] + component)
+                pr = probes.get(name)
+                j = row_of.get((id(dr), pr.site)) if pr is not None else None
+                picks.append(None if j is None else layout[(name, j)] + component)
             work.append((dr, pos, picks, gpick.get(id(dr))))
         for dr, pos, _ in gated:  # gated requests without a host probe
             if id(dr) not in done:
