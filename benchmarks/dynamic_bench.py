@@ -43,7 +43,9 @@ def main():
     import numpy as np
 
     from engine_ext import Engine, GenerationParams
-    from engine_ext.dynamic.specs import DynamicRequest, Policy, Probe
+    from benchmarks.dynamic_variants import PROBE, probe_site, steer_sites
+    from benchmarks.dynamic_variants import variants as dynamic_variants
+    from engine_ext.dynamic.specs import Probe
     from engine_ext.specs import Interventions, Steer
 
     t0 = time.perf_counter()
@@ -56,17 +58,10 @@ def main():
     emit("dyn_start", seconds=round(time.perf_counter() - t0, 1), info=str(info))
     L, H = info.num_layers, info.hidden_size
     rng = np.random.default_rng(0)
-    eng.register_probe(Probe.make("bench-probe", f"L{L // 2}.post_block", direction=rng.standard_normal(H)))
+    eng.register_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)))
     v = (rng.standard_normal(H) * 0.01).astype(np.float32)
-    steer = [f"L{max(L // 2 - 1, 0)}.post_attn"]
-    variants = {
-        "vanilla": None,
-        "monitor_only": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=1e30)]),
-        "threshold_on": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=-1e30)]),
-        "proportional": DynamicRequest.make([Policy.make(probe="bench-probe", mode="proportional", sites=steer, vector=v,
-                                                         target=0.0, gain=1e-3, min_scale=-5.0, max_scale=5.0,
-                                                         initial_scale=0.5)]),
-    }
+    steer = steer_sites(L)
+    variants = dynamic_variants(L, v)
     prng = random.Random(100 + args.batch)
     lo, hi = (1000, min(info.vocab_size - 1, 128000)) if info.vocab_size > 2000 else (4, info.vocab_size - 1)
     prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(args.batch)]

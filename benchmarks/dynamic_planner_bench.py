@@ -5,7 +5,7 @@ engine and no forward: `WorkerState.plan_step` then `WorkerState.after_forward` 
 capture rows the probe reads filled with fixed random values (so the scores are non-zero and the
 proportional policy's scale moves every step).
 
-    .venv/bin/python benchmarks/dynamic_planner_bench.py [--steps 60] [--reps 5]
+    PYTHONPATH=. .venv/bin/python benchmarks/dynamic_planner_bench.py [--steps 60] [--reps 5]
 
 On a GPU, `plan_step`'s dynamic part runs after it waits for the previous step's scores, so its
 host time is time the GPU idles (docs/performance.md, "Dynamic steering"); `after_forward` runs
@@ -25,7 +25,9 @@ import time
 import numpy as np
 import torch
 
-from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, DynamicRequest, Policy, Probe
+from benchmarks.dynamic_variants import PROBE, probe_site
+from benchmarks.dynamic_variants import variants as dynamic_variants
+from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, Probe
 from engine_ext.program import ModelDims, PromptInfo, compile_program, program_to_extra_args
 from engine_ext.specs import Interventions, canonical_json
 from engine_ext.worker.state import WorkerConfig, WorkerState
@@ -34,22 +36,14 @@ L, H, BATCH, PROMPT = 16, 2048, 32, 16
 
 
 def variants(v: np.ndarray) -> dict:
-    steer = [f"L{L // 2 - 1}.post_attn"]
-    return {
-        "vanilla": None,
-        "monitor_only": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=1e30)]),
-        "threshold_on": DynamicRequest.make([Policy.make(probe="bench-probe", sites=steer, vector=v, on=-1e30)]),
-        "proportional": DynamicRequest.make([Policy.make(probe="bench-probe", mode="proportional", sites=steer, vector=v,
-                                                         target=0.0, gain=1e-3, min_scale=-5.0, max_scale=5.0,
-                                                         initial_scale=0.5)]),
-    }
+    return dynamic_variants(L, v)
 
 
 def run(dyn, steps: int) -> dict:
     """One batch: register, prefill step, `steps` decode steps; median us per call."""
     st = WorkerState(L, H, 8192, torch.device("cpu"), torch.float32, WorkerConfig())
     rng = np.random.default_rng(0)
-    st.dynamic.set_probe(Probe.make("bench-probe", f"L{L // 2}.post_block", direction=rng.standard_normal(H)).to_json())
+    st.dynamic.set_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)).to_json())
     st.buffers.cap_x.copy_(torch.from_numpy(rng.standard_normal(tuple(st.buffers.cap_x.shape)).astype(np.float32)))
     dims = ModelDims(L, H, 128256, 0.02)
     req_ids = [f"r{i}" for i in range(BATCH)]
