@@ -664,19 +664,12 @@ class DynamicWorker:
         return flipped
 
     def _settle(self) -> None:
-        """The bookkeeping of the decisions taken so far, in the order taken: the held ones'
-        (`PolicyState.hold`, `last_scored`, latches), then every policy's trace entries."""
+        """The bookkeeping of the decisions taken so far, in the order taken: the held ones
+        (`_decide` with `held`), then every policy's trace entries."""
         if self._held_decisions:
             held, self._held_decisions = self._held_decisions, []
             for dr, pos, scores in held:
-                dr.last_scored = max(dr.last_scored, pos)
-                applied = dr.decided.get(pos)
-                for k, (pol, state, score) in enumerate(zip(dr.policies, dr.states, scores)):
-                    self._unrecorded.append((dr, k, pos, score, state.threshold(),
-                                             applied[k] if applied is not None else 0.0))
-                    state.hold()
-                    if state.latched and pol.spec.latch == "conversation" and dr.conversation_id is not None:
-                        self._latch(dr.conversation_id, pol.ident)
+                self._decide(dr, pos, scores, held=True)
         if self._unrecorded:
             rows, self._unrecorded = self._unrecorded, []
             for dr, k, pos, score, threshold, scale_here in rows:
@@ -684,9 +677,11 @@ class DynamicWorker:
                                     "engaged": scale_here != 0.0, "scale": scale_here})
 
     def _decide(self, dr: DynRequest, pos: int, scores: list[float | None],
-                row_gate: tuple[float, float] | None = None) -> None:
+                row_gate: tuple[float, float] | None = None, held: bool = False) -> None:
         """The decisions taken on position `pos` (`scores`: one per `dr.score_refs()`), applied at
-        `pos + 1`. `row_gate`: the (score, g) the op's row gate used at `pos` (the trace's)."""
+        `pos + 1`. `row_gate`: the (score, g) the op's row gate used at `pos` (the trace's).
+        `held`: a decision taken ahead whose scores all held (`PolicyState.holds`): each policy
+        holds (`PolicyState.hold`, equal to `decide` on such a score) with the same bookkeeping."""
         dr.last_scored = max(dr.last_scored, pos)
         applied = dr.decided.get(pos)
         nxt = []
@@ -698,7 +693,7 @@ class DynamicWorker:
                 nxt.append(state.current_scale())
                 continue
             threshold = state.threshold()
-            nxt.append(state.decide(score))
+            nxt.append(state.hold() if held else state.decide(score))
             self._unrecorded.append((dr, k, pos, score, threshold, applied[k] if applied is not None else 0.0))
             if state.latched and pol.spec.latch == "conversation" and dr.conversation_id is not None:
                 self._latch(dr.conversation_id, pol.ident)
