@@ -253,6 +253,24 @@ def test_this_token_probe_add_is_a_soft_per_token_gate(engine, hf_ref, steer_vec
     assert engine.dynamic_status()["determinism"]["consistent"] is True
 
 
+def test_a_soft_gate_beside_a_host_probe_gate_reports_its_g(engine, steer_vec, probe_vec):
+    """A request with a host-probe gate (its rows monitored, scored on the host) and a soft
+    `this_token` gate: the op's g is still reported at every gated position, the same as with the
+    soft gate alone (the host-probe gate never fires here, so the two runs compute the same)."""
+    scores = _plain_probe_scores(engine, probe_vec)[1:]
+    thr, sharp = float(np.median(scores)), 4.0 / (float(np.std(scores)) + 1e-6)
+    soft = add_gate("this_token", inline(steer_vec, PROBE_LAYER, PROBE_HOOK), when=probe_when(probe_vec, thr, sharp))
+    never = add_gate("rest_of_request", inline(_vec(9)), when=probe_when(probe_vec, 1e30))
+    g1, alone = run_gates(engine, [soft])
+    g2, both = run_gates(engine, [never, soft])
+    assert g2.token_ids == g1.token_ids
+    s1 = [e["soft"][0] for e in alone["trace"]]
+    s2 = [e["soft"][1] for e in both["trace"]]
+    assert [x is None for x in s2] == [x is None for x in s1] and sum(x is not None for x in s1) == MAX_TOKENS - 2
+    assert np.allclose([x for x in s2 if x is not None], [x for x in s1 if x is not None], rtol=0, atol=1e-6)
+    assert all(e["soft"][0] is None for e in both["trace"])  # the host-probe gate has no row gate
+
+
 def test_this_token_gate_acts_on_the_token_whose_score_crosses(engine, hf_ref, steer_vec, probe_vec):
     """A sharp gate whose probe crosses its threshold first at a known position q: the tokens and
     logprobs of every earlier forward are the plain run's, the forward at q is steered (the old

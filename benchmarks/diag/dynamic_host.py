@@ -13,14 +13,17 @@ call of each timed function, the wall time of the batch, the number of planned s
 """
 import argparse
 import json
+import os
 import random
 import statistics
 import time
 
 import numpy as np
 
-from engine_ext.dynamic.worker import DynamicWorker
-from engine_ext.worker.state import WorkerState
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker's calls are timed in this process
+
+from engine_ext.dynamic.worker import DynamicWorker  # noqa: E402
+from engine_ext.worker.state import WorkerState  # noqa: E402
 
 TIMES: dict[str, list[int]] = {}
 

@@ -374,14 +374,14 @@ class DynamicWorker:
             win[4], _, top, gated_last = self._apply_window(planner, dr, row0, p0, n, hs, speculative=False)
             max_row = max(max_row, top)
             last = p0 + n - 1
-            if dr.monitor_sites or last < dr.n_prompt - 1 or last <= dr.last_scored:
+            if last < dr.n_prompt - 1 or last <= dr.last_scored:
                 continue
             if gated_last:
-                # the op writes the row gate's (score, g) of this row: read after the forward
+                # the op writes the row gate's (score, g) of this row: read after the forward (with
+                # the host probes' scores of this row, if the request has any)
                 self._gated.append((dr, last, row0 + n - 1))
-            else:
+            elif not dr.monitor_sites:
                 # gates that read no host probe (`always`, `this_token`): decided without a score
-                # (after the forward when the op gates this row: the trace reports its g)
                 self._decide(dr, last, [])
         actions = [a for win in windows for a in win[4]]
         self.st.slots.release(held_before)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call after a change to the dynamic-steering engine path (run on the GPU host from the
+# repo root, with the bundle: `source .vbundle/gpu_env.sh`):
+#   1. the correctness matrix (four configurations at once),
+#   2. benchmarks/dynamic_gpu_check.py (dynamic steering on the GPU vs its CPU-defined contract),
+#   3. benchmarks/dynamic_bench.py (batch-32 decode, every dynamic variant vs none, 5 repetitions),
+#   4. benchmarks/diag/dynamic_host.py (host time per step inside the engine, on the GPU host).
+# Everything lands in $OUT/dyn-call.tgz (the device returns few files).
+set -uo pipefail
+OUT="${OUT:-/tmp/cb-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+M=/tmp/llama-1b
+nvidia-smi -L > "$OUT/smi.txt" 2>&1
+python3 benchmarks/compare/make_model.py "$M" > "$OUT/make-model.log" 2>&1
+step() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+  echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+}
+[ -z "${SKIP_MATRIX:-}" ] && CB_PARALLEL=1 step matrix 230 bash benchmarks/gpu_matrix.sh bundled checks
+[ -z "${SKIP_CHECK:-}" ] && step dyn-check 120 python3 benchmarks/dynamic_gpu_check.py
+step dyn-bench "${BENCH_LIMIT:-330}" python3 benchmarks/dynamic_bench.py --model "$M" --device cuda --reps "${REPS:-5}"
+[ -z "${SKIP_HOST:-}" ] && step dyn-host 80 python3 benchmarks/diag/dynamic_host.py --model "$M" --device cuda --reps 2
+tar -czf "$OUT/dyn-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
+cat "$OUT/steps.txt"; tail -3 "$OUT/matrix.out" 2>/dev/null; tail -8 "$OUT/dyn-bench.out"
