@@ -38,6 +38,9 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ab-defer", action="store_true",
+                    help="also run each dynamic variant with its plan finished at prepare_inputs "
+                         "(variant@prepare_inputs; the default finishes it right before the forward)")
     args = ap.parse_args()
 
     import numpy as np
@@ -68,13 +71,27 @@ def main():
     params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
     static = {"static_steer": Interventions(steer=(Steer.make(steer, v, phase="decode"),))}
     run_kw = {k: {"dynamic": dyn} for k, dyn in variants.items()}
+    if args.ab_defer:
+        run_kw.update({f"{k}@prepare_inputs": {"dynamic": dyn, "defer": False} for k, dyn in variants.items()
+                       if dyn is not None})
     run_kw.update({k: {"interventions": spec} for k, spec in static.items()})
+    defer_now = [True]
+
+    def set_defer(on: bool) -> None:
+        if args.ab_defer and on != defer_now[0]:
+            eng._rpc("cb_set_defer_plan", on)
+            defer_now[0] = on
+
     for kw in run_kw.values():  # warm-up
-        eng.generate(prompts, GenerationParams(max_tokens=8, ignore_eos=True), **kw)
+        set_defer(kw.get("defer", True))
+        eng.generate(prompts, GenerationParams(max_tokens=8, ignore_eos=True),
+                     **{a: b for a, b in kw.items() if a != "defer"})
     times = {k: [] for k in run_kw}
     for _ in range(args.reps):
         for k, kw in run_kw.items():
             dyn = kw.get("dynamic")
+            set_defer(kw.get("defer", True))
+            kw = {a: b for a, b in kw.items() if a != "defer"}
             t = time.perf_counter()
             gens = eng.generate(prompts, params, **kw)
             times[k].append(time.perf_counter() - t)

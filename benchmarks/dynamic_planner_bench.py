@@ -55,22 +55,28 @@ def run(dyn, steps: int) -> dict:
             extra[DYNAMIC_ARGS_KEY] = canonical_json(dyn.wire(()))
         st.register(rid, extra)
     times: dict[str, list[int]] = {"plan_step": [], "plan_rows": [], "after_wait": [], "after_forward": []}
-    orig, orig_decide = st.dynamic.plan_rows, st.dynamic.decide_pending
+    orig, orig_decide = st.dynamic.plan_rows_begin, st.dynamic.decide_pending
     wait: list[int] = []  # when this step's plan took the pending decisions (a GPU waits there)
 
-    def plan_rows(*a):
+    def plan_rows(*a):  # phase 1 (before the wait) and its `finish` (the wait, phases 2-3), timed together
         wait.clear()
         t = time.perf_counter_ns()
-        out = orig(*a)
-        times["plan_rows"].append(time.perf_counter_ns() - t)
-        return out
+        max_row, n_cap, finish = orig(*a)
+        t_begin = time.perf_counter_ns() - t
+
+        def timed_finish():
+            t = time.perf_counter_ns()
+            out = finish()
+            times["plan_rows"].append(t_begin + time.perf_counter_ns() - t)
+            return out
+        return max_row, n_cap, timed_finish
 
     def decide_pending(*a, **k):
         if not wait and st.dynamic._pending is not None:
             wait.append(time.perf_counter_ns())
         return orig_decide(*a, **k)
 
-    st.dynamic.plan_rows = plan_rows
+    st.dynamic.plan_rows_begin = plan_rows
     st.dynamic.decide_pending = decide_pending
     st.plan_step(req_ids, np.arange(0, PROMPT * BATCH + 1, PROMPT, dtype=np.int32), np.zeros(BATCH, np.int32))
     st.after_forward()

@@ -7,6 +7,7 @@ what is scored, decided or traced. Driven on a CPU `WorkerState` with the decode
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, DynamicRequest, Policy, Probe
@@ -87,20 +88,23 @@ def test_a_status_read_between_steps_sees_every_decision_taken():
     assert st.dynamic.status()["engaged_requests"] == ["k0", "k1", "k2"]
 
 
-def test_decisions_taken_ahead_that_do_not_hold_are_undone_and_taken_exactly():
-    """Scores chosen per request and step (written into the monitors' capture rows) make threshold
-    policies with hysteresis engage and release at known positions; the rows the plan steers, the
-    trace and the action count follow `PolicyState.decide` run by hand."""
-    from engine_ext.dynamic.policy import PolicyState
+_HYSTERESIS_SCORES = {"r0": [-1.0, 1.0, 1.0, 0.0, -1.0, -1.0, 1.0, 0.0],
+                      "r1": [1.0, 0.0, -1.0, 0.0, 1.0, 1.0, -1.0, 1.0],
+                      "r2": [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]}
+_HYSTERESIS = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.ones(H, np.float32) * 0.1, on=0.5, off=-0.5)
+
+
+def _run_hysteresis(defer: bool) -> tuple[WorkerState, dict[str, list[bool]]]:
+    """Drive three requests through the decode steps of `_HYSTERESIS_SCORES` (each score written
+    into the monitored capture row before `after_forward`). Returns the state and, per request and
+    step, whether the plan steered its row. `defer`: each step planned as on vLLM's V2 runner
+    (`plan_step(defer=True)`, then `finish_step` right before the forward)."""
     from engine_ext.sites import Site
 
-    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.ones(H, np.float32) * 0.1, on=0.5, off=-0.5)
-    st = _state(DynamicRequest.make([pol]))
+    st = _state(DynamicRequest.make([_HYSTERESIS]))
     direction = np.asarray(st.dynamic.probes["p"].w[0])
     steer_site = Site(1, "post_attn").index()
-    scores = {"r0": [-1.0, 1.0, 1.0, 0.0, -1.0, -1.0, 1.0, 0.0],
-              "r1": [1.0, 0.0, -1.0, 0.0, 1.0, 1.0, -1.0, 1.0],
-              "r2": [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]}
+    scores = _HYSTERESIS_SCORES
 
     def score_rows(step: int) -> None:  # the score each monitored row will read (fp32 rounding aside)
         for dr, _, _, idx in st.dynamic._monitors:
@@ -110,17 +114,38 @@ def test_decisions_taken_ahead_that_do_not_hold_are_undone_and_taken_exactly():
     st.plan_step([f"r{i}" for i in range(N)], np.arange(0, PROMPT * N + 1, PROMPT, dtype=np.int32), np.zeros(N, np.int32))
     score_rows(0)
     st.after_forward()
-    steps = len(scores["r0"]) - 1
-    steered = {rid: [] for rid in scores}
-    for step in range(steps):
-        _plan(st, [PROMPT + step] * N)
+    steered: dict[str, list[bool]] = {rid: [] for rid in scores}
+    for step in range(len(scores["r0"]) - 1):
+        if defer:
+            assert st.plan_step([f"r{i}" for i in range(N)], np.arange(N + 1, dtype=np.int32),
+                                np.full(N, PROMPT + step, np.int32), defer=True)
+            # the monitors are handed out, the previous step's scores not yet waited for
+            assert len(st.dynamic._monitors) == N and st.dynamic._pending is not None
+            assert st.planner._open is not None
+            st.finish_step()
+            assert st.planner._open is None and st.dynamic._pending is None
+        else:
+            _plan(st, [PROMPT + step] * N)
         for i, rid in enumerate(scores):
             steered[rid].append(bool(st.planner.hs[i, steer_site] >= 0))
         score_rows(step + 1)
         st.after_forward()
     st.dynamic.decide_pending()
-    for rid, seq in scores.items():
-        ref = PolicyState.start(pol)
+    return st, steered
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_decisions_taken_ahead_that_do_not_hold_are_undone_and_taken_exactly(defer):
+    """Scores chosen per request and step (written into the monitors' capture rows) make threshold
+    policies with hysteresis engage and release at known positions; the rows the plan steers, the
+    trace and the action count follow `PolicyState.decide` run by hand, whether each step is
+    planned at once or left open until `finish_step` (`defer`)."""
+    from engine_ext.dynamic.policy import PolicyState
+
+    st, steered = _run_hysteresis(defer)
+    steps = len(_HYSTERESIS_SCORES["r0"]) - 1
+    for rid, seq in _HYSTERESIS_SCORES.items():
+        ref = PolicyState.start(_HYSTERESIS)
         engaged_at = [ref.decide(x) != 0.0 for x in seq]  # engaged at the position after each score
         assert steered[rid] == engaged_at[:steps], rid
         res = st.dynamic.result(rid)
@@ -129,3 +154,14 @@ def test_decisions_taken_ahead_that_do_not_hold_are_undone_and_taken_exactly():
         assert [e["engaged"] for e in trace] == [False] + engaged_at[:steps], rid
         assert np.allclose([e["score"] for e in trace], seq, atol=1e-4)
         assert res["actions"] == sum(engaged_at[:steps]) and not res["errors"]
+
+
+def test_a_deferred_plan_equals_planning_at_once():
+    """The same steps planned at once and deferred: the same rows steered, the same traces and
+    the same checksum (the same actions folded in the same order)."""
+    (a, steered_a), (b, steered_b) = _run_hysteresis(False), _run_hysteresis(True)
+    assert steered_a == steered_b
+    assert a.planner.checksum.status() == b.planner.checksum.status()
+    assert a.planner.checksum.status()["action_count"] > 0
+    for rid in _HYSTERESIS_SCORES:
+        assert a.dynamic.result(rid)["trace"] == b.dynamic.result(rid)["trace"]

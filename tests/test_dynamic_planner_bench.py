@@ -24,3 +24,4 @@ def test_the_dynamic_planner_benchmark_runs_its_workload():
     assert got["threshold_on"]["actions"] == bench.BATCH * steps
     assert got["proportional"]["actions"] == bench.BATCH * steps
     assert all(r["plan_step"] > 0 for r in got.values())
+    assert all(got[name]["plan_rows"] > 0 and got[name]["after_wait"] > 0 for name in ("monitor_only", "threshold_on"))

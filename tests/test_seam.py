@@ -84,3 +84,24 @@ def test_a_hybrid_whose_module_does_not_import_is_refused_by_name(monkeypatch):
                         "ModuleNotFoundError: No module named 'compressed_tensors'")
     assert "compressed_tensors" in seam.unavailable_architecture("Qwen3NextForCausalLM")
     assert seam.unavailable_architecture("LlamaForCausalLM") is None
+
+
+def test_the_v2_runner_launches_the_forward_after_prepare_forward():
+    """A V2 step with dynamic steering is finished at `EPLBController.prepare_forward`
+    (`seam._v2_defers`): that relies on the V2 `execute_model` calling `prepare_inputs`, then its
+    attention preparation, then `self.eplb.prepare_forward`, then the forward, which the source
+    hash pins; the installed vLLM's source has that hash and that order."""
+    import hashlib
+    import textwrap
+
+    seam.install()
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    assert seam._v2_defers(GPUModelRunner)
+    fn = GPUModelRunner.execute_model.__wrapped__
+    src = textwrap.dedent(inspect.getsource(fn))
+    assert hashlib.sha256(src.encode()).hexdigest()[:16] == seam.V2_EXECUTE_MODEL_SHA
+    order = [src.index(s) for s in ("self.prepare_inputs(", "self.model_state.prepare_attn(",
+                                    "self.eplb.prepare_forward(", "self.cudagraph_manager.run_fullgraph(")]
+    assert order == sorted(order) and src.count("self.eplb.prepare_forward(") == 1
+    assert seam.is_patched("vllm.v1.worker.gpu.eplb_utils.EPLBController.prepare_forward")

@@ -42,28 +42,59 @@ def _timed(cls, name: str) -> None:
 
 
 def _time_after_wait() -> None:
-    """`after_wait`: from the moment a plan takes the previous step's decisions (on a GPU, the wait
-    for their scores) to the end of `plan_step`."""
+    """`wait`: how long a plan waits for the previous step's scores (on a GPU, for the previous
+    forward to end); `after_wait`: from the end of that wait to the end of the step's plan (of
+    `finish_step` where the seam defers it, else of `plan_step`); `gap`: from the end of that wait
+    to the launch of the step's forward (vLLM's V2 runner, CUDA graphs: the GPU idles meanwhile)."""
     mark: list[int] = []
-    plan_step, plan_rows, decide = WorkerState.plan_step, DynamicWorker.plan_rows, DynamicWorker.decide_pending
+    plan_step, finish_step = WorkerState.plan_step, WorkerState.finish_step
+    begin, decide = DynamicWorker.plan_rows_begin, DynamicWorker.decide_pending
+
+    def ended(what: str) -> None:
+        if mark and mark[0] > 0:
+            TIMES.setdefault(what, []).append(time.perf_counter_ns() - mark[0])
 
     def plan_step_w(self, *a, **k):
         mark.clear()
         out = plan_step(self, *a, **k)
-        if mark:
-            TIMES.setdefault("after_wait", []).append(time.perf_counter_ns() - mark[0])
+        ended("after_wait")
         return out
 
-    def plan_rows_w(self, *a, **k):
+    def finish_step_w(self, *a, **k):
+        out = finish_step(self, *a, **k)
+        ended("after_wait")
+        return out
+
+    def begin_w(self, *a, **k):
         mark.append(-1)  # inside a plan: the next decide_pending with scores pending is the wait
-        return plan_rows(self, *a, **k)
+        return begin(self, *a, **k)
 
     def decide_w(self, *a, **k):
         if mark == [-1] and self._pending is not None:
+            event = self._pending[2]
+            t = time.perf_counter_ns()
+            if event is not None:
+                event.synchronize()
             mark[0] = time.perf_counter_ns()
+            TIMES.setdefault("wait", []).append(mark[0] - t)
         return decide(self, *a, **k)
 
-    WorkerState.plan_step, DynamicWorker.plan_rows, DynamicWorker.decide_pending = plan_step_w, plan_rows_w, decide_w
+    WorkerState.plan_step, WorkerState.finish_step = plan_step_w, finish_step_w
+    DynamicWorker.plan_rows_begin, DynamicWorker.decide_pending = begin_w, decide_w
+    try:  # the forward's launch (V2 runner)
+        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager, ModelCudaGraphManager
+    except Exception:
+        return
+    for cls in (CudaGraphManager, ModelCudaGraphManager):
+        for name in ("run_fullgraph", "run_pw_graph"):
+            if name in vars(cls):
+                orig = vars(cls)[name]
+
+                def launch(self, *a, _orig=orig, **k):
+                    ended("gap")
+                    mark.clear()
+                    return _orig(self, *a, **k)
+                setattr(cls, name, launch)
 
 
 def main() -> None:
@@ -73,7 +104,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    for cls, name in ((WorkerState, "plan_step"), (WorkerState, "after_forward"), (DynamicWorker, "plan_rows")):
+    for cls, name in ((WorkerState, "plan_step"), (WorkerState, "after_forward"), (DynamicWorker, "plan_rows_begin")):
         _timed(cls, name)
     _time_after_wait()
 

@@ -299,8 +299,19 @@ class DynamicWorker:
         self._gated = []
 
     def plan_rows(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
-        """Write this step's dynamic actions and monitor rows (see the module docstring).
-        Returns (max row written + 1, capture rows used, checksum actions).
+        """Write this step's dynamic actions and monitor rows (see the module docstring): the
+        three phases of `plan_rows_begin` at once. Returns (max row written + 1, capture rows
+        used, checksum actions)."""
+        max_row, n_cap, finish = self.plan_rows_begin(planner, req_ids, qsl, num_computed, hs, hc, n_cap)
+        more_rows, actions = finish()
+        return max(max_row, more_rows), n_cap, actions
+
+    def plan_rows_begin(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
+        """Phase 1 of this step's dynamic plan (below). Returns (max row written + 1, capture rows
+        used, `finish`); `finish()` runs phases 2 and 3 and returns (max row written + 1, checksum
+        actions). The planner calls `finish` before the upload, at once or, on vLLM's V2 runner,
+        right before the forward is launched (`StepPlanner.plan_step(defer=True)`), so that the
+        runner's own preparation of the step also runs before the wait.
 
         In three phases, so that little is left between the wait for the previous step's scores
         (on a GPU, the end of the previous forward) and the upload:
@@ -363,6 +374,12 @@ class DynamicWorker:
                     if got is not None:
                         win[4], win[5], top, _ = got
                         max_row = max(max_row, top)
+        return max_row, n_cap, lambda: self._plan_rows_finish(planner, hs, windows, ahead, held_before)
+
+    def _plan_rows_finish(self, planner: Any, hs: np.ndarray, windows: list[list], ahead: dict[int, int],
+                          held_before: list[int]) -> tuple[int, list]:
+        """Phases 2 and 3 of `plan_rows_begin`."""
+        max_row = 0
         flipped = self.decide_pending(record=False, ahead=ahead)  # the previous step's decisions apply from this step
         for win in windows:
             dr, row0, p0, n, acts, undo = win
@@ -386,7 +403,7 @@ class DynamicWorker:
         actions = [a for win in windows for a in win[4]]
         self.st.slots.release(held_before)
         self.actions += len(actions)
-        return max_row, n_cap, actions
+        return max_row, actions
 
     def _speculate(self, work) -> dict[int, int]:
         """Take ahead the pending decisions of requests whose policies are all threshold policies

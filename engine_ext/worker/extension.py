@@ -61,6 +61,13 @@ class CausalboardWorkerExtension:
         st.planner.skip_next_action = True
         return True
 
+    def cb_set_defer_plan(self, on: bool) -> bool:
+        """Benchmarking aid: whether a V2 step with dynamic steering is finished right before the
+        forward (`seam._v2_defers`; the default) or at `prepare_inputs`. Returns the new setting."""
+        st = self._cb()
+        st.defer_plan = bool(on)
+        return st.defer_plan
+
     def cb_close(self) -> bool:
         """Free this engine's worker state and device buffers (called before shutdown)."""
         st = runner_state(self.model_runner)

@@ -362,19 +362,30 @@ class StepPlanner:
                             torch.empty(shape, dtype=torch.int32, device="cpu", pin_memory=True), torch.cuda.Event())
                            for _ in range(3)]
         self._blocks: list[_CaptureBlock] = []
+        #: a step planned but not yet finished (`plan_step(defer=True)`)
+        self._open: tuple | None = None
         self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, list[_CaptureBlock]]] = []
         self.steps = 0
         self.applied_steps = 0
         #: test-only fault (`cb_debug_fault`): skip the next planned request window entirely
         self.skip_next_action = False
 
-    def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow, extra=None) -> None:
+    def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow, extra=None,
+                  defer: bool = False) -> None:
         """Fill the tables for this step's rows. `plans` maps request id -> RequestPlan (requests
         without one are left untouched); `on_overflow(req_id, message)` is told about a request
         whose captures do not fit this step (its rows are then left untouched). `extra(planner,
-        req_ids, query_start_loc, num_computed, hs, hc, n_cap) -> (max_row, n_cap, actions)`
-        writes more entries on top of the plans' (dynamic steering), before the upload; its
-        actions are folded after the plans'."""
+        req_ids, query_start_loc, num_computed, hs, hc, n_cap) -> (max_row, n_cap, finish)`
+        writes more entries on top of the plans' (dynamic steering); `finish() -> (max_row,
+        actions)` (None: nothing more) writes the rest of them, before the upload; its actions
+        are folded after the plans'.
+
+        With `defer`, the step is left open after `extra`: `finish_step` (which the caller must
+        call before the step's forward is launched) runs `finish`, folds the checksum and uploads.
+        The seam defers where the runner has host work of its own between preparing the inputs
+        and launching the forward (vLLM's V2 runner), so that work is done while the previous
+        forward may still run, before `finish` waits for that forward's scores."""
+        self.finish_step()  # a step left open (never launched) is closed before the next
         self.steps += 1
         self.checksum.begin_step()
         if self._pending:
@@ -447,11 +458,26 @@ class StepPlanner:
                 actions.append((plan.digest, p0, p1))
             for plan, rows in groups.values():
                 hs[np.asarray(rows, np.int64)[:, None], plan.gen_sites[None, :]] = plan.gen_slots
+        finish = None
         if extra is not None:
-            more_rows, n_cap, more = extra(self, req_ids, query_start_loc, num_computed, hs, hc, n_cap)
+            more_rows, n_cap, finish = extra(self, req_ids, query_start_loc, num_computed, hs, hc, n_cap)
+            max_row = max(max_row, more_rows)
+        self._blocks = blocks
+        self._open = (max_row, n_cap, actions, finish)
+        if not defer:
+            self.finish_step()
+
+    def finish_step(self) -> None:
+        """Close the step `plan_step` opened (nothing if none is open): the rest of the extra
+        entries, the checksum fold, the slot flush and the upload."""
+        if self._open is None:
+            return
+        max_row, n_cap, actions, finish = self._open
+        self._open = None
+        if finish is not None:
+            more_rows, more = finish()
             max_row = max(max_row, more_rows)
             actions.extend(more)
-        self._blocks = blocks
         if actions:
             self.checksum.fold_step(actions)
             self.applied_steps += 1

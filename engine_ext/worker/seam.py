@@ -39,7 +39,13 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   `query_start_loc.np` and `input_batch.num_computed_tokens_cpu`, right before the forward
   (eager, compiled or graph replay).
 * V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
-  `query_start_loc_np`, `num_computed_tokens_np`).
+  `query_start_loc_np`, `num_computed_tokens_np`). A step with dynamic steering is left open
+  there (`WorkerState.plan_step(defer=True)`) and finished by
+* V2 `EPLBController.prepare_forward` (`vllm.v1.worker.gpu.eplb_utils`), before it: the runner
+  calls it after its own attention preparation, right before launching the forward
+  (`V2_EXECUTE_MODEL_SHA` checks that order; otherwise, or with `CAUSALBOARD_DEFER_PLAN=0`, the
+  step is finished at `prepare_inputs`). So the wait for the previous forward's scores comes
+  after vLLM's host work for the step, not before it.
 * `Qwen3NextDecoderLayer.__init__` / `.forward` (hybrid: gated delta-net "linear_attention" and
   "full_attention" layers): the same five sites, around the token mixer whichever it is and
   around its (MoE or dense) MLP (`_qwen3_next_site_forward`; forward sha checked like the others).
@@ -120,6 +126,8 @@ LAYER_FORWARD_SHA = {
 #: sha256[:16] of the dedented source of `SyncMPClient.call_utility`, which
 #: `start_collective_rpc` replicates without its blocking wait
 CALL_UTILITY_SHA = "b2db728195604778"
+#: sha256[:16] of V2 `GPUModelRunner.execute_model`'s source (vLLM 0.25.1): the order `_v2_defers` relies on
+V2_EXECUTE_MODEL_SHA = "72b49e826b2cb9a9"
 
 #: HF architectures whose decoder layers are patched; anything else is refused at start-up.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM")
@@ -411,18 +419,53 @@ def _wrap_v1_model_forward(cls: Any) -> None:
     _wrap_method(cls, "_model_forward", make)
 
 
+def _v2_defers(cls: Any) -> bool:
+    """May a V2 step's plan be finished at `EPLBController.prepare_forward`? Only when the V2
+    runner's `execute_model` is the one checked (`V2_EXECUTE_MODEL_SHA`: it calls `prepare_inputs`,
+    then its own attention preparation, then `self.eplb.prepare_forward` right before launching
+    the forward, on every path that follows `prepare_inputs`), and not switched off with
+    `CAUSALBOARD_DEFER_PLAN=0`."""
+    if os.environ.get("CAUSALBOARD_DEFER_PLAN", "1") == "0":
+        return False
+    fn = getattr(cls.execute_model, "__wrapped__", cls.execute_model)
+    sha = hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
+    if sha != V2_EXECUTE_MODEL_SHA:
+        logger.warning("V2 GPUModelRunner.execute_model differs from the version causalboard checked; "
+                       "dynamic steering plans each step at prepare_inputs")
+        return False
+    return True
+
+
 def _wrap_v2_prepare_inputs(cls: Any) -> None:
+    defers = _v2_defers(cls)
+
     def make(orig):
         def prepare_inputs(self, scheduler_output, batch_desc, *args, **kwargs):
             batch = orig(self, scheduler_output, batch_desc, *args, **kwargs)
             state = runner_state(self)
             if state is not None:
                 n = batch.num_reqs
-                state.plan_step(batch.req_ids[:n], batch.query_start_loc_np[: n + 1], batch.num_computed_tokens_np[:n])
+                if state.plan_step(batch.req_ids[:n], batch.query_start_loc_np[: n + 1],
+                                   batch.num_computed_tokens_np[:n], defer=defers and state.defer_plan):
+                    self.eplb._cb_open = state  # finished by the wrapped `prepare_forward`
             return batch
         return prepare_inputs
 
     _wrap_method(cls, "prepare_inputs", make)
+
+
+def _wrap_v2_prepare_forward(cls: Any) -> None:
+    """`EPLBController.prepare_forward`, before it: finish the step the V2 `prepare_inputs` left
+    open (`WorkerState.finish_step`), right before the forward is launched."""
+    def make(orig):
+        def prepare_forward(self, *args, **kwargs):
+            state = self.__dict__.pop("_cb_open", None)
+            if state is not None:
+                state.finish_step()
+            return orig(self, *args, **kwargs)
+        return prepare_forward
+
+    _wrap_method(cls, "prepare_forward", make)
 
 
 # ---- recurrent-state hygiene (hybrids) ----------------------------------------------------------
@@ -529,6 +572,8 @@ PATCHES: tuple[Patch, ...] = (
           lambda c: (_wrap_execute_model(c), _wrap_v1_model_forward(c))),
     Patch("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("execute_model", "prepare_inputs"),
           lambda c: (_wrap_execute_model(c), _wrap_v2_prepare_inputs(c)), optional=True),
+    Patch("vllm.v1.worker.gpu.eplb_utils", "EPLBController", ("prepare_forward",), _wrap_v2_prepare_forward,
+          optional=True),
     *KV_SALT_PATCHES,
     *STATE_HYGIENE_PATCHES,
 )

@@ -182,6 +182,9 @@ class WorkerState:
         self.own_layers: set[int] = set()
         #: dynamic steering: probes, per-request policy states, conversation latches
         self.dynamic = DynamicWorker(self)
+        #: may the seam leave a step with dynamic steering open until right before its forward
+        #: (`plan_step(defer=True)`, vLLM's V2 runner)? A benchmarking switch (`cb_set_defer_plan`)
+        self.defer_plan = True
         self._value_bytes = 2 * hidden * torch.empty((), dtype=dtype, device="cpu").element_size()
 
     def owns_site(self, site: int) -> bool:
@@ -284,8 +287,10 @@ class WorkerState:
         self.dynamic.finish(req_id)
 
     # ---- per step -------------------------------------------------------------------------
-    def plan_step(self, req_ids: Any, query_start_loc: Any, num_computed: Any) -> None:
-        """Fill the op's buffers for this step's rows (all other rows: untouched)."""
+    def plan_step(self, req_ids: Any, query_start_loc: Any, num_computed: Any, defer: bool = False) -> bool:
+        """Fill the op's buffers for this step's rows (all other rows: untouched). With `defer`
+        and dynamic requests in flight, the step is left open (`StepPlanner.plan_step`): the
+        caller must call `finish_step` before launching the forward. Returns whether it did."""
         if self._recompose:  # the global steering changed: recompose the plans made before
             self._recompose = False
             for rid, plan in list(self.plans.items()):
@@ -294,10 +299,18 @@ class WorkerState:
                         self._compose(rid)
                     else:
                         self._plan_global_only(rid)
-        if not self.dynamic.requests:
+        dynamic = bool(self.dynamic.requests)
+        if not dynamic:
             self.dynamic.idle()
+        defer = defer and dynamic
         self.planner.plan_step(req_ids, query_start_loc, num_computed, self.plans, self._overflow,
-                               self.dynamic.plan_rows if self.dynamic.requests else None)
+                               self.dynamic.plan_rows_begin if dynamic else None, defer=defer)
+        return defer
+
+    def finish_step(self) -> None:
+        """Close a step `plan_step(defer=True)` left open (the dynamic decisions that wait for the
+        previous forward's scores, the checksum fold, the upload); nothing if none is open."""
+        self.planner.finish_step()
 
     def _overflow(self, req_id: str, message: str) -> None:
         st = self.requests.get(req_id)
@@ -308,6 +321,9 @@ class WorkerState:
             self.slots.release(plan.held)
 
     def after_forward(self) -> None:
+        if self.planner._open is not None:  # a seam bug: the forward ran before its plan was uploaded
+            logger.error("causalboard: a step's plan was not finished before its forward; finishing it now")
+            self.planner.finish_step()
         self.dynamic.after_forward()
         self.planner.after_forward()
 
