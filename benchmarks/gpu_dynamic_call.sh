@@ -19,8 +19,9 @@ step() {  # name, seconds, command...
   echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
 }
 [ -z "${SKIP_MATRIX:-}" ] && CB_PARALLEL=1 step matrix 230 bash benchmarks/gpu_matrix.sh bundled checks
-[ -z "${SKIP_CHECK:-}" ] && step dyn-check 120 python3 benchmarks/dynamic_gpu_check.py
-step dyn-bench "${BENCH_LIMIT:-330}" python3 benchmarks/dynamic_bench.py --model "$M" --device cuda --reps "${REPS:-5}"
-[ -z "${SKIP_HOST:-}" ] && step dyn-host 80 python3 benchmarks/diag/dynamic_host.py --model "$M" --device cuda --reps 2
+# the bench first (its engine compiles the model: ~130 s cold), then the dynamic check (bundled model)
+step dyn-bench "${BENCH_LIMIT:-280}" python3 benchmarks/dynamic_bench.py --model "$M" --device cuda --reps "${REPS:-5}" ${BENCH_ARGS:-}
+[ -z "${SKIP_CHECK:-}" ] && step dyn-check "${CHECK_LIMIT:-200}" python3 benchmarks/dynamic_gpu_check.py
+[ -z "${SKIP_HOST:-}" ] && step dyn-host "${HOST_LIMIT:-90}" python3 benchmarks/diag/dynamic_host.py --model "$M" --device cuda --reps 2
 tar -czf "$OUT/dyn-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
 cat "$OUT/steps.txt"; tail -3 "$OUT/matrix.out" 2>/dev/null; tail -8 "$OUT/dyn-bench.out"
