@@ -33,7 +33,8 @@ policies are assumed to hold (stay engaged or released), its action is applied w
 and after the wait each score is checked (`PolicyState.holds`); where one does not hold, the
 action is undone and the decision taken as usual, so the result is the same as deciding after the
 wait, with most of the per-request work done while the previous forward still runs. The
-decisions' bookkeeping and trace entries are recorded after that step's forward is launched.
+bookkeeping of the decisions that held (trace entries included) is done after that step's
+forward is launched.
 Positions recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
 
 Every tensor-parallel rank holds the same registrations, sees the same post-all-reduce stream and
@@ -129,8 +130,9 @@ class DynRequest:
     states: list[PolicyState]
     #: position -> scale of each policy there (decided after the forward at position - 1)
     decided: dict[int, tuple[float, ...]] = field(default_factory=dict)
-    #: per policy, one entry per scored position
-    trace: list[list[dict]] = field(default_factory=list)
+    #: per policy, one entry per scored position: (position, score, threshold, scale applied
+    #: there) (`result` spells them out)
+    trace: list[list[tuple]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     actions: int = 0
     last_scored: int = -1
@@ -155,6 +157,8 @@ class DynRequest:
     gate_row: tuple[np.ndarray, float, float] | None = None
     #: the content key of `gate_row` (probe crc32, threshold and sharpness as float32 hex)
     gate_row_key: tuple[int, str, str] | None = None
+    #: every policy a threshold policy and no gates: its decisions may be taken ahead (`_speculate`)
+    speculable: bool = False
     _refs: tuple[tuple[str, int], ...] | None = None
 
     def engaged(self) -> bool:
@@ -190,12 +194,11 @@ class DynamicWorker:
         self._gated: list[tuple[DynRequest, int, int]] = []  # (request, position, row) whose row gate the op scores
         #: scores of the last step not yet decided on: (work, host scores, copy event or None)
         self._pending: tuple | None = None
-        #: trace entries of decisions taken in the last plan, recorded after its upload
-        #: (`_settle`): (request, policy index, position, score, threshold, scale there)
-        self._unrecorded: list[tuple[DynRequest, int, int, float, float, float]] = []
         #: decisions taken ahead that held (request, position, scores): their bookkeeping
         #: (`PolicyState.hold`, `last_scored`, trace, latches) is done by `_settle`
         self._held_decisions: list[tuple[DynRequest, int, list[float]]] = []
+        #: the last step's score layout (`_ScorePlan`), reused while it stays the same
+        self._score_plan: _ScorePlan | None = None
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
@@ -260,6 +263,7 @@ class DynamicWorker:
                 dr.gate_row_key = (zlib.crc32(probe.astype("<f4").tobytes()), np.float32(thr).tobytes().hex(),
                                    np.float32(sharp).tobytes().hex())
         dr.monitor_sites = tuple(sorted({self.probes[name].spec.site.index() for name, _ in dr.score_refs()}))
+        dr.speculable = dr.gate is None and all(st.policy.mode == "threshold" for st in states)
         if any(s.current_scale() != 0.0 for s in states):
             dr.decided[n_prompt] = tuple(s.current_scale() for s in states) + (0.0,) * len(dr.gate_actions)
         self.requests[req_id] = dr
@@ -282,7 +286,9 @@ class DynamicWorker:
         dr = self.requests.get(req_id)
         if dr is None:
             return None
-        out = {"policies": [p.spec.to_api() for p in dr.policies], "trace": dr.trace, "actions": dr.actions,
+        trace = [[{"position": pos, "score": score, "threshold": threshold, "engaged": scale != 0.0, "scale": scale}
+                  for pos, score, threshold, scale in entries] for entries in dr.trace]
+        out = {"policies": [p.spec.to_api() for p in dr.policies], "trace": trace, "actions": dr.actions,
                "conversation_id": dr.conversation_id, "latched": [s.latched for s in dr.states], "errors": list(dr.errors)}
         if dr.gate is not None:
             out["gates"] = {**dr.gate.summary(), "trace": dr.gate_trace}
@@ -297,6 +303,7 @@ class DynamicWorker:
             self.st.slots.release(held)
         self._monitors = []
         self._gated = []
+        self._score_plan = None
 
     def plan_rows(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
         """Write this step's dynamic actions and monitor rows (see the module docstring): the
@@ -326,7 +333,8 @@ class DynamicWorker:
            hold (its action undone first).
 
         The checksum's actions are listed in batch order whatever the phase that applied them.
-        Trace entries are recorded after the step's forward is launched (`after_forward`)."""
+        The bookkeeping of the decisions that held is done after the step's forward is launched
+        (`after_forward`)."""
         self._settle()
         held_before, self._held = self._held, []
         self._monitors = []
@@ -359,7 +367,7 @@ class DynamicWorker:
                     for site in dr.monitor_sites:
                         if not owns_site(site):
                             continue
-                        idx = int(hc[row, site])
+                        idx = hc.item(row, site)
                         if idx < 0:
                             if n_cap >= planner.b.max_capture_rows:
                                 dr.errors.append(f"position {last}: no capture row left for the probe; not scored")
@@ -370,6 +378,9 @@ class DynamicWorker:
                     if row >= max_row:
                         max_row = row + 1
                 if dr.gate is None and (id(dr) not in deciding or (n == 1 and ahead.get(id(dr)) == p0 - 1)):
+                    if n == 1 and not any(dr.decided.get(p0) or ()):  # a decode row with nothing engaged
+                        win[4], win[5] = [], []
+                        continue
                     got = self._apply_window(planner, dr, row0, p0, n, hs, speculative=id(dr) in ahead)
                     if got is not None:
                         win[4], win[5], top, _ = got
@@ -407,16 +418,14 @@ class DynamicWorker:
 
     def _speculate(self, work) -> dict[int, int]:
         """Take ahead the pending decisions of requests whose policies are all threshold policies
-        (no gates): each is assumed to hold (`PolicyState.holds`), so the scales at the next
-        position are the current ones, written to `decided` now and checked after the wait.
-        Returns id(request) -> the position decided."""
+        (no gates: `DynRequest.speculable`): each is assumed to hold (`PolicyState.holds`), so the
+        scales at the next position are the current ones, written to `decided` now and checked
+        after the wait. Returns id(request) -> the position decided."""
         ahead: dict[int, int] = {}
         for dr, pos, picks, gp in work:
-            if gp is not None or dr.gate is not None or None in picks:
+            if not dr.speculable or gp is not None or None in picks:
                 continue
-            if any(st.policy.mode != "threshold" for st in dr.states):
-                continue
-            dr.decided[pos + 1] = tuple(st.current_scale() for st in dr.states)
+            dr.decided[pos + 1] = tuple([st.current_scale() for st in dr.states])
             ahead[id(dr)] = pos
         return ahead
 
@@ -522,11 +531,12 @@ class DynamicWorker:
         row there (`GateSet.row_term`); the op scales that term by the same position's `g`."""
         slots = self.st.slots
         sites, row_gated = self._layout(dr, scales)
-        here = hs[row]
-        bases = tuple(int(here[site]) for site in sites)
+        item = hs.item
+        bases = [item(row, site) for site in sites]
         # the row gate's term is a function of the scales: (scales, whether the gate acts, the
         # bases' content keys) decides the whole plan, so the term is only built on a miss
-        sig = (scales, row_gated, tuple(slots.key_of(b) if b >= 0 else None for b in bases))
+        key_of = slots.key_of
+        sig = (scales, row_gated, tuple([key_of(b) if b >= 0 else None for b in bases]))
         got = dr.actions_cache.get(sig)
         if got is not None:
             return got
@@ -589,59 +599,28 @@ class DynamicWorker:
         copy is not waited for here: the decisions are taken when they are first needed
         (`decide_pending`: at the start of the next step's planning, or before a result or the
         status is read), so on a GPU the host keeps running ahead of the forward until the next
-        step's plan needs them. The trace entries of the decisions this step's plan took are
-        recorded first (the forward they steer is launched already)."""
+        step's plan needs them. The bookkeeping of the decisions this step's plan took ahead is
+        done first (the forward they steer is launched already)."""
         self.decide_pending()
         if not self._monitors and not self._gated:
             return
         monitors, self._monitors = self._monitors, []
         gated, self._gated = self._gated, []
         b = self.st.buffers
-        vals = (_rows(b.cap_x, [m[3] for m in monitors]).float() + _rows(b.cap_r, [m[3] for m in monitors]).float()
-                if monitors else None)  # [m, H]
-        # one score block per (monitor row, probe); probes grouped so each is one matmul
-        wanted: dict[str, list[int]] = {}
-        row_of: dict[tuple[int, int], int] = {}  # (id(request), site) -> row in vals
-        probes = self.probes
-        for j, (dr, _, site, _) in enumerate(monitors):
-            row_of[(id(dr), site)] = j
-            for name, _ in dr.score_refs():
-                pr = probes.get(name)
-                if pr is not None and pr.site == site:
-                    rows = wanted.setdefault(name, [])
-                    if not rows or rows[-1] != j:  # j ascends: a repeat can only be the last
-                        rows.append(j)
-        blocks, layout = [], {}
-        offset = 0
-        for name, rows in wanted.items():
-            pr = self.probes[name]
-            sel = _rows(vals, rows)
-            blocks.append((sel @ pr.w.T + pr.b).flatten())
-            for r_i, j in enumerate(rows):
-                layout[(name, j)] = offset + r_i * pr.spec.size
-            offset += len(rows) * pr.spec.size
-        # the row gates' (score, g) the op wrote for the gated rows, after the scores
-        gpick: dict[int, int] = {}
-        if gated:
-            blocks.append(_rows(b.gate_out, [row for _, _, row in gated]).flatten())
-            gpick = {id(dr): offset + 2 * i for i, (dr, _, _) in enumerate(gated)}
-        # per monitored request: the flat index of each policy's score (None: its probe is gone)
-        work: list[tuple[DynRequest, int, list[int | None], int | None]] = []
-        done: set[int] = set()
-        for dr, pos, _, _ in monitors:
-            if id(dr) in done:
-                continue
-            done.add(id(dr))
-            picks: list[int | None] = []
-            for name, component in dr.score_refs():
-                pr = probes.get(name)
-                j = row_of.get((id(dr), pr.site)) if pr is not None else None
-                picks.append(None if j is None else layout[(name, j)] + component)
-            work.append((dr, pos, picks, gpick.get(id(dr))))
-        for dr, pos, _ in gated:  # gated requests without a host probe
-            if id(dr) not in done:
-                done.add(id(dr))
-                work.append((dr, pos, [], gpick[id(dr)]))
+        # the layout of this step's scores: the same as the last step's in a steady decode
+        key = ([(m[0], m[2], m[3]) for m in monitors], [(g[0], g[2]) for g in gated])
+        sp = self._score_plan
+        if sp is None or sp.key != key or not sp.current(self.probes):
+            sp = self._score_plan = _ScorePlan(key, self.probes)
+        blocks = []
+        if monitors:
+            vals = _rows(b.cap_x, sp.cap_rows).float() + _rows(b.cap_r, sp.cap_rows).float()  # [m, H]
+            for pr, rows in sp.probe_rows:
+                blocks.append((_rows(vals, rows) @ pr.w.T + pr.b).flatten())
+        if gated:  # the row gates' (score, g) the op wrote for the gated rows, after the scores
+            blocks.append(_rows(b.gate_out, sp.gate_rows).flatten())
+        work = [(dr, (monitors if from_monitor else gated)[i][1], picks, gp)
+                for dr, from_monitor, i, picks, gp in sp.work]
         flat = torch.cat(blocks) if blocks else torch.zeros(0, device=b.device)
         if b.device.type == "cuda":  # the step's one small device-to-host copy, not waited for
             host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=True)
@@ -668,7 +647,9 @@ class DynamicWorker:
             for dr, pos, picks, gp in work:
                 if ahead and id(dr) in ahead:
                     scores = [flat[pick] for pick in picks]
-                    if all(st.holds(x) for st, x in zip(dr.states, scores)):
+                    states = dr.states
+                    if (states[0].holds(scores[0]) if len(states) == 1
+                            else all([st.holds(x) for st, x in zip(states, scores)])):
                         self._held_decisions.append((dr, pos, scores))
                         continue
                     flipped.add(id(dr))
@@ -681,17 +662,12 @@ class DynamicWorker:
         return flipped
 
     def _settle(self) -> None:
-        """The bookkeeping of the decisions taken so far, in the order taken: the held ones
-        (`_decide` with `held`), then every policy's trace entries."""
+        """The bookkeeping of the decisions taken ahead that held (`_decide` with `held`), in
+        the order taken."""
         if self._held_decisions:
             held, self._held_decisions = self._held_decisions, []
             for dr, pos, scores in held:
                 self._decide(dr, pos, scores, held=True)
-        if self._unrecorded:
-            rows, self._unrecorded = self._unrecorded, []
-            for dr, k, pos, score, threshold, scale_here in rows:
-                dr.trace[k].append({"position": pos, "score": score, "threshold": threshold,
-                                    "engaged": scale_here != 0.0, "scale": scale_here})
 
     def _decide(self, dr: DynRequest, pos: int, scores: list[float | None],
                 row_gate: tuple[float, float] | None = None, held: bool = False) -> None:
@@ -711,7 +687,7 @@ class DynamicWorker:
                 continue
             threshold = state.threshold()
             nxt.append(state.hold() if held else state.decide(score))
-            self._unrecorded.append((dr, k, pos, score, threshold, applied[k] if applied is not None else 0.0))
+            dr.trace[k].append((pos, score, threshold, applied[k] if applied is not None else 0.0))
             if state.latched and pol.spec.latch == "conversation" and dr.conversation_id is not None:
                 self._latch(dr.conversation_id, pol.ident)
         if dr.gate is not None:
@@ -741,6 +717,64 @@ class DynamicWorker:
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
                 "latched_conversations": len(self.latches), "dynamic_actions": self.actions,
                 "rejected_actions": self.rejected}
+
+
+class _ScorePlan:
+    """Where a step's scores come from and go (built by `after_forward` when the monitored and
+    gated rows differ from the last step's, or a probe they read changed): the capture rows read,
+    each probe's rows among them (one matmul per probe), the gated rows, and per request the flat
+    index of each score its decision needs (`work`: request, from a monitor (else a gated row),
+    index of that entry, picks, row gate's pick)."""
+
+    def __init__(self, key: tuple[list, list], probes: dict[str, _Probe]):
+        self.key = key
+        monitors, gated = key
+        self.cap_rows = [idx for _, _, idx in monitors]
+        wanted: dict[str, list[int]] = {}
+        row_of: dict[tuple[int, int], int] = {}  # (id(request), site) -> row among the monitored
+        names: dict[str, None] = {}
+        for j, (dr, site, _) in enumerate(monitors):
+            row_of[(id(dr), site)] = j
+            for name, _ in dr.score_refs():
+                names[name] = None
+                pr = probes.get(name)
+                if pr is not None and pr.site == site:
+                    rows = wanted.setdefault(name, [])
+                    if not rows or rows[-1] != j:  # j ascends: a repeat can only be the last
+                        rows.append(j)
+        #: the probe objects the layout was built with (a probe replaced or deleted: rebuilt)
+        self.probes = [(name, probes.get(name)) for name in names]
+        self.probe_rows: list[tuple[_Probe, list[int]]] = []
+        layout: dict[tuple[str, int], int] = {}
+        offset = 0
+        for name, rows in wanted.items():
+            pr = probes[name]
+            self.probe_rows.append((pr, rows))
+            for r_i, j in enumerate(rows):
+                layout[(name, j)] = offset + r_i * pr.spec.size
+            offset += len(rows) * pr.spec.size
+        self.gate_rows = [row for _, row in gated]
+        gpick = {id(dr): offset + 2 * i for i, (dr, _) in enumerate(gated)}
+        self.work: list[tuple[DynRequest, bool, int, list[int | None], int | None]] = []
+        done: set[int] = set()
+        for i, (dr, _, _) in enumerate(monitors):
+            if id(dr) in done:
+                continue
+            done.add(id(dr))
+            picks: list[int | None] = []
+            for name, component in dr.score_refs():
+                pr = probes.get(name)
+                j = row_of.get((id(dr), pr.site)) if pr is not None else None
+                picks.append(None if j is None else layout[(name, j)] + component)
+            self.work.append((dr, True, i, picks, gpick.get(id(dr))))
+        for i, (dr, _) in enumerate(gated):  # gated requests without a host probe
+            if id(dr) not in done:
+                done.add(id(dr))
+                self.work.append((dr, False, i, [], gpick[id(dr)]))
+
+    def current(self, probes: dict[str, _Probe]) -> bool:
+        """Are the probes the layout read still the registered ones?"""
+        return all(probes.get(name) is pr for name, pr in self.probes)
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
