@@ -199,6 +199,9 @@ class DynamicWorker:
         self._held_decisions: list[tuple[DynRequest, int, list[float]]] = []
         #: the last step's score layout (`_ScorePlan`), reused while it stays the same
         self._score_plan: _ScorePlan | None = None
+        #: CUDA: the pinned buffer the scores are copied into and the copy's event (reused)
+        self._host_scores: torch.Tensor | None = None
+        self._score_event: Any = None
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
@@ -621,13 +624,18 @@ class DynamicWorker:
             blocks.append(_rows(b.gate_out, sp.gate_rows).flatten())
         work = [(dr, (monitors if from_monitor else gated)[i][1], picks, gp)
                 for dr, from_monitor, i, picks, gp in sp.work]
-        flat = torch.cat(blocks) if blocks else torch.zeros(0, device=b.device)
+        flat = blocks[0] if len(blocks) == 1 else torch.cat(blocks) if blocks else torch.zeros(0, device=b.device)
         if b.device.type == "cuda":  # the step's one small device-to-host copy, not waited for
-            host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=True)
+            # into one pinned buffer and with one event, both reused: the previous step's copy was
+            # waited for and read (`decide_pending`, above) before this one is issued
+            n = flat.numel()
+            if self._host_scores is None or self._host_scores.numel() < n:
+                self._host_scores = torch.empty(max(n, 1024), dtype=torch.float32, device="cpu", pin_memory=True)
+                self._score_event = torch.cuda.Event()
+            host = self._host_scores[:n]
             host.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (work, host, event)
+            self._score_event.record()
+            self._pending = (work, host, self._score_event)
         else:  # CPU: the scores are computed already; the decisions are still taken when needed (same path)
             self._pending = (work, flat, None)
 
