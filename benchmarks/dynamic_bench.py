@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--ab-defer", action="store_true",
                     help="also run each dynamic variant with its plan finished at prepare_inputs "
                          "(variant@prepare_inputs; the default finishes it right before the forward)")
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
 
     import numpy as np
@@ -70,11 +71,14 @@ def main():
     prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(args.batch)]
     params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
     static = {"static_steer": Interventions(steer=(Steer.make(steer, v, phase="decode"),))}
+    if args.variants:
+        keep = set(args.variants.split(",")) | {"vanilla"}
+        variants = {k: v for k, v in variants.items() if k in keep}
     run_kw = {k: {"dynamic": dyn} for k, dyn in variants.items()}
     if args.ab_defer:
         run_kw.update({f"{k}@prepare_inputs": {"dynamic": dyn, "defer": False} for k, dyn in variants.items()
                        if dyn is not None})
-    run_kw.update({k: {"interventions": spec} for k, spec in static.items()})
+    run_kw.update({k: {"interventions": spec} for k, spec in static.items() if not args.variants or k in keep})
     defer_now = [True]
 
     def set_defer(on: bool) -> None:
