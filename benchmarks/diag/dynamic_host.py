@@ -1,13 +1,17 @@
 """Host time per step of dynamic steering inside a real engine (issue 15's cost, host side): the
-worker's `WorkerState.plan_step` (and its dynamic part, `DynamicWorker.plan_rows`, which takes the
-previous step's decisions) and `WorkerState.after_forward`, timed around each call in an
-IN-PROCESS engine (worker and client in one process), batch-32 decode with one probe and one
-policy on every request (the variants of `benchmarks/dynamic_bench.py`).
+worker's `WorkerState.plan_step` (and its dynamic part's first phase,
+`DynamicWorker.plan_rows_begin`) and `WorkerState.after_forward`, timed around each call in an
+IN-PROCESS engine (worker and client in one process; the script sets
+VLLM_ENABLE_V1_MULTIPROCESSING=0 itself), batch-32 decode with one probe and one policy on every
+request (the variants of `benchmarks/dynamic_bench.py`).
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=. python3 benchmarks/diag/dynamic_host.py [--model DIR] [--device cpu|cuda] [--tokens 64] [--reps 3]
+    PYTHONPATH=. python3 benchmarks/diag/dynamic_host.py [--model DIR] [--device cpu|cuda] [--tokens 64] [--reps 3]
 
-On a GPU, the part of `plan_step` after the wait for the previous step's scores is time the GPU
-idles (`after_wait`: from that wait to the end of `plan_step`); compare with `benchmarks/dynamic_planner_bench.py` (the same work without an engine:
+Per step also: `wait`, how long the plan waits for the previous step's scores (on a GPU: for the
+previous forward to end; ~0 means the host, not the GPU, is the limit); `after_wait`, from the end
+of that wait to the end of the step's plan (`finish_step` where the V2 runner defers it, else
+`plan_step`); `gap`, from the end of that wait to the launch of the step's forward (V2 runner: GPU
+idle time). Compare with `benchmarks/dynamic_planner_bench.py` (the same work without an engine:
 warmer caches, lower figures). One JSON line per variant and repetition: median microseconds per
 call of each timed function, the wall time of the batch, the number of planned steps.
 """
