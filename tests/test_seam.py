@@ -105,3 +105,26 @@ def test_the_v2_runner_launches_the_forward_after_prepare_forward():
                                     "self.eplb.prepare_forward(", "self.cudagraph_manager.run_fullgraph(")]
     assert order == sorted(order) and src.count("self.eplb.prepare_forward(") == 1
     assert seam.is_patched("vllm.v1.worker.gpu.eplb_utils.EPLBController.prepare_forward")
+
+
+def test_prepare_forward_finishes_the_step_left_open_once_and_before_vllms_own():
+    """The V2 hook's contract, on a stand-in controller: the step `prepare_inputs` left open
+    (`_cb_open`) is finished before vLLM's `prepare_forward` body runs, once; a controller with
+    no open step only runs vLLM's body."""
+    calls = []
+
+    class Controller:
+        def prepare_forward(self, model_config, num_tokens):
+            calls.append(("vllm", num_tokens))
+
+    class State:
+        def finish_step(self):
+            calls.append(("finish",))
+
+    seam._wrap_v2_prepare_forward(Controller)
+    ctl = Controller()
+    ctl._cb_open = State()
+    ctl.prepare_forward(None, 7)
+    ctl.prepare_forward(None, 8)
+    assert calls == [("finish",), ("vllm", 7), ("vllm", 8)]
+    assert "_cb_open" not in vars(ctl)
