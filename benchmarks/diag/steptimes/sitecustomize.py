@@ -1,0 +1,110 @@
+"""Per-step host times inside vLLM's engine-core process (issue 15's cost where `dynamic_bench.py`
+measures it: the multiprocess engine), without changing causalboard's code. Put this folder first
+on PYTHONPATH and name an output folder:
+
+    CB_STEP_TIMES=$OUT/steptimes PYTHONPATH=benchmarks/diag/steptimes:$PYTHONPATH \\
+        python3 benchmarks/dynamic_bench.py --model /tmp/llama-1b --device cuda ...
+
+Python imports `sitecustomize` at start-up in every process, vLLM's spawned engine core included;
+this one (only with CB_STEP_TIMES set) wraps, as their modules load, vLLM's model runners'
+`execute_model` (V1 and V2; inside causalboard's own wrapper, so it times vLLM's body with
+causalboard's planning in it) and causalboard's `WorkerState.plan_step`, `finish_step` and
+`after_forward`. Every run of steps (a `generate` call: from a step that admits new requests after
+decode steps, or after 20 ms with no step, to the next such step) becomes one
+JSON line in `CB_STEP_TIMES/steptimes-<pid>.jsonl`, in order: the number of steps and the median
+microseconds per step of
+  period         one `execute_model` start to the next (the engine's time per step),
+  execute_model  the runner's `execute_model` (host time: with asynchronous scheduling it returns
+                 while the GPU still runs the step),
+  plan_step, finish_step, after_forward   causalboard's parts,
+so `period` well above `execute_model` + the rest of the engine loop means the GPU sets the pace,
+and `period` close to the host's work means the host does. Wrapping costs ~1 µs per call.
+(A `sitecustomize` of the Python installation itself would be shadowed while this folder is first.)
+"""
+import os
+
+if os.environ.get("CB_STEP_TIMES"):
+    import atexit
+    import importlib.abc
+    import importlib.util
+    import json
+    import statistics
+    import sys
+    import time
+
+    _OUT = os.environ["CB_STEP_TIMES"]
+    _GAP_NS = 20_000_000
+    _steps: dict[str, list[int]] = {}
+    _last: dict[str, int] = {"start": 0, "end": 0, "decoding": False}
+
+    def _flush() -> None:
+        if not _steps.get("execute_model"):
+            _steps.clear()
+            return
+        rec = {"bench": "step_times", "pid": os.getpid(), "steps": len(_steps["execute_model"]),
+               "median_us": {k: round(statistics.median(v) / 1e3, 1) for k, v in _steps.items() if v}}
+        os.makedirs(_OUT, exist_ok=True)
+        with open(os.path.join(_OUT, f"steptimes-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        _steps.clear()
+
+    atexit.register(_flush)
+
+    def _timed(cls, name: str, key: str, step: bool = False) -> None:
+        orig = cls.__dict__.get(name)
+        if orig is None:
+            return
+
+        def wrapper(self, *a, **k):
+            t = time.perf_counter_ns()
+            if step:
+                new = bool(getattr(a[0] if a else None, "scheduled_new_reqs", None))
+                if (new and _last["decoding"]) or (_last["end"] and t - _last["end"] > _GAP_NS):
+                    _flush()  # a new batch after decode steps, or after an idle engine
+                elif _last["start"]:
+                    _steps.setdefault("period", []).append(t - _last["start"])
+                _last["start"], _last["decoding"] = t, not new
+            try:
+                return orig(self, *a, **k)
+            finally:
+                end = time.perf_counter_ns()
+                _steps.setdefault(key, []).append(end - t)
+                if step:
+                    _last["end"] = end
+
+        setattr(cls, name, wrapper)
+
+    def _patch_state(module) -> None:
+        for name in ("plan_step", "finish_step", "after_forward"):
+            _timed(module.WorkerState, name, name)
+
+    def _patch_runner(module) -> None:
+        _timed(module.GPUModelRunner, "execute_model", "execute_model", step=True)
+
+    _TARGETS = {"engine_ext.worker.state": _patch_state,
+                "vllm.v1.worker.gpu.model_runner": _patch_runner,
+                "vllm.v1.worker.gpu_model_runner": _patch_runner}
+
+    class _AfterImport(importlib.abc.MetaPathFinder):
+        """Runs a patch right after one of `_TARGETS` is executed."""
+
+        def find_spec(self, name, path=None, target=None):
+            if name not in _TARGETS:
+                return None
+            sys.meta_path.remove(self)
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                sys.meta_path.insert(0, self)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module, _run=run, _name=name):
+                _run(module)
+                _TARGETS[_name](module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _AfterImport())
