@@ -1,7 +1,8 @@
-"""Fast tier (no engine): the order inside the dynamic plan (`DynamicWorker.plan_rows`). The
-monitors' capture rows are handed out before the previous step's decisions are taken, and the
-decisions' trace entries are recorded after the step's forward is launched; neither may change
-what is scored, decided or traced. Driven on a CPU `WorkerState` with the decode steps of
+"""Fast tier (no engine): the order inside the dynamic plan (`DynamicWorker.plan_rows_begin` and its
+`finish`, driven through `WorkerState.plan_step`). The monitors' capture rows are handed out
+before the previous step's decisions are taken, and the decisions' trace entries are recorded
+after the step's forward is launched; neither may change what is scored, decided or traced; a
+monitor row refused for lack of capture rows leaves that position unscored, nothing misread. Driven on a CPU `WorkerState` with the decode steps of
 `benchmarks/dynamic_planner_bench.py` (no forward: the capture rows hold fixed random values)."""
 
 from __future__ import annotations
@@ -165,3 +166,85 @@ def test_a_deferred_plan_equals_planning_at_once():
     assert a.planner.checksum.status()["action_count"] > 0
     for rid in _HYSTERESIS_SCORES:
         assert a.dynamic.result(rid)["trace"] == b.dynamic.result(rid)["trace"]
+
+
+def _gated_state(policies: list, host_gate: bool, host_layer: int = 2) -> WorkerState:
+    """`_state` with, per request, the given policies and a soft `this_token` row gate (plus, with
+    `host_gate`, a `rest_of_request` gate whose probe, at layer `host_layer`, is scored on the host)."""
+    import dataclasses
+
+    from engine_ext.dynamic.gates import Gate, GateSet, SiteVectors
+    from engine_ext.sites import Site
+
+    rng = np.random.default_rng(1)
+    site = Site(2, "post_block")
+
+    def probe(name: str, site: Site = site) -> Probe:
+        return Probe(name, site, "direction", rng.standard_normal((1, H)).astype(np.float32), np.zeros(1, np.float32))
+
+    def steer() -> SiteVectors:
+        return SiteVectors((Site(1, "post_attn"),), (rng.standard_normal(H).astype(np.float32) * 0.1,))
+
+    gates = [Gate("this_token", "probe", probe("~soft"), 0.0, 4.0, "add", 1.0, steer())]
+    if host_gate:
+        gates.insert(0, Gate("rest_of_request", "probe", probe("~host", Site(host_layer, "post_block")), 1e30, 1.0, "add", 1.0, steer()))
+    return _state(dataclasses.replace(DynamicRequest.make(policies), gates=GateSet(tuple(gates))))
+
+
+@pytest.mark.parametrize("host_gate", [False, True], ids=["policy+soft-gate", "host-gate+soft-gate"])
+def test_a_request_whose_monitor_row_is_refused_is_not_decided_as_gated_only(host_gate):
+    """A request with host-probe scores (a policy's probe or a probe gate) and a soft row gate:
+    when the step's capture rows run out and its monitor row is refused, the position is not
+    scored (an error says so) and nothing is misread: no exception, the other requests' decisions
+    and traces are the ones of a run with room enough, and the refused request goes on once rows
+    are free again."""
+    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.ones(H, np.float32) * 0.1, on=-1e30)
+    policies = [] if host_gate else [pol]
+
+    def run(shrink: bool) -> WorkerState:
+        st = _gated_state(policies, host_gate)
+        st.plan_step([f"r{i}" for i in range(N)], np.arange(0, PROMPT * N + 1, PROMPT, dtype=np.int32), np.zeros(N, np.int32))
+        st.after_forward()
+        for step in range(4):
+            if shrink:  # step 1: room for the first request's monitor row only
+                st.planner.b.max_capture_rows = 1 if step == 1 else 64
+            _plan(st, [PROMPT + step] * N)
+            st.after_forward()
+        st.dynamic.decide_pending()
+        return st
+
+    full, short = run(False), run(True)
+    first = short.dynamic.result("r0")
+    assert not first["errors"] and first == full.dynamic.result("r0")
+    for rid in ("r1", "r2"):
+        res, ref = short.dynamic.result(rid), full.dynamic.result(rid)
+        assert any("no capture row left" in e for e in res["errors"]), res["errors"]
+        skipped = PROMPT + 1  # the position step 1 computed is not scored, nor decided
+        gate_pos = [e["position"] for e in res["gates"]["trace"]]
+        assert gate_pos == [p for p in (e["position"] for e in ref["gates"]["trace"]) if p != skipped]
+        if not host_gate:
+            pos = [e["position"] for e in res["trace"][0]]
+            assert pos == [p for p in (e["position"] for e in ref["trace"][0]) if p != skipped]
+            assert PROMPT + 3 in pos
+
+
+def test_a_request_monitored_at_two_sites_with_one_row_refused_is_not_scored():
+    """A policy's probe and a gate's probe at two sites; the step has one capture row: the first
+    request gets it at the first site and none at the second, so no request is scored at that
+    position (no decision on part of its scores, no 'probe deleted' misreport), and all go on."""
+    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.ones(H, np.float32) * 0.1, on=-1e30)
+    st = _gated_state([pol], host_gate=True, host_layer=3)
+    st.plan_step([f"r{i}" for i in range(N)], np.arange(0, PROMPT * N + 1, PROMPT, dtype=np.int32), np.zeros(N, np.int32))
+    st.after_forward()
+    for step in range(3):
+        st.planner.b.max_capture_rows = 1 if step == 1 else 64
+        _plan(st, [PROMPT + step] * N)
+        if step == 1:
+            assert st.dynamic._monitors == []
+        st.after_forward()
+    st.dynamic.decide_pending()
+    for i in range(N):
+        res = st.dynamic.result(f"r{i}")
+        assert [e["position"] for e in res["trace"][0]] == [PROMPT - 1, PROMPT, PROMPT + 2]
+        assert [e["position"] for e in res["gates"]["trace"]] == [PROMPT - 1, PROMPT, PROMPT + 2]
+        assert res["errors"] == [f"position {PROMPT + 1}: no capture row left for the probe; not scored"]

@@ -8,6 +8,8 @@ import importlib
 import inspect
 from types import SimpleNamespace
 
+import pytest
+
 from engine_ext.program import KV_SALT_KEY, first_modified_position
 from engine_ext.worker import seam
 
@@ -105,6 +107,43 @@ def test_the_v2_runner_launches_the_forward_after_prepare_forward():
                                     "self.eplb.prepare_forward(", "self.cudagraph_manager.run_fullgraph(")]
     assert order == sorted(order) and src.count("self.eplb.prepare_forward(") == 1
     assert seam.is_patched("vllm.v1.worker.gpu.eplb_utils.EPLBController.prepare_forward")
+
+
+def test_execute_model_closes_a_step_left_open_when_vllm_raises():
+    """A V2 step left open by `prepare_inputs` whose `execute_model` raises before the forward:
+    the wrapper closes it (`finish_step`) and drops the controller's mark, then re-raises; a
+    step that completes gets `after_forward` only."""
+    calls = []
+
+    class State:
+        def on_schedule(self, so):
+            calls.append("schedule")
+
+        def finish_step(self):
+            calls.append("finish")
+
+        def after_forward(self):
+            calls.append("after")
+
+    class Eplb:
+        pass
+
+    class Runner:
+        def execute_model(self, scheduler_output):
+            self.eplb._cb_open = self._cb_state_obj
+            if scheduler_output == "boom":
+                raise RuntimeError("boom")
+            vars(self.eplb).pop("_cb_open")
+            return "out"
+
+    seam._wrap_execute_model(Runner)
+    r = Runner()
+    r._cb_state_obj, r.eplb = State(), Eplb()
+    assert r.execute_model("ok") == "out" and calls == ["schedule", "after"]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        r.execute_model("boom")
+    assert calls == ["schedule", "finish"] and "_cb_open" not in vars(r.eplb)
 
 
 def test_prepare_forward_finishes_the_step_left_open_once_and_before_vllms_own():

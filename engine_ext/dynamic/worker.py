@@ -1,6 +1,6 @@
 """Dynamic steering on the worker: monitor -> policy -> action, one step apart.
 
-Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
+Per step, inside `StepPlanner.plan_step` (`plan_rows_begin` and its `finish`, before the upload):
 
 * **actions** — for every generated position `p` of a dynamic request's window whose decision is
   already made (`decided[p]`: one scale per policy), the engaged policies' `scale * vector` are
@@ -25,7 +25,7 @@ Per step, inside `StepPlanner.plan_step` (`plan_rows`, before the upload):
 After the forward (`after_forward`): the monitored rows are read from the capture buffer on the
 device, each probe's `W @ s + b` is computed there, and only those score floats are copied to the
 host (one non-blocking copy per step, the row gates' `(score, g)` included). The next step's
-planning (`plan_rows`) hands out its monitor rows first (they do not depend on decisions), then
+planning (`plan_rows_begin`) hands out its monitor rows first (they do not depend on decisions), then
 takes the decisions (`decide_pending`, which waits for that copy; `policy.PolicyState.decide`) and
 records the scales for position `p + 1` in `decided`: that step applies them, exactly. A request
 whose policies are all threshold policies has its decision taken *ahead*, before the wait: its
@@ -120,7 +120,7 @@ def payload(vec: np.ndarray, s32: np.float32) -> np.ndarray:
     return np.multiply(vec, s32, dtype=np.float32)
 
 
-@dataclass
+@dataclass(eq=False)
 class DynRequest:
     req_id: str
     key: str
@@ -308,14 +308,6 @@ class DynamicWorker:
         self._gated = []
         self._score_plan = None
 
-    def plan_rows(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
-        """Write this step's dynamic actions and monitor rows (see the module docstring): the
-        three phases of `plan_rows_begin` at once. Returns (max row written + 1, capture rows
-        used, checksum actions)."""
-        max_row, n_cap, finish = self.plan_rows_begin(planner, req_ids, qsl, num_computed, hs, hc, n_cap)
-        more_rows, actions = finish()
-        return max(max_row, more_rows), n_cap, actions
-
     def plan_rows_begin(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
         """Phase 1 of this step's dynamic plan (below). Returns (max row written + 1, capture rows
         used, `finish`); `finish()` runs phases 2 and 3 and returns (max row written + 1, checksum
@@ -367,14 +359,18 @@ class DynamicWorker:
                 if (dr.monitor_sites and last >= dr.n_prompt - 1
                         and last > max(dr.last_scored, deciding.get(id(dr), -1))):
                     row = row0 + n - 1
+                    first = len(self._monitors)
                     for site in dr.monitor_sites:
                         if not owns_site(site):
                             continue
                         idx = hc.item(row, site)
                         if idx < 0:
                             if n_cap >= planner.b.max_capture_rows:
+                                # not scored at all (no decision on part of the scores): the rows
+                                # already handed out to it stay unread
                                 dr.errors.append(f"position {last}: no capture row left for the probe; not scored")
-                                continue
+                                del self._monitors[first:]
+                                break
                             idx = hc[row, site] = n_cap
                             n_cap += 1
                         self._monitors.append((dr, last, site, idx))
@@ -395,6 +391,9 @@ class DynamicWorker:
         """Phases 2 and 3 of `plan_rows_begin`."""
         max_row = 0
         flipped = self.decide_pending(record=False, ahead=ahead)  # the previous step's decisions apply from this step
+        # requests whose monitor rows were handed out (a row refused for lack of capture rows: the
+        # position is not scored, so not decided; the error says so)
+        monitored = {id(m[0]) for m in self._monitors}
         for win in windows:
             dr, row0, p0, n, acts, undo = win
             if acts is not None and id(dr) in flipped:
@@ -406,6 +405,8 @@ class DynamicWorker:
             max_row = max(max_row, top)
             last = p0 + n - 1
             if last < dr.n_prompt - 1 or last <= dr.last_scored:
+                continue
+            if dr.monitor_sites and id(dr) not in monitored:
                 continue
             if gated_last:
                 # the op writes the row gate's (score, g) of this row: read after the forward (with
@@ -643,7 +644,7 @@ class DynamicWorker:
         """Take the decisions of the last scored step (waits for its scores' copy). A decision
         taken ahead (`ahead`, from `_speculate`) is checked: if every policy holds, its bookkeeping
         is queued for `_settle`; else it is taken here (it overwrites the scales written ahead).
-        With `record`, everything queued is settled too (`plan_rows` leaves that for later).
+        With `record`, everything queued is settled too (the step's `finish` leaves that for later).
         Returns the ids of the requests whose decision taken ahead did not hold."""
         flipped: set[int] = set()
         if self._pending is not None:

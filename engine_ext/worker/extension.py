@@ -63,10 +63,12 @@ class CausalboardWorkerExtension:
 
     def cb_set_defer_plan(self, on: bool) -> bool:
         """Benchmarking aid: whether a V2 step with dynamic steering is finished right before the
-        forward (`seam._v2_defers`; the default) or at `prepare_inputs`. Returns the new setting."""
+        forward (`seam._v2_defers`; the default) or at `prepare_inputs`. Returns whether steps are
+        deferred now: the setting, and a runner whose hook defers (vLLM's V2 runner with the
+        checked `execute_model`, `CAUSALBOARD_DEFER_PLAN` not 0); False on every other runner."""
         st = self._cb()
         st.defer_plan = bool(on)
-        return st.defer_plan
+        return st.defer_plan and bool(getattr(type(self.model_runner), "_cb_defers", False))
 
     def cb_close(self) -> bool:
         """Free this engine's worker state and device buffers (called before shutdown)."""

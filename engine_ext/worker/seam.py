@@ -392,12 +392,24 @@ def _wrap_method(cls: Any, name: str, make: Any) -> None:
 
 
 def _wrap_execute_model(cls: Any) -> None:
+    """The runner's `execute_model`: the step's schedule before it, the forward's bookkeeping
+    after it. If vLLM's body raises with a step left open (V2: planned at `prepare_inputs`, its
+    forward never launched), that step is closed before the exception goes on, so the worker's
+    state (slots held, decisions pending) stays consistent."""
     def make(orig):
         def execute_model(self, scheduler_output, *args, **kwargs):
             state = runner_state(self)
             if state is not None:
                 state.on_schedule(scheduler_output)
-            out = orig(self, scheduler_output, *args, **kwargs)
+            try:
+                out = orig(self, scheduler_output, *args, **kwargs)
+            except BaseException:
+                if state is not None:
+                    eplb = getattr(self, "eplb", None)
+                    if eplb is not None:
+                        vars(eplb).pop("_cb_open", None)
+                    state.finish_step()
+                raise
             if state is not None:
                 state.after_forward()
             return out
@@ -438,6 +450,7 @@ def _v2_defers(cls: Any) -> bool:
 
 def _wrap_v2_prepare_inputs(cls: Any) -> None:
     defers = _v2_defers(cls)
+    cls._cb_defers = defers  # read by `cb_set_defer_plan`
 
     def make(orig):
         def prepare_inputs(self, scheduler_output, batch_desc, *args, **kwargs):
