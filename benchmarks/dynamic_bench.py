@@ -41,6 +41,9 @@ def main():
     ap.add_argument("--ab-defer", action="store_true",
                     help="also run each dynamic variant with its plan finished at prepare_inputs "
                          "(variant@prepare_inputs; the default finishes it right before the forward)")
+    ap.add_argument("--ab-replay", action="store_true",
+                    help="also run each dynamic variant with steady decode steps planned request by request "
+                         "(variant@no_replay; the default repeats them: engine_ext.dynamic.worker._Replay)")
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
 
@@ -78,24 +81,29 @@ def main():
     if args.ab_defer:
         run_kw.update({f"{k}@prepare_inputs": {"dynamic": dyn, "defer": False} for k, dyn in variants.items()
                        if dyn is not None})
+    if args.ab_replay:
+        run_kw.update({f"{k}@no_replay": {"dynamic": dyn, "replay": False} for k, dyn in variants.items()
+                       if dyn is not None})
     run_kw.update({k: {"interventions": spec} for k, spec in static.items() if not args.variants or k in keep})
-    defer_now = [True]
+    # the worker switches a variant sets (RPC only when one changes): name -> (RPC, current value)
+    switches = {"defer": ["cb_set_defer_plan", True], "replay": ["cb_set_dyn_replay", True]}
 
-    def set_defer(on: bool) -> None:
-        if args.ab_defer and on != defer_now[0]:
-            eng._rpc("cb_set_defer_plan", on)
-            defer_now[0] = on
+    def generate_kw(kw: dict) -> dict:
+        """Set the variant's switches on the workers; the rest are `generate` arguments."""
+        for name, sw in switches.items():
+            want = kw.get(name, True)
+            if want != sw[1]:
+                eng._rpc(sw[0], want)
+                sw[1] = want
+        return {a: b for a, b in kw.items() if a not in switches}
 
     for kw in run_kw.values():  # warm-up
-        set_defer(kw.get("defer", True))
-        eng.generate(prompts, GenerationParams(max_tokens=8, ignore_eos=True),
-                     **{a: b for a, b in kw.items() if a != "defer"})
+        eng.generate(prompts, GenerationParams(max_tokens=8, ignore_eos=True), **generate_kw(kw))
     times = {k: [] for k in run_kw}
     for _ in range(args.reps):
         for k, kw in run_kw.items():
             dyn = kw.get("dynamic")
-            set_defer(kw.get("defer", True))
-            kw = {a: b for a, b in kw.items() if a != "defer"}
+            kw = generate_kw(kw)
             t = time.perf_counter()
             gens = eng.generate(prompts, params, **kw)
             times[k].append(time.perf_counter() - t)
@@ -107,7 +115,9 @@ def main():
         m = statistics.median(ts)
         emit("dyn_decode", variant=k, batch=args.batch, tokens=args.tokens, tok_s=round(args.batch * args.tokens / m, 1),
              ratio_vs_vanilla=round(base / m, 4), reps_s=[round(x, 4) for x in ts])
-    emit("dyn_status", determinism=eng.dynamic_status()["determinism"])
+    status = eng.dynamic_status()
+    emit("dyn_status", determinism=status["determinism"],
+         replayed_steps=[w.get("replayed_steps") for w in status.get("workers", [])])
     eng.close()
 
 

@@ -39,9 +39,11 @@ def variants(v: np.ndarray) -> dict:
     return dynamic_variants(L, v)
 
 
-def run(dyn, steps: int) -> dict:
-    """One batch: register, prefill step, `steps` decode steps; median us per call."""
+def run(dyn, steps: int, replay: bool = True) -> dict:
+    """One batch: register, prefill step, `steps` decode steps; median us per call. `replay`:
+    steady decode steps repeated (`_Replay`, the default) or planned request by request."""
     st = WorkerState(L, H, 8192, torch.device("cpu"), torch.float32, WorkerConfig())
+    st.dynamic.replay_enabled = replay
     rng = np.random.default_rng(0)
     st.dynamic.set_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)).to_json())
     st.buffers.cap_x.copy_(torch.from_numpy(rng.standard_normal(tuple(st.buffers.cap_x.shape)).astype(np.float32)))
@@ -76,12 +78,20 @@ def run(dyn, steps: int) -> dict:
             wait.append(time.perf_counter_ns())
         return orig_decide(*a, **k)
 
+    orig_replay = st.dynamic._replay_finish
+
+    def replay_finish(*a, **k):  # a repeated step (`_Replay`) waits here instead
+        wait.append(time.perf_counter_ns())
+        return orig_replay(*a, **k)
+
     st.dynamic.plan_rows_begin = plan_rows
     st.dynamic.decide_pending = decide_pending
+    st.dynamic._replay_finish = replay_finish
     st.plan_step(req_ids, np.arange(0, PROMPT * BATCH + 1, PROMPT, dtype=np.int32), np.zeros(BATCH, np.int32))
     st.after_forward()
     qsl = np.arange(BATCH + 1, dtype=np.int32)
     for step in range(steps):
+        wait.clear()
         t = time.perf_counter_ns()
         st.plan_step(req_ids, qsl, np.full(BATCH, PROMPT + step, np.int32))
         t1 = time.perf_counter_ns()
@@ -91,23 +101,27 @@ def run(dyn, steps: int) -> dict:
         t2 = time.perf_counter_ns()
         times["plan_step"].append(t1 - t)
         times["after_forward"].append(t2 - t1)
-    actions = st.dynamic.actions
+    actions, replayed = st.dynamic.actions, st.dynamic.replayed_steps
     for rid in req_ids:
         st.finish(rid)
     out = {k: statistics.median(v[5:] or v) / 1e3 for k, v in times.items() if v}
-    return {**out, "actions": actions}
+    return {**out, "actions": actions, "replayed_steps": replayed}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ab-replay", action="store_true",
+                    help="also run each dynamic variant with steady steps planned request by request (`@no_replay`)")
     args = ap.parse_args()
     v = (np.random.default_rng(1).standard_normal(H) * 0.01).astype(np.float32)
     results: dict[str, list[dict]] = {}
     for _ in range(args.reps):
         for name, dyn in variants(v).items():
             results.setdefault(name, []).append(run(dyn, args.steps))
+            if args.ab_replay and dyn is not None:
+                results.setdefault(f"{name}@no_replay", []).append(run(dyn, args.steps, replay=False))
     for name, reps in results.items():
         out = {k: round(statistics.median(r[k] for r in reps), 1) for k in reps[0] if k != "actions"}
         out["actions_per_run"] = reps[0]["actions"]

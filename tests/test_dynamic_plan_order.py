@@ -47,7 +47,7 @@ def test_traces_monitors_and_decisions_line_up_step_by_step():
     for step in range(5):
         _plan(st, [PROMPT + step] * N)
         # one monitor row per request and step, for the position this step computes
-        assert [(m[1], m[3]) for m in st.dynamic._monitors] == [(PROMPT + step, i) for i in range(N)]
+        assert [(m[1], m[3]) for m in st.dynamic.step_monitors()] == [(PROMPT + step, i) for i in range(N)]
         st.after_forward()
     for i in range(N):
         res = st.dynamic.result(f"r{i}")
@@ -57,6 +57,9 @@ def test_traces_monitors_and_decisions_line_up_step_by_step():
         # engaged where the decision taken one position earlier applied (the first: nothing yet)
         assert [e["engaged"] for e in trace] == [False] + [True] * 5
         assert res["actions"] == 5 and not res["errors"]
+    # the first decode step engages (a decision that flips): planned request by request, as is the
+    # second (it builds the record); the other three repeat it (`_Replay`)
+    assert st.dynamic.replayed_steps == 3 and st.dynamic.replay_fallbacks == 0
 
 
 def test_a_position_recomputed_while_its_decision_is_pending_is_not_scored_twice():
@@ -69,10 +72,10 @@ def test_a_position_recomputed_while_its_decision_is_pending_is_not_scored_twice
     assert st.dynamic._pending is not None
     # the same position again (a recomputation) before those decisions are taken: no monitor row
     _plan(st, [PROMPT] * N)
-    assert st.dynamic._monitors == []
+    assert st.dynamic.step_monitors() == []
     st.after_forward()
     _plan(st, [PROMPT + 1] * N)
-    assert [m[1] for m in st.dynamic._monitors] == [PROMPT + 1] * N
+    assert [m[1] for m in st.dynamic.step_monitors()] == [PROMPT + 1] * N
     st.after_forward()
     trace = st.dynamic.result("r0")["trace"][0]
     assert [e["position"] for e in trace] == [PROMPT - 1, PROMPT, PROMPT + 1]
@@ -108,7 +111,7 @@ def _run_hysteresis(defer: bool) -> tuple[WorkerState, dict[str, list[bool]]]:
     scores = _HYSTERESIS_SCORES
 
     def score_rows(step: int) -> None:  # the score each monitored row will read (fp32 rounding aside)
-        for dr, _, _, idx in st.dynamic._monitors:
+        for dr, _, _, idx in st.dynamic.step_monitors():
             st.buffers.cap_x[idx] = torch.from_numpy(direction * np.float32(scores[dr.req_id][step] / (direction @ direction)))
             st.buffers.cap_r[idx] = 0.0
 
@@ -121,7 +124,7 @@ def _run_hysteresis(defer: bool) -> tuple[WorkerState, dict[str, list[bool]]]:
             assert st.plan_step([f"r{i}" for i in range(N)], np.arange(N + 1, dtype=np.int32),
                                 np.full(N, PROMPT + step, np.int32), defer=True)
             # the monitors are handed out, the previous step's scores not yet waited for
-            assert len(st.dynamic._monitors) == N and st.dynamic._pending is not None
+            assert len(st.dynamic.step_monitors()) == N and st.dynamic._pending is not None
             assert st.planner._open is not None
             st.finish_step()
             assert st.planner._open is None and st.dynamic._pending is None
@@ -240,7 +243,7 @@ def test_a_request_monitored_at_two_sites_with_one_row_refused_is_not_scored():
         st.planner.b.max_capture_rows = 1 if step == 1 else 64
         _plan(st, [PROMPT + step] * N)
         if step == 1:
-            assert st.dynamic._monitors == []
+            assert st.dynamic.step_monitors() == []
         st.after_forward()
     st.dynamic.decide_pending()
     for i in range(N):

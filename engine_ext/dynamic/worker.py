@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -202,6 +203,18 @@ class DynamicWorker:
         #: CUDA: the pinned buffer the scores are copied into and the copy's event (reused)
         self._host_scores: torch.Tensor | None = None
         self._score_event: Any = None
+        #: the steady decode step to repeat (`_Replay`), built by a step's finish, armed by its
+        #: `after_forward`, consumed by the next plan; `_version` changes whenever a request or
+        #: probe comes or goes (a replay built before is void)
+        self._replay: _Replay | None = None
+        self._replaying: tuple[_Replay, list[int]] | None = None
+        self._version = 0
+        #: repeat steady decode steps (`_Replay`); off: every step planned request by request
+        #: (`CAUSALBOARD_DYN_REPLAY=0`; the same plans, decisions and checksum, only slower)
+        self.replay_enabled = os.environ.get("CAUSALBOARD_DYN_REPLAY", "1") != "0"
+        #: steps repeated / begun as a repeat and finished the usual way (a decision flipped)
+        self.replayed_steps = 0
+        self.replay_fallbacks = 0
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
@@ -212,6 +225,7 @@ class DynamicWorker:
 
     # ---- registry -------------------------------------------------------------------------
     def set_probe(self, data: dict) -> int:
+        self._version += 1
         probe = Probe.from_wire(data)
         dev = self.st.device
         self.probes[probe.name] = _Probe(probe, torch.from_numpy(probe.weights.copy()).to(dev),
@@ -219,10 +233,12 @@ class DynamicWorker:
         return probe.size
 
     def delete_probe(self, name: str) -> bool:
+        self._version += 1
         return self.probes.pop(name, None) is not None
 
     # ---- requests ---------------------------------------------------------------------------
     def register(self, req_id: str, key: str, n_prompt: int, text: str, errors: list[str]) -> None:
+        self._version += 1
         data = json.loads(text)
         conv = data.get("conversation_id")
         pols, states = [], []
@@ -272,6 +288,7 @@ class DynamicWorker:
         self.requests[req_id] = dr
 
     def finish(self, req_id: str) -> None:
+        self._version += 1
         self.decide_pending()
         dr = self.requests.pop(req_id, None)
         for name in dr.gate_probes if dr is not None else ():
@@ -307,6 +324,8 @@ class DynamicWorker:
         self._monitors = []
         self._gated = []
         self._score_plan = None
+        self._replay = self._replaying = None
+        self._version += 1
 
     def plan_rows_begin(self, planner: Any, req_ids, qsl, num_computed, hs: np.ndarray, hc: np.ndarray, n_cap: int):
         """Phase 1 of this step's dynamic plan (below). Returns (max row written + 1, capture rows
@@ -331,6 +350,13 @@ class DynamicWorker:
         The bookkeeping of the decisions that held is done after the step's forward is launched
         (`after_forward`)."""
         self._settle()
+        rp, self._replay = self._replay, None
+        if rp is not None and self.replay_enabled:
+            got = self._replay_begin(rp, planner, req_ids, qsl, num_computed, hs, hc, n_cap)
+            if got is not None:
+                return got
+        ctx = (req_ids, np.array(qsl), np.array(num_computed), hs[: int(qsl[-1])].copy(), n_cap,
+               self.rejected, self._version) if self.replay_enabled and requests_decode_only(qsl, req_ids) else None
         held_before, self._held = self._held, []
         self._monitors = []
         self._gated = []
@@ -384,11 +410,12 @@ class DynamicWorker:
                     if got is not None:
                         win[4], win[5], top, _ = got
                         max_row = max(max_row, top)
-        return max_row, n_cap, lambda: self._plan_rows_finish(planner, hs, windows, ahead, held_before)
+        return max_row, n_cap, lambda: self._plan_rows_finish(planner, hs, windows, ahead, held_before, ctx)
 
     def _plan_rows_finish(self, planner: Any, hs: np.ndarray, windows: list[list], ahead: dict[int, int],
-                          held_before: list[int]) -> tuple[int, list]:
-        """Phases 2 and 3 of `plan_rows_begin`."""
+                          held_before: list[int], ctx: tuple | None = None) -> tuple[int, list]:
+        """Phases 2 and 3 of `plan_rows_begin`; then, for a steady decode step (`ctx`), the
+        record of it that the next step may repeat (`_Replay.build`)."""
         max_row = 0
         flipped = self.decide_pending(record=False, ahead=ahead)  # the previous step's decisions apply from this step
         # requests whose monitor rows were handed out (a row refused for lack of capture rows: the
@@ -418,7 +445,87 @@ class DynamicWorker:
         actions = [a for win in windows for a in win[4]]
         self.st.slots.release(held_before)
         self.actions += len(actions)
+        if ctx is not None and not flipped and windows:
+            self._replay = _Replay.build(self, ctx, windows, ahead, hs, max_row)
         return max_row, actions
+
+    def step_monitors(self) -> list[tuple[DynRequest, int, int, int]]:
+        """The monitors of the step planned last, not yet scored: (request, position, site index,
+        capture row) — for tests and tools (a repeated step keeps them in its `_Replay`)."""
+        if self._replaying is not None:
+            rp, positions = self._replaying
+            return [(dr, p, site, idx) for dr, p, site, idx in
+                    zip(rp.drs, positions, rp.m_sites.tolist(), rp.m_idx.tolist())]
+        return list(self._monitors)
+
+    # ---- the steady decode step, repeated -----------------------------------------------------
+    def _replay_begin(self, rp: "_Replay", planner: Any, req_ids, qsl, num_computed, hs: np.ndarray,
+                      hc: np.ndarray, n_cap: int):
+        """Phase 1 of a step that repeats the last one (`_Replay`: the same requests on the same
+        rows, one position further, every decision taken ahead): the same slots on the same rows,
+        the same capture rows, the scales held written to `decided`, as `plan_rows_begin` would
+        (its result is the same: `tests/test_dynamic_replay.py`). None, with nothing written, when
+        the step is not such a repeat."""
+        pend = self._pending
+        if (not rp.armed or pend is None or pend[0] is not rp.work or rp.version != self._version
+                or planner.skip_next_action or n_cap != rp.n_cap0
+                or rp.n_cap0 + rp.m_idx.size > planner.b.max_capture_rows
+                or not np.array_equal(qsl, rp.qsl) or not np.array_equal(num_computed, rp.nc + 1)
+                or list(req_ids) != rp.req_ids):
+            return None
+        if (not np.array_equal(hs[rp.w_rows, rp.w_sites], rp.w_base)
+                or (hc[rp.m_rows, rp.m_sites] >= 0).any()):
+            return None
+        rp.armed = False
+        rp.nc = nc = np.array(num_computed)
+        hs[rp.w_rows, rp.w_sites] = rp.w_slots
+        hc[rp.m_rows, rp.m_sites] = rp.m_idx
+        positions = nc[rp.win_rows].tolist()
+        for dr, scales, p in zip(rp.drs, rp.scales, positions):
+            dr.decided[p] = scales
+        for dr in rp.engaged:
+            dr.actions += 1
+        self._monitors, self._gated = [], []
+        self._replaying = (rp, positions)
+        return rp.max_row, n_cap + rp.m_idx.size, lambda: self._replay_finish(rp, positions, planner, hs)
+
+    def _replay_finish(self, rp: "_Replay", positions: list[int], planner: Any, hs: np.ndarray) -> tuple[int, Any]:
+        """Phases 2 and 3 of a repeated step: wait for the previous step's scores and check, at
+        once for the batch, that every decision taken ahead holds (`_Replay.lo`/`hi`: the scores
+        at which a policy would flip). If all hold, the step stays as written (its actions: the
+        last step's, one position further); else the repeat is undone and the step finished as
+        `plan_rows_begin`'s would be."""
+        work, host, event = self._pending
+        if event is not None:
+            event.synchronize()
+            event = None
+        scores = (host.numpy() if isinstance(host, torch.Tensor) else np.asarray(host))[rp.picks]
+        flips = (scores < rp.lo) | (scores >= rp.hi)
+        prev = [p - 1 for p in positions]
+        if flips.any():  # undo, and finish the step the usual way
+            self.replay_fallbacks += 1
+            self._pending = (work, host, None)
+            hs[rp.w_rows, rp.w_sites] = rp.w_base
+            for dr in rp.engaged:
+                dr.actions -= 1
+            self._replaying = None
+            self._monitors = [(dr, p, site, int(idx)) for dr, p, site, idx in
+                              zip(rp.drs, positions, rp.m_sites.tolist(), rp.m_idx.tolist())]
+            windows = [[dr, row, p, 1, None, None] for dr, row, p in zip(rp.drs, rp.w0.tolist(), positions)]
+            held_before, self._held = self._held, []
+            ahead = {id(dr): p for dr, p in zip(rp.drs, prev)}
+            return self._plan_rows_finish(planner, hs, windows, ahead, held_before)
+        self._pending = None
+        self.replayed_steps += 1
+        self._held_decisions.extend(zip(rp.drs, prev, [[x] for x in scores.tolist()]))
+        eng = rp.eng_idx
+        acts = np.empty((eng.size, 3), np.int64)
+        acts[:, 0] = rp.crcs
+        acts[:, 1] = rp.nc[rp.win_rows[eng]]
+        acts[:, 2] = acts[:, 1] + 1
+        self.actions += eng.size
+        self._replay = rp  # the next step may repeat it again (armed by `after_forward`)
+        return rp.max_row, acts
 
     def _speculate(self, work) -> dict[int, int]:
         """Take ahead the pending decisions of requests whose policies are all threshold policies
@@ -606,16 +713,34 @@ class DynamicWorker:
         step's plan needs them. The bookkeeping of the decisions this step's plan took ahead is
         done first (the forward they steer is launched already)."""
         self.decide_pending()
+        rpl, self._replaying = self._replaying, None
+        if rpl is not None:  # a repeated step: the last step's layout, one position further
+            rp, positions = rpl
+            flat = self._scores(rp.sp, True, False)
+            work = [(dr, pos, picks, gp) for (dr, _, _, picks, gp), pos in zip(rp.sp.work, positions)]
+            rp.work, rp.armed = work, True
+            self._start_copy(work, flat)
+            return
         if not self._monitors and not self._gated:
             return
         monitors, self._monitors = self._monitors, []
         gated, self._gated = self._gated, []
-        b = self.st.buffers
         # the layout of this step's scores: the same as the last step's in a steady decode
         key = ([(m[0], m[2], m[3]) for m in monitors], [(g[0], g[2]) for g in gated])
         sp = self._score_plan
         if sp is None or sp.key != key or not sp.current(self.probes):
             sp = self._score_plan = _ScorePlan(key, self.probes)
+        flat = self._scores(sp, bool(monitors), bool(gated))
+        work = [(dr, (monitors if from_monitor else gated)[i][1], picks, gp)
+                for dr, from_monitor, i, picks, gp in sp.work]
+        rp = self._replay
+        if rp is not None and not rp.armed:  # built by this step's plan: may the next step repeat it?
+            rp.arm(sp, work)
+        self._start_copy(work, flat)
+
+    def _scores(self, sp: "_ScorePlan", monitors: bool, gated: bool) -> torch.Tensor:
+        """The step's scores on the device, flat in `sp`'s layout."""
+        b = self.st.buffers
         blocks = []
         if monitors:
             vals = _rows(b.cap_x, sp.cap_rows).float() + _rows(b.cap_r, sp.cap_rows).float()  # [m, H]
@@ -623,10 +748,11 @@ class DynamicWorker:
                 blocks.append((_rows(vals, rows) @ pr.w.T + pr.b).flatten())
         if gated:  # the row gates' (score, g) the op wrote for the gated rows, after the scores
             blocks.append(_rows(b.gate_out, sp.gate_rows).flatten())
-        work = [(dr, (monitors if from_monitor else gated)[i][1], picks, gp)
-                for dr, from_monitor, i, picks, gp in sp.work]
-        flat = blocks[0] if len(blocks) == 1 else torch.cat(blocks) if blocks else torch.zeros(0, device=b.device)
-        if b.device.type == "cuda":  # the step's one small device-to-host copy, not waited for
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks) if blocks else torch.zeros(0, device=b.device)
+
+    def _start_copy(self, work: list, flat: torch.Tensor) -> None:
+        """Leave the step's decisions pending on `flat` (on CUDA, copied to the host, not waited for)."""
+        if flat.device.type == "cuda":  # the step's one small device-to-host copy, not waited for
             # into one pinned buffer and with one event, both reused: the previous step's copy was
             # waited for and read (`decide_pending`, above) before this one is issued
             n = flat.numel()
@@ -725,7 +851,104 @@ class DynamicWorker:
         return {"probes": sorted(n for n in self.probes if not n.startswith("~")), "requests": len(self.requests),
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
                 "latched_conversations": len(self.latches), "dynamic_actions": self.actions,
-                "rejected_actions": self.rejected}
+                "rejected_actions": self.rejected, "replayed_steps": self.replayed_steps}
+
+
+def requests_decode_only(qsl, req_ids) -> bool:
+    """Is every request of the step one decode row (query start locations 0, 1, ..., n)?"""
+    n = len(req_ids)
+    return n > 0 and len(qsl) == n + 1 and int(qsl[0]) == 0 and int(qsl[n]) == n
+
+
+class _Replay:
+    """A steady decode step that the next step may repeat (`DynamicWorker._replay_begin`): every
+    dynamic request of the batch one row, one threshold policy (no gates, one probe site), its
+    monitor row freshly handed out, its decision taken ahead and held. The next step repeats it
+    when it has the same requests on the same rows, each one position further, the same slots
+    under its writes (the static plan's) and no capture row taken where its monitors go; the
+    request set, the probes (`_version`) and the rejection count did not change. Its decisions
+    are then checked at once (`lo`, `hi`: a score below `lo` or at or above `hi` flips the policy;
+    NaN: never)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.sp: _ScorePlan | None = None
+        self.work: list | None = None
+        self.picks = np.zeros(0, np.int64)
+
+    @classmethod
+    def build(cls, w: "DynamicWorker", ctx: tuple, windows: list[list], ahead: dict[int, int],
+              hs: np.ndarray, max_row: int) -> "_Replay | None":
+        req_ids, qsl, nc, snap, n_cap0, rejected0, version0 = ctx
+        if w.rejected != rejected0 or w._version != version0 or len(w._monitors) != len(windows) or w._gated:
+            return None
+        drs, scales_l, w0, eng_idx, crcs, lo, hi = [], [], [], [], [], [], []
+        w_rows: list[int] = []
+        w_sites: list[int] = []
+        m_sites = []
+        for j, ((dr, row0, p0, n, acts, _), mon) in enumerate(zip(windows, w._monitors)):
+            if (n != 1 or not dr.speculable or len(dr.states) != 1 or len(dr.monitor_sites) != 1
+                    or mon[0] is not dr or mon[1] != p0 or mon[3] != n_cap0 + j):
+                return None
+            st = dr.states[0]
+            pol = st.policy
+            scales = (st.current_scale(),)
+            applied = dr.decided.get(p0)
+            if applied is None:
+                applied = (0.0,)
+            if applied != scales or (scales[0] != 0.0) != bool(acts):
+                return None
+            if st.engaged:
+                if pol.latch == "none" and not st.latched:
+                    if st.held + 1 < pol.min_hold:
+                        return None  # its release rule changes within the minimum hold
+                    lo.append(pol.release_at)
+                else:
+                    lo.append(np.nan)
+                hi.append(np.nan)
+            else:
+                lo.append(np.nan)
+                hi.append(pol.on)
+            if acts:
+                if len(acts) != 1:
+                    return None
+                sites = w._layout(dr, scales)[0]
+                eng_idx.append(j)
+                crcs.append(acts[0][0])
+                w_rows += [row0] * len(sites)
+                w_sites += sites
+            drs.append(dr)
+            scales_l.append(scales)
+            w0.append(row0)
+            m_sites.append(mon[2])
+        rp = cls()
+        rp.req_ids, rp.qsl, rp.nc, rp.n_cap0, rp.version = list(req_ids), qsl, nc, n_cap0, version0
+        rp.drs, rp.scales = drs, scales_l
+        rp.engaged = [drs[j] for j in eng_idx]
+        rp.w0 = np.asarray(w0, np.int64)
+        rp.win_rows = rp.w0 - int(qsl[0])  # decode rows: a window's row is its batch index
+        rp.eng_idx = np.asarray(eng_idx, np.int64)
+        rp.crcs = np.asarray(crcs, np.int64)
+        rp.w_rows, rp.w_sites = np.asarray(w_rows, np.int64), np.asarray(w_sites, np.int64)
+        rp.w_base = snap[rp.w_rows, rp.w_sites]
+        rp.w_slots = hs[rp.w_rows, rp.w_sites].copy()
+        rp.m_rows, rp.m_sites = rp.w0, np.asarray(m_sites, np.int64)
+        rp.m_idx = (n_cap0 + np.arange(len(drs))).astype(hs.dtype)
+        rp.lo, rp.hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+        rp.max_row = int(rp.w0.max()) + 1
+        return rp
+
+    def arm(self, sp: "_ScorePlan", work: list) -> None:
+        """After the building step's forward: its score layout, if each request has one score
+        (no row gate) in window order; the next plan may then repeat the step."""
+        if len(sp.work) != len(self.drs) or sp.gate_rows:
+            return
+        picks = []
+        for (dr, from_monitor, _, pk, gp), mine in zip(sp.work, self.drs):
+            if dr is not mine or not from_monitor or gp is not None or len(pk) != 1 or pk[0] is None:
+                return
+            picks.append(pk[0])
+        self.sp, self.work, self.picks, self.armed = sp, work, np.asarray(picks, np.int64), True
 
 
 class _ScorePlan:

@@ -70,6 +70,14 @@ class CausalboardWorkerExtension:
         st.defer_plan = bool(on)
         return st.defer_plan and bool(getattr(type(self.model_runner), "_cb_defers", False))
 
+    def cb_set_dyn_replay(self, on: bool) -> bool:
+        """Benchmarking aid: whether steady decode steps with dynamic steering repeat the last
+        step's plan (`engine_ext.dynamic.worker._Replay`; the default) or are planned request by
+        request (the same plans, decisions and checksum). Returns the new setting."""
+        st = self._cb()
+        st.dynamic.replay_enabled = bool(on)
+        return st.dynamic.replay_enabled
+
     def cb_close(self) -> bool:
         """Free this engine's worker state and device buffers (called before shutdown)."""
         st = runner_state(self.model_runner)

@@ -475,10 +475,11 @@ class StepPlanner:
         max_row, n_cap, actions, finish = self._open
         self._open = None
         if finish is not None:
-            more_rows, more = finish()
+            more_rows, more = finish()  # more: a list of actions or an [k, 3] int64 array
             max_row = max(max_row, more_rows)
-            actions.extend(more)
-        if actions:
+            if len(more):
+                actions = more if not actions else actions + [tuple(a) for a in np.asarray(more).tolist()]
+        if len(actions):
             self.checksum.fold_step(actions)
             self.applied_steps += 1
         self.slots.flush()

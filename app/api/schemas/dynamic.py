@@ -123,7 +123,7 @@ class DynamicStatusResponse(BaseModel):
     probes: list[ProbeInfo]
     policies: list[dict] = Field(description="The global policies.")
     workers: list[dict] = Field(description="Per worker: tp_rank, pp_rank, probes, requests, engaged_requests, "
-                                            "latched_conversations, dynamic_actions, rejected_actions, action_count, "
-                                            "action_checksum (hex).")
+                                            "latched_conversations, dynamic_actions, rejected_actions, replayed_steps (steady decode "
+                                            "steps whose plan repeated the last one's), action_count, action_checksum (hex).")
     determinism: dict = Field(description="{consistent: true, action_count: N} or {consistent: false, checksums: {rank: hex}}, "
                                           "compared within each pipeline stage.")

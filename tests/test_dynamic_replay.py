@@ -1,0 +1,124 @@
+"""Fast tier (no engine): a steady decode step repeated (`engine_ext.dynamic.worker._Replay`)
+plans exactly what planning it request by request does. The same scripted run — threshold
+policies with hysteresis, a minimum hold and a latch, a request with static steering under the
+dynamic action at two positions only, a static-only request, a request joining mid-run, one
+finishing, one recomputed after a preemption, a status read between steps, deferred and
+immediate plans — is driven on two CPU `WorkerState`s, one with repeats and one without: every
+step's row and capture tables, every trace, action count and error, and the checksum are equal,
+and the run with repeats did repeat steps (and fell back where a decision flipped)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, DynamicRequest, Policy, Probe
+from engine_ext.program import ModelDims, PromptInfo, compile_program, program_to_extra_args
+from engine_ext.specs import Interventions, Steer, canonical_json
+from engine_ext.worker.state import WorkerConfig, WorkerState
+
+L, H, PROMPT, STEPS = 4, 32, 6, 24
+VEC = np.linspace(-0.2, 0.2, H).astype(np.float32)
+
+
+def _policies() -> dict[str, list[Policy]]:
+    def pol(**kw) -> Policy:
+        return Policy.make(probe="p", sites=["L1.post_attn"], vector=VEC, **kw)
+
+    return {"hyst": [pol(on=0.5, off=-0.5)], "hold": [pol(on=0.3, min_hold=3)],
+            "latch": [pol(on=0.8, latch="request", scale=2.0)], "static_only": [],
+            "under_static": [pol(on=0.5, off=-0.5)], "late": [pol(on=0.0)]}
+
+
+def _score(rid: str, pos: int, seed: int) -> float:
+    """A score per (request, position): long runs on one side of the thresholds, some flips."""
+    rng = np.random.default_rng([seed, sum(map(ord, rid)), pos // 4])
+    side = 1.0 if rng.random() < 0.5 else -1.0
+    return float(side * (0.6 + 0.3 * rng.random()))
+
+
+def _drive(replay: bool, seed: int, defer: bool) -> tuple[WorkerState, list, dict]:
+    st = WorkerState(L, H, 256, torch.device("cpu"), torch.float32, WorkerConfig(max_capture_rows=64))
+    st.dynamic.replay_enabled = replay
+    direction = np.random.default_rng(0).standard_normal(H).astype(np.float32)
+    st.dynamic.set_probe(Probe.make("p", "L2.post_block", direction=direction).to_json())
+    pols = _policies()
+    nc: dict[str, int] = {}
+
+    def register(rid: str) -> None:
+        steer = ()
+        if rid == "static_only":
+            steer = (Steer.make(["L1.post_attn"], VEC * 0.5),)
+        elif rid == "under_static":  # a base slot under the dynamic action at two positions only
+            steer = (Steer.make(["L1.post_attn"], VEC * 0.25, positions=[PROMPT + 3, PROMPT + 4]),)
+        prog = compile_program(Interventions(steer=steer), PromptInfo(list(range(PROMPT)), None, None, 64),
+                               ModelDims(L, H, 100, 0.02), key=f"k-{rid}", named_vector_dims=lambda n: None)
+        extra = program_to_extra_args(prog)
+        if pols[rid]:
+            extra[DYNAMIC_ARGS_KEY] = canonical_json(DynamicRequest.make(pols[rid]).wire(()))
+        st.register(rid, extra)
+        nc[rid] = 0
+
+    for rid in ("hyst", "hold", "latch", "static_only", "under_static"):
+        register(rid)
+    tables = []
+    for step in range(STEPS):
+        if step == 6:
+            register("late")
+        if step == 15:
+            st.finish("hold")
+            del nc["hold"]
+        rewind = {"latch": 2} if step == 11 else {}  # preempted: recomputes its last two positions
+        rids = list(nc)
+        lens = []
+        for rid in rids:
+            if nc[rid] == 0:
+                lens.append(PROMPT)
+            elif rid in rewind:
+                nc[rid] -= rewind[rid]
+                lens.append(rewind[rid] + 1)
+            else:
+                lens.append(1)
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        computed = np.asarray([nc[r] for r in rids], np.int32)
+        if st.plan_step(rids, qsl, computed, defer=defer):
+            st.finish_step()
+        rows = int(qsl[-1])
+        tables.append((st.planner.hs[:rows].copy(), st.planner.hc[:rows].copy()))
+        for dr, pos, _, idx in st.dynamic.step_monitors():  # the score each monitored row reads
+            want = _score(dr.req_id, pos, seed)
+            st.buffers.cap_x[idx] = torch.from_numpy(direction * np.float32(want / float(direction @ direction)))
+            st.buffers.cap_r[idx] = 0.0
+        st.after_forward()
+        if step == 8:
+            st.dynamic.status()  # takes the pending decisions: the next step is planned the usual way
+        for rid, n in zip(rids, lens):
+            nc[rid] += n
+    st.dynamic.decide_pending()
+    results = {rid: st.dynamic.result(rid) for rid in nc if rid != "static_only"}
+    return st, tables, results
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_repeated_steps_plan_what_planning_request_by_request_does(seed, defer):
+    fast, t_fast, r_fast = _drive(True, seed, defer)
+    slow, t_slow, r_slow = _drive(False, seed, defer)
+    assert slow.dynamic.replayed_steps == 0
+    assert fast.dynamic.replayed_steps >= 3, fast.dynamic.replayed_steps
+    for step, ((hs_a, hc_a), (hs_b, hc_b)) in enumerate(zip(t_fast, t_slow)):
+        assert np.array_equal(hs_a, hs_b), step
+        assert np.array_equal(hc_a, hc_b), step
+    assert r_fast == r_slow
+    assert fast.planner.checksum.status() == slow.planner.checksum.status()
+    assert fast.dynamic.actions == slow.dynamic.actions > 0
+    a, b = fast.dynamic.status(), slow.dynamic.status()
+    assert a.pop("replayed_steps") == fast.dynamic.replayed_steps and b.pop("replayed_steps") == 0
+    assert a == b
+
+
+def test_a_flip_during_a_repeated_step_falls_back_exactly():
+    """Over the three seeds, some repeated step meets a decision that flips: it is undone and
+    planned the usual way (the test above checks the result equals)."""
+    assert sum(_drive(True, seed, False)[0].dynamic.replay_fallbacks for seed in (1, 2, 3)) >= 1
