@@ -38,7 +38,7 @@ def _score(rid: str, pos: int, seed: int) -> float:
     return float(side * (0.6 + 0.3 * rng.random()))
 
 
-def _drive(replay: bool, seed: int, defer: bool) -> tuple[WorkerState, list, dict]:
+def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True) -> tuple[WorkerState, list, dict]:
     st = WorkerState(L, H, 256, torch.device("cpu"), torch.float32, WorkerConfig(max_capture_rows=64))
     st.dynamic.replay_enabled = replay
     direction = np.random.default_rng(0).standard_normal(H).astype(np.float32)
@@ -61,7 +61,8 @@ def _drive(replay: bool, seed: int, defer: bool) -> tuple[WorkerState, list, dic
         nc[rid] = 0
 
     for rid in ("hyst", "hold", "latch", "static_only", "under_static"):
-        register(rid)
+        if static_only or rid != "static_only":
+            register(rid)
     tables = []
     for step in range(STEPS):
         if step == 6:
@@ -97,6 +98,7 @@ def _drive(replay: bool, seed: int, defer: bool) -> tuple[WorkerState, list, dic
             nc[rid] += n
     st.dynamic.decide_pending()
     results = {rid: st.dynamic.result(rid) for rid in nc if rid != "static_only"}
+    results["checksum"] = st.planner.checksum.status()
     return st, tables, results
 
 
@@ -116,6 +118,14 @@ def test_repeated_steps_plan_what_planning_request_by_request_does(seed, defer):
     a, b = fast.dynamic.status(), slow.dynamic.status()
     assert a.pop("replayed_steps") == fast.dynamic.replayed_steps and b.pop("replayed_steps") == 0
     assert a == b
+
+
+def test_steps_of_dynamic_requests_only_fold_the_same_checksum():
+    """Without the static-only request, a repeated step's actions are folded on their own (not
+    appended to static plans' actions): the same checksum as planning request by request."""
+    _, _, fast = _drive(True, 4, False, static_only=False)
+    _, _, slow = _drive(False, 4, False, static_only=False)
+    assert fast == slow and fast["checksum"]["action_count"] > 0
 
 
 def test_a_flip_during_a_repeated_step_falls_back_exactly():

@@ -867,8 +867,8 @@ class _Replay:
     when it has the same requests on the same rows, each one position further, the same slots
     under its writes (the static plan's) and no capture row taken where its monitors go; the
     request set, the probes (`_version`) and the rejection count did not change. Its decisions
-    are then checked at once (`lo`, `hi`: a score below `lo` or at or above `hi` flips the policy;
-    NaN: never)."""
+    are then checked at once (`lo`, `hi`: a score below `lo` or at or above `hi` may flip the
+    policy and makes the step fall back to the exact path; NaN: never)."""
 
     def __init__(self) -> None:
         self.armed = False
@@ -900,8 +900,8 @@ class _Replay:
                 return None
             if st.engaged:
                 if pol.latch == "none" and not st.latched:
-                    if st.held + 1 < pol.min_hold:
-                        return None  # its release rule changes within the minimum hold
+                    # within a minimum hold a low score does not release it: checked exactly then
+                    # (the step falls back), so `lo` may flag more than flips, never less
                     lo.append(pol.release_at)
                 else:
                     lo.append(np.nan)
