@@ -28,7 +28,12 @@ def _policies() -> dict[str, list[Policy]]:
 
     return {"hyst": [pol(on=0.5, off=-0.5)], "hold": [pol(on=0.3, min_hold=3)],
             "latch": [pol(on=0.8, latch="request", scale=2.0)], "static_only": [],
-            "under_static": [pol(on=0.5, off=-0.5)], "late": [pol(on=0.0)]}
+            "under_static": [pol(on=0.5, off=-0.5)], "late": [pol(on=0.0)],
+            "prop": [pol(mode="proportional", target=0.1, gain=0.4, min_scale=-1.0, max_scale=1.5, initial_scale=0.5)],
+            "prop_clamped": [pol(mode="proportional", target=0.0, gain=2.0, min_scale=0.25, max_scale=0.75,
+                                 initial_scale=0.25)],
+            "prop_to_zero": [pol(mode="proportional", target=-2.0, gain=0.3, min_scale=0.0, max_scale=1.0,
+                                 initial_scale=0.5)]}
 
 
 def _score(rid: str, pos: int, seed: int) -> float:
@@ -38,7 +43,11 @@ def _score(rid: str, pos: int, seed: int) -> float:
     return float(side * (0.6 + 0.3 * rng.random()))
 
 
-def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True) -> tuple[WorkerState, list, dict]:
+BATCH = ("hyst", "hold", "latch", "static_only", "under_static", "prop", "prop_clamped")
+
+
+def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
+           batch: tuple[str, ...] = BATCH) -> tuple[WorkerState, list, dict]:
     st = WorkerState(L, H, 256, torch.device("cpu"), torch.float32, WorkerConfig(max_capture_rows=64))
     st.dynamic.replay_enabled = replay
     direction = np.random.default_rng(0).standard_normal(H).astype(np.float32)
@@ -60,17 +69,17 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True) -> tu
         st.register(rid, extra)
         nc[rid] = 0
 
-    for rid in ("hyst", "hold", "latch", "static_only", "under_static"):
+    for rid in batch:
         if static_only or rid != "static_only":
             register(rid)
     tables = []
     for step in range(STEPS):
-        if step == 6:
+        if step == 6 and "hyst" in batch:
             register("late")
-        if step == 15:
+        if step == 15 and "hold" in nc:
             st.finish("hold")
             del nc["hold"]
-        rewind = {"latch": 2} if step == 11 else {}  # preempted: recomputes its last two positions
+        rewind = {"latch": 2} if step == 11 and "latch" in nc else {}  # preempted: recomputes its last two positions
         rids = list(nc)
         lens = []
         for rid in rids:
@@ -126,6 +135,25 @@ def test_steps_of_dynamic_requests_only_fold_the_same_checksum():
     _, _, fast = _drive(True, 4, False, static_only=False)
     _, _, slow = _drive(False, 4, False, static_only=False)
     assert fast == slow and fast["checksum"]["action_count"] > 0
+
+
+def test_proportional_policies_repeat_exactly_and_a_scale_of_zero_falls_back():
+    """Proportional control alone: every repeated step decides the batch's scales at once and
+    composes their slots; one request's scale is clamped to 0 (no action: the step falls back,
+    and steps are planned request by request while it stays there). The same tables, traces and
+    checksum as planning request by request."""
+    batch = ("prop", "prop_clamped")
+    fast, t_fast, r_fast = _drive(True, 5, False, batch=batch)
+    slow, t_slow, r_slow = _drive(False, 5, False, batch=batch)
+    assert fast.dynamic.replayed_steps >= 10
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(t_fast, t_slow))
+    assert r_fast == r_slow and r_fast["checksum"]["action_count"] > 0
+    fast, t_fast, r_fast = _drive(True, 5, False, batch=batch + ("prop_to_zero",))
+    slow, t_slow, r_slow = _drive(False, 5, False, batch=batch + ("prop_to_zero",))
+    assert fast.dynamic.replay_fallbacks >= 1
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(t_fast, t_slow))
+    assert r_fast == r_slow
+    assert any(e["scale"] == 0.0 for e in r_fast["prop_to_zero"]["trace"][0])
 
 
 def test_a_flip_during_a_repeated_step_falls_back_exactly():

@@ -48,7 +48,7 @@ import json
 import logging
 import os
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -446,7 +446,7 @@ class DynamicWorker:
         self.st.slots.release(held_before)
         self.actions += len(actions)
         if ctx is not None and not flipped and windows:
-            self._replay = _Replay.build(self, ctx, windows, ahead, hs, max_row)
+            self._replay = _Replay.build(self, ctx, windows, hs)
         return max_row, actions
 
     def step_monitors(self) -> list[tuple[DynRequest, int, int, int]]:
@@ -474,6 +474,7 @@ class DynamicWorker:
                 or list(req_ids) != rp.req_ids):
             return None
         if (not np.array_equal(hs[rp.w_rows, rp.w_sites], rp.w_base)
+                or (hs[rp.p_rows, rp.p_sites] != -1).any()
                 or (hc[rp.m_rows, rp.m_sites] >= 0).any()):
             return None
         rp.armed = False
@@ -481,8 +482,8 @@ class DynamicWorker:
         hs[rp.w_rows, rp.w_sites] = rp.w_slots
         hc[rp.m_rows, rp.m_sites] = rp.m_idx
         positions = nc[rp.win_rows].tolist()
-        for dr, scales, p in zip(rp.drs, rp.scales, positions):
-            dr.decided[p] = scales
+        for j, scales in zip(rp.ahead_idx, rp.ahead_scales):
+            rp.drs[j].decided[positions[j]] = scales
         for dr in rp.engaged:
             dr.actions += 1
         self._monitors, self._gated = [], []
@@ -492,40 +493,92 @@ class DynamicWorker:
     def _replay_finish(self, rp: "_Replay", positions: list[int], planner: Any, hs: np.ndarray) -> tuple[int, Any]:
         """Phases 2 and 3 of a repeated step: wait for the previous step's scores and check, at
         once for the batch, that every decision taken ahead holds (`_Replay.lo`/`hi`: the scores
-        at which a policy would flip). If all hold, the step stays as written (its actions: the
-        last step's, one position further); else the repeat is undone and the step finished as
-        `plan_rows_begin`'s would be."""
+        at which a threshold policy could flip); decide the proportional policies for the batch
+        (`PolicyState.decide`'s arithmetic on float64 arrays) and compose their slots. If all
+        hold, the threshold windows stay as written (their actions: the last step's, one position
+        further); else — or if a proportional scale is 0 or no slot is left — the repeat is undone
+        and the step finished as `plan_rows_begin`'s would be."""
         work, host, event = self._pending
         if event is not None:
             event.synchronize()
             event = None
         scores = (host.numpy() if isinstance(host, torch.Tensor) else np.asarray(host))[rp.picks]
         flips = (scores < rp.lo) | (scores >= rp.hi)
-        prev = [p - 1 for p in positions]
-        if flips.any():  # undo, and finish the step the usual way
+        prop = rp.prop
+        acquired: list[int] = []
+        if not flips.any() and prop:
+            new, acquired, crcs = self._replay_proportional(rp, scores)
+            if new is None:
+                flips = True
+        if np.any(flips):  # undo, and finish the step the usual way
             self.replay_fallbacks += 1
             self._pending = (work, host, None)
             hs[rp.w_rows, rp.w_sites] = rp.w_base
             for dr in rp.engaged:
                 dr.actions -= 1
+            self._monitors = self.step_monitors()
             self._replaying = None
-            self._monitors = [(dr, p, site, int(idx)) for dr, p, site, idx in
-                              zip(rp.drs, positions, rp.m_sites.tolist(), rp.m_idx.tolist())]
             windows = [[dr, row, p, 1, None, None] for dr, row, p in zip(rp.drs, rp.w0.tolist(), positions)]
             held_before, self._held = self._held, []
-            ahead = {id(dr): p for dr, p in zip(rp.drs, prev)}
+            ahead = {id(rp.drs[j]): positions[j] - 1 for j in rp.ahead_idx}
             return self._plan_rows_finish(planner, hs, windows, ahead, held_before)
         self._pending = None
         self.replayed_steps += 1
+        act_crcs = rp.act_crcs
+        if prop:
+            hs[rp.p_rows, rp.p_sites] = acquired
+            self.st.slots.release(rp.prop_held)
+            rp.prop_held = acquired
+            self._held = rp.static_held + acquired
+            for (dr, st, _, _), scale in zip(prop, new.tolist()):
+                st.scale = scale  # decided; its bookkeeping (`hold`: the same scale) is settled later
+                dr.actions += 1
+            act_crcs = act_crcs.copy()
+            act_crcs[rp.act_prop] = crcs
+        prev = [p - 1 for p in positions]
         self._held_decisions.extend(zip(rp.drs, prev, [[x] for x in scores.tolist()]))
-        eng = rp.eng_idx
-        acts = np.empty((eng.size, 3), np.int64)
-        acts[:, 0] = rp.crcs
-        acts[:, 1] = rp.nc[rp.win_rows[eng]]
+        acts = np.empty((rp.act_idx.size, 3), np.int64)
+        acts[:, 0] = act_crcs
+        acts[:, 1] = rp.nc[rp.win_rows[rp.act_idx]]
         acts[:, 2] = acts[:, 1] + 1
-        self.actions += eng.size
+        self.actions += rp.act_idx.size
         self._replay = rp  # the next step may repeat it again (armed by `after_forward`)
         return rp.max_row, acts
+
+    def _replay_proportional(self, rp: "_Replay", scores: np.ndarray):
+        """The proportional windows of a repeated step: their new scales (`PolicyState.decide`:
+        `min(max_scale, max(min_scale, scale + gain * (target - score)))` in float64, Python's
+        min/max order), the slots of `vector * f32(scale)` at their sites (the keys and values
+        `_action_plan` gives them: no base under them) and each action's crc. (None, [], None)
+        when a scale is 0 (no action) or a slot cannot be had (nothing is left acquired)."""
+        prop = rp.prop
+        x = scores[rp.p_j].astype(np.float64)
+        cur = np.asarray([st.scale for _, st, _, _ in prop], np.float64)
+        s = cur + rp.p_gain * (rp.p_target - x)
+        s = np.where(s > rp.p_min, s, rp.p_min)  # max(min_scale, s)
+        new = np.where(s < rp.p_max, s, rp.p_max)  # min(max_scale, .)
+        if not new.all():
+            return None, [], None
+        s32 = new.astype(np.float32)
+        c = np.multiply(rp.p_vec, s32[:, None], dtype=np.float32)
+        b32 = s32.astype("<f4").tobytes()
+        slots = self.st.slots
+        acquire = slots.acquire
+        acquired: list[int] = []
+        crcs = []
+        try:
+            for k, (dr, _, vcrc, sites) in enumerate(prop):
+                crc = zlib.crc32(b32[4 * k: 4 * k + 4], vcrc)
+                key = ("dyn", None, (crc,), None)
+                row = c[k]
+                for _ in sites:
+                    acquired.append(acquire(key, lambda row=row: SlotValue(SlotMode.AFFINE, a=1.0, c=row)))
+                tail = f"{crc:08x}"
+                crcs.append(zlib.crc32("|".join([dr.key] + [site + tail for site in sites]).encode()))
+        except SlotCapacityError:
+            slots.release(acquired)
+            return None, [], None
+        return new, acquired, crcs
 
     def _speculate(self, work) -> dict[int, int]:
         """Take ahead the pending decisions of requests whose policies are all threshold policies
@@ -877,17 +930,22 @@ class _Replay:
         self.picks = np.zeros(0, np.int64)
 
     @classmethod
-    def build(cls, w: "DynamicWorker", ctx: tuple, windows: list[list], ahead: dict[int, int],
-              hs: np.ndarray, max_row: int) -> "_Replay | None":
+    def build(cls, w: "DynamicWorker", ctx: tuple, windows: list[list], hs: np.ndarray) -> "_Replay | None":
         req_ids, qsl, nc, snap, n_cap0, rejected0, version0 = ctx
         if w.rejected != rejected0 or w._version != version0 or len(w._monitors) != len(windows) or w._gated:
             return None
-        drs, scales_l, w0, eng_idx, crcs, lo, hi = [], [], [], [], [], [], []
+        owns_site = w.st.owns_site
+        drs, w0, lo, hi, m_sites = [], [], [], [], []
+        ahead_idx, ahead_scales, t_engaged = [], [], []  # threshold windows (decisions taken ahead)
+        act_idx, act_crcs, act_prop = [], [], []  # windows that act, in window order
         w_rows: list[int] = []
         w_sites: list[int] = []
-        m_sites = []
+        prop: list[tuple] = []  # proportional windows: (request, state, vector crc, ["site:" in site order])
+        p_rows: list[int] = []
+        p_sites: list[int] = []
+        prop_held: list[int] = []
         for j, ((dr, row0, p0, n, acts, _), mon) in enumerate(zip(windows, w._monitors)):
-            if (n != 1 or not dr.speculable or len(dr.states) != 1 or len(dr.monitor_sites) != 1
+            if (n != 1 or dr.gate is not None or len(dr.states) != 1 or len(dr.monitor_sites) != 1
                     or mon[0] is not dr or mon[1] != p0 or mon[3] != n_cap0 + j):
                 return None
             st = dr.states[0]
@@ -896,39 +954,60 @@ class _Replay:
             applied = dr.decided.get(p0)
             if applied is None:
                 applied = (0.0,)
-            if applied != scales or (scales[0] != 0.0) != bool(acts):
+            if applied != scales or (scales[0] != 0.0) != bool(acts) or len(acts) > 1:
                 return None
-            if st.engaged:
-                if pol.latch == "none" and not st.latched:
-                    # within a minimum hold a low score does not release it: checked exactly then
-                    # (the step falls back), so `lo` may flag more than flips, never less
-                    lo.append(pol.release_at)
-                else:
-                    lo.append(np.nan)
+            if acts:
+                act_idx.append(j)
+                act_crcs.append(acts[0][0])
+            sites = w._layout(dr, scales)[0] if acts else ()
+            if pol.mode == "proportional":
+                if not acts or (snap[row0, list(sites)] != -1).any():
+                    return None  # a scale of 0 (no action), or static steering under the action
+                pol_ = dr.policies[0]
+                if tuple(sorted(site for site in pol_.sites if owns_site(site))) != sites:
+                    return None
+                # the payload's crc: `f32(scale)`'s bytes continued from the vector's (`_Policy.parts`)
+                vcrc = zlib.crc32(np.ascontiguousarray(pol_.vec, "<f4").tobytes())
+                prop.append((dr, st, vcrc, [f"{site}:" for site in sites]))
+                act_prop.append(len(act_idx) - 1)
+                p_rows += [row0] * len(sites)
+                p_sites += sites
+                prop_held += [int(hs[row0, site]) for site in sites]
+                lo.append(np.nan)
                 hi.append(np.nan)
             else:
-                lo.append(np.nan)
-                hi.append(pol.on)
-            if acts:
-                if len(acts) != 1:
+                if not dr.speculable:
                     return None
-                sites = w._layout(dr, scales)[0]
-                eng_idx.append(j)
-                crcs.append(acts[0][0])
-                w_rows += [row0] * len(sites)
-                w_sites += sites
+                ahead_idx.append(j)
+                ahead_scales.append(scales)
+                if st.engaged:
+                    if pol.latch == "none" and not st.latched:
+                        # within a minimum hold a low score does not release it: checked exactly then
+                        # (the step falls back), so `lo` may flag more than flips, never less
+                        lo.append(pol.release_at)
+                    else:
+                        lo.append(np.nan)
+                    hi.append(np.nan)
+                else:
+                    lo.append(np.nan)
+                    hi.append(pol.on)
+                if acts:
+                    t_engaged.append(dr)
+                    w_rows += [row0] * len(sites)
+                    w_sites += sites
             drs.append(dr)
-            scales_l.append(scales)
             w0.append(row0)
             m_sites.append(mon[2])
         rp = cls()
         rp.req_ids, rp.qsl, rp.nc, rp.n_cap0, rp.version = list(req_ids), qsl, nc, n_cap0, version0
-        rp.drs, rp.scales = drs, scales_l
-        rp.engaged = [drs[j] for j in eng_idx]
+        rp.drs = drs
+        rp.ahead_idx, rp.ahead_scales = ahead_idx, ahead_scales
+        rp.engaged = t_engaged
         rp.w0 = np.asarray(w0, np.int64)
         rp.win_rows = rp.w0 - int(qsl[0])  # decode rows: a window's row is its batch index
-        rp.eng_idx = np.asarray(eng_idx, np.int64)
-        rp.crcs = np.asarray(crcs, np.int64)
+        rp.act_idx = np.asarray(act_idx, np.int64)
+        rp.act_crcs = np.asarray(act_crcs, np.int64)
+        rp.act_prop = np.asarray(act_prop, np.int64)
         rp.w_rows, rp.w_sites = np.asarray(w_rows, np.int64), np.asarray(w_sites, np.int64)
         rp.w_base = snap[rp.w_rows, rp.w_sites]
         rp.w_slots = hs[rp.w_rows, rp.w_sites].copy()
@@ -936,6 +1015,25 @@ class _Replay:
         rp.m_idx = (n_cap0 + np.arange(len(drs))).astype(hs.dtype)
         rp.lo, rp.hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
         rp.max_row = int(rp.w0.max()) + 1
+        # proportional windows: their scale moves every step (`_replay_finish` composes their slots)
+        rp.prop = prop
+        rp.p_j = np.asarray([j for j, pol in enumerate(drs) if pol.states[0].policy.mode == "proportional"], np.int64)
+        rp.p_rows, rp.p_sites = np.asarray(p_rows, np.int64), np.asarray(p_sites, np.int64)
+        if prop:
+            specs = [st.policy for _, st, _, _ in prop]
+            rp.p_gain = np.asarray([float(sp.gain) for sp in specs], np.float64)
+            rp.p_target = np.asarray([float(sp.target) for sp in specs], np.float64)
+            rp.p_min = np.asarray([float(sp.min_scale) for sp in specs], np.float64)
+            rp.p_max = np.asarray([float(sp.max_scale) for sp in specs], np.float64)
+            rp.p_vec = np.stack([np.asarray(dr.policies[0].vec, np.float32) for dr, _, _, _ in prop])
+        # the slots held across repeats: the threshold windows' (kept) and the proportional
+        # windows' (replaced every step)
+        rp.prop_held = prop_held
+        rest = Counter(w._held)
+        rest.subtract(prop_held)
+        if any(v < 0 for v in rest.values()):
+            return None
+        rp.static_held = list(rest.elements())
         return rp
 
     def arm(self, sp: "_ScorePlan", work: list) -> None:
