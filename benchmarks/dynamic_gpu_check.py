@@ -94,6 +94,43 @@ def main():
     same = all(a.intervention.dynamic["trace"] == b.intervention.dynamic["trace"] and a.token_ids == b.token_ids
                for a, b in zip(*runs))
     check("repeatable", same)
+    # one policy per request: steady decode steps repeat the last step's plan (`_Replay`), and with
+    # decisions on the device (`device_decisions`, threshold only) no step waits for the scores;
+    # each mode must give the tokens, traces and action counts of planning request by request
+    def replayed():
+        return sum(w.get("replayed_steps") or 0 for w in eng.dynamic_status()["workers"])
+
+    for name, pol in (("threshold", thr), ("proportional", prop)):
+        modes = {}
+        for mode, (replay, device) in {"host": (False, False), "replay": (True, False), "device": (True, True)}.items():
+            if device and name != "threshold":
+                continue
+            eng._rpc("cb_set_dyn_replay", replay)
+            eng._rpc("cb_set_dyn_device", device)
+            before = replayed()
+            gens = eng.generate(prompts, params, dynamic=DynamicRequest.make([pol]))
+            modes[mode] = (gens, replayed() - before)
+        eng._rpc("cb_set_dyn_replay", True)
+        eng._rpc("cb_set_dyn_device", False)
+        # the faster modes ran (threshold's plain repeat needs two steps in a row without a flip)
+        check(f"single[{name}].repeated", modes["device" if name == "threshold" else "replay"][1] > 0)
+        ref = modes["host"][0]
+        for mode, (gens, steps) in modes.items():
+            ok = all(g.intervention.status == "ok" for g in gens)
+            st_ok = []
+            for g in gens:
+                tr = g.intervention.dynamic["trace"][0]
+                st = PolicyState.start(pol)
+                want = [0.0] + [st.decide(e["score"]) for e in tr[:-1]]
+                st_ok.append([e["scale"] for e in tr] == want
+                             and g.intervention.dynamic["actions"] == sum(e["engaged"] for e in tr))
+            check(f"single[{name}][{mode}].rule", ok and all(st_ok), steps_repeated=steps)
+            if mode != "host":
+                check(f"single[{name}][{mode}].equals_host", all(
+                    a.token_ids == b.token_ids and a.intervention.dynamic["trace"] == b.intervention.dynamic["trace"]
+                    and a.intervention.dynamic["actions"] == b.intervention.dynamic["actions"] for a, b in zip(gens, ref)),
+                    steps_repeated=steps)
+    check("single.determinism", eng.dynamic_status()["determinism"].get("consistent") is True)
     # the reference fork's declarative gates (issue 16): a host-probe gate (rest_of_request) and a
     # soft this_token gate on one batch; replaying GateState over each trace's scores must give the
     # trace's scales exactly, and the same batch run twice must give identical traces

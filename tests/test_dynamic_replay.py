@@ -47,9 +47,10 @@ BATCH = ("hyst", "hold", "latch", "static_only", "under_static", "prop", "prop_c
 
 
 def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
-           batch: tuple[str, ...] = BATCH) -> tuple[WorkerState, list, dict]:
+           batch: tuple[str, ...] = BATCH, device: bool = False) -> tuple[WorkerState, list, dict]:
     st = WorkerState(L, H, 256, torch.device("cpu"), torch.float32, WorkerConfig(max_capture_rows=64))
     st.dynamic.replay_enabled = replay
+    st.dynamic.device_decisions = device
     direction = np.random.default_rng(0).standard_normal(H).astype(np.float32)
     st.dynamic.set_probe(Probe.make("p", "L2.post_block", direction=direction).to_json())
     pols = _policies()
@@ -95,7 +96,10 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
         if st.plan_step(rids, qsl, computed, defer=defer):
             st.finish_step()
         rows = int(qsl[-1])
-        tables.append((st.planner.hs[:rows].copy(), st.planner.hc[:rows].copy()))
+        # the slots by content key (slot numbers depend on what else holds slots)
+        key_of = st.slots.key_of
+        keys = np.vectorize(lambda x: repr(key_of(int(x))) if x >= 0 else "", otypes=[object])(st.planner.hs[:rows])
+        tables.append((keys, st.planner.hc[:rows].copy()))
         for dr, pos, _, idx in st.dynamic.step_monitors():  # the score each monitored row reads
             want = _score(dr.req_id, pos, seed)
             st.buffers.cap_x[idx] = torch.from_numpy(direction * np.float32(want / float(direction @ direction)))
@@ -160,3 +164,27 @@ def test_a_flip_during_a_repeated_step_falls_back_exactly():
     """Over the three seeds, some repeated step meets a decision that flips: it is undone and
     planned the usual way (the test above checks the result equals)."""
     assert sum(_drive(True, seed, False)[0].dynamic.replay_fallbacks for seed in (1, 2, 3)) >= 1
+
+
+THRESHOLD_BATCH = ("hyst", "hold", "latch", "static_only", "under_static")
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
+@pytest.mark.parametrize("seed", [1, 2, 3, 6])
+def test_decisions_taken_on_the_device_equal_the_hosts(seed, defer):
+    """Threshold policies decided on the device (`device_decisions`, CPU tensors here): no wait,
+    each window's entries rewritten from the device's flags after the upload, the host taking the
+    same decisions from the read-back a step later. Every step's tables, every trace, action count
+    and error equal planning request by request on the host; the checksum folds as many actions
+    (its value differs: the device's actions are folded when read back, with their step's ordinal)."""
+    dev, t_dev, r_dev = _drive(True, seed, defer, batch=THRESHOLD_BATCH, device=True)
+    host, t_host, r_host = _drive(False, seed, defer, batch=THRESHOLD_BATCH)
+    assert dev.dynamic.device_decisions, "a device decision differed from the host's"
+    assert dev.dynamic.replayed_steps >= 3
+    for step, ((hs_a, hc_a), (hs_b, hc_b)) in enumerate(zip(t_dev, t_host)):
+        assert np.array_equal(hs_a, hs_b), step
+        assert np.array_equal(hc_a, hc_b), step
+    c_dev, c_host = r_dev.pop("checksum"), r_host.pop("checksum")
+    assert r_dev == r_host
+    assert c_dev["action_count"] == c_host["action_count"] > 0
+    assert dev.dynamic.actions == host.dynamic.actions

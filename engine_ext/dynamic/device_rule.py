@@ -1,7 +1,7 @@
 """The policies' decision rule for many policy instances at once, as tensor operations: the
 building block for taking dynamic steering's decisions on the device (no host round trip between
 a step's scores and the next step's scales; docs/performance.md, "Decisions on the device").
-**Not wired into the engine yet.**
+Used by `device_decisions` (opt-in) for the threshold policies of repeated steady steps.
 
 `PolicyTable.decide(slots, scores)` equals `policy.PolicyState.decide(score)` applied to each
 slot's state in turn, bit for bit: float64 arithmetic (a fp32 score is exact in float64, Python
@@ -40,6 +40,13 @@ class PolicyTable:
         self.held = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.latched = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.scale = torch.zeros(capacity, **f64)
+
+    def to(self, device: torch.device | str) -> "PolicyTable":
+        """The same table on `device` (fill it on the CPU, then move it: one copy per tensor)."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
 
     def load(self, slot: int, st: PolicyState) -> None:
         """Put a policy's constants and its current state into `slot` (a host-to-device write;

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_ext.dynamic.device_decisions import DeviceDecisions, NotEligible
 from engine_ext.dynamic.gates import GateSet, GateState
 from engine_ext.dynamic.policy import PolicyState
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, Policy, Probe, policy_from_wire  # noqa: F401 (re-export)
@@ -215,6 +216,10 @@ class DynamicWorker:
         #: steps repeated / begun as a repeat and finished the usual way (a decision flipped)
         self.replayed_steps = 0
         self.replay_fallbacks = 0
+        #: take the repeated steps' threshold decisions on the device (no wait before a forward;
+        #: `engine_ext.dynamic.device_decisions`). Opt-in (`CAUSALBOARD_DYN_DEVICE=1`) until
+        #: validated on a GPU
+        self.device_decisions = os.environ.get("CAUSALBOARD_DYN_DEVICE", "0") == "1"
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
@@ -289,6 +294,7 @@ class DynamicWorker:
 
     def finish(self, req_id: str) -> None:
         self._version += 1
+        self.sync_device()
         self.decide_pending()
         dr = self.requests.pop(req_id, None)
         for name in dr.gate_probes if dr is not None else ():
@@ -302,6 +308,7 @@ class DynamicWorker:
                 self._gate_probe_refs[name] = left
 
     def result(self, req_id: str) -> dict | None:
+        self.sync_device()
         self.decide_pending()
         dr = self.requests.get(req_id)
         if dr is None:
@@ -317,6 +324,7 @@ class DynamicWorker:
     # ---- per step ---------------------------------------------------------------------------
     def idle(self) -> None:
         """No dynamic request left: release the slots the last dynamic step held."""
+        self.sync_device()
         self.decide_pending()
         if self._held:
             held, self._held = self._held, []
@@ -352,9 +360,14 @@ class DynamicWorker:
         self._settle()
         rp, self._replay = self._replay, None
         if rp is not None and self.replay_enabled:
-            got = self._replay_begin(rp, planner, req_ids, qsl, num_computed, hs, hc, n_cap)
+            if rp.dev is not None:
+                got = self._device_begin(rp, planner, req_ids, qsl, num_computed, hs, hc, n_cap)
+            else:
+                got = self._replay_begin(rp, planner, req_ids, qsl, num_computed, hs, hc, n_cap)
             if got is not None:
                 return got
+        if rp is not None and rp.dev is not None:
+            self._end_device(rp)  # the host goes on from the device's decisions
         ctx = (req_ids, np.array(qsl), np.array(num_computed), hs[: int(qsl[-1])].copy(), n_cap,
                self.rejected, self._version) if self.replay_enabled and requests_decode_only(qsl, req_ids) else None
         held_before, self._held = self._held, []
@@ -446,7 +459,13 @@ class DynamicWorker:
         self.st.slots.release(held_before)
         self.actions += len(actions)
         if ctx is not None and not flipped and windows:
-            self._replay = _Replay.build(self, ctx, windows, hs)
+            rp = self._replay = _Replay.build(self, ctx, windows, hs)
+            if rp is not None and self.device_decisions and not rp.prop:
+                self._settle()  # the table starts from the states after this step's decisions
+                try:
+                    rp.dev = DeviceDecisions(self, rp, hs)
+                except NotEligible:
+                    rp.dev = None
         return max_row, actions
 
     def step_monitors(self) -> list[tuple[DynRequest, int, int, int]]:
@@ -489,6 +508,54 @@ class DynamicWorker:
         self._monitors, self._gated = [], []
         self._replaying = (rp, positions)
         return rp.max_row, n_cap + rp.m_idx.size, lambda: self._replay_finish(rp, positions, planner, hs)
+
+    def _device_begin(self, rp: "_Replay", planner: Any, req_ids, qsl, num_computed, hs: np.ndarray,
+                      hc: np.ndarray, n_cap: int):
+        """A repeated step whose decisions the device takes (`device_decisions`): every window's
+        on-slots written (the device rewrites each entry from its flag right after the upload),
+        the capture rows as before, nothing waited for. None when the step is not a repeat."""
+        dev = rp.dev
+        if (not rp.armed or self._pending is not None or not dev.queue or dev.queue[-1].applied_step is not None
+                or rp.version != self._version or planner.skip_next_action or n_cap != rp.n_cap0
+                or rp.n_cap0 + rp.m_idx.size > planner.b.max_capture_rows or not self.device_decisions
+                or not np.array_equal(qsl, rp.qsl) or not np.array_equal(num_computed, rp.nc + 1)
+                or list(req_ids) != rp.req_ids):
+            return None
+        if not np.array_equal(hs[dev.h_rows, dev.h_sites], dev.h_off) or (hc[rp.m_rows, rp.m_sites] >= 0).any():
+            return None
+        dev.consume(planner.checksum.step)  # this step applies the last read-back's decisions
+        if not dev.process(rp, wait=False):  # the read-backs that arrived: the host's own decisions
+            self.device_decisions = False
+        rp.armed = False
+        rp.nc = nc = np.array(num_computed)
+        hs[dev.h_rows, dev.h_sites] = dev.h_on
+        hc[rp.m_rows, rp.m_sites] = rp.m_idx
+        positions = nc[rp.win_rows].tolist()
+        planner.after_upload = dev.rewrite
+        self._monitors, self._gated = [], []
+        self._replaying = (rp, positions)
+        self.replayed_steps += 1
+        self._replay = rp
+        return rp.max_row, n_cap + rp.m_idx.size, lambda: (rp.max_row, [])
+
+    def _end_device(self, rp: "_Replay") -> None:
+        """End a chain of steps decided on the device: every read-back waited for and taken on
+        the host (so the host's states and `decided` are the device's), its slots released."""
+        dev, rp.dev = rp.dev, None
+        if dev is None:
+            return
+        if not dev.process(rp, wait=True):
+            self.device_decisions = False
+        dev.release()
+        if self._replay is rp:
+            self._replay = None
+
+    def sync_device(self) -> None:
+        """Before the host reads or changes dynamic state from outside the step loop (a result,
+        the status, a request leaving): end a chain decided on the device."""
+        rp = self._replay
+        if rp is not None and rp.dev is not None:
+            self._end_device(rp)
 
     def _replay_finish(self, rp: "_Replay", positions: list[int], planner: Any, hs: np.ndarray) -> tuple[int, Any]:
         """Phases 2 and 3 of a repeated step: wait for the previous step's scores and check, at
@@ -770,6 +837,10 @@ class DynamicWorker:
         if rpl is not None:  # a repeated step: the last step's layout, one position further
             rp, positions = rpl
             flat = self._scores(rp.sp, True, False)
+            if rp.dev is not None:  # decided on the device, read back later
+                rp.dev.after_forward(rp, positions, flat)
+                rp.armed = True
+                return
             work = [(dr, pos, picks, gp) for (dr, _, _, picks, gp), pos in zip(rp.sp.work, positions)]
             rp.work, rp.armed = work, True
             self._start_copy(work, flat)
@@ -789,6 +860,11 @@ class DynamicWorker:
         rp = self._replay
         if rp is not None and not rp.armed:  # built by this step's plan: may the next step repeat it?
             rp.arm(sp, work)
+            if rp.dev is not None:
+                if rp.armed:  # from now on the device decides
+                    rp.dev.after_forward(rp, [m[1] for m in monitors], flat)
+                    return
+                self._end_device(rp)
         self._start_copy(work, flat)
 
     def _scores(self, sp: "_ScorePlan", monitors: bool, gated: bool) -> torch.Tensor:
@@ -900,6 +976,7 @@ class DynamicWorker:
 
     # ---- status -----------------------------------------------------------------------------
     def status(self) -> dict:
+        self.sync_device()
         self.decide_pending()
         return {"probes": sorted(n for n in self.probes if not n.startswith("~")), "requests": len(self.requests),
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
@@ -1008,6 +1085,9 @@ class _Replay:
         rp.act_idx = np.asarray(act_idx, np.int64)
         rp.act_crcs = np.asarray(act_crcs, np.int64)
         rp.act_prop = np.asarray(act_prop, np.int64)
+        rp.snap = snap
+        rp.crc_of = dict(zip(act_idx, act_crcs))
+        rp.dev = None  # decisions on the device (`device_decisions.DeviceDecisions`), when on
         rp.w_rows, rp.w_sites = np.asarray(w_rows, np.int64), np.asarray(w_sites, np.int64)
         rp.w_base = snap[rp.w_rows, rp.w_sites]
         rp.w_slots = hs[rp.w_rows, rp.w_sites].copy()

@@ -48,14 +48,16 @@ class ActionChecksum:
         """Fold one action described by its fields (tests and tools; the planner uses `fold_step`)."""
         self._mix(zlib.crc32(f"{kind}|{key}|{site}|{','.join(map(str, positions))}|{vector}".encode()))
 
-    def fold_step(self, actions: Sequence[tuple[int, int, int]]) -> None:
+    def fold_step(self, actions: Sequence[tuple[int, int, int]], step: int | None = None) -> None:
         """Fold the step's applied actions in application order: each a plan (its content digest,
         which includes the request key) or a dynamic action (its crc) applied to positions
         `[p0, p1)`. One mix per step over the crc32 of the ordered list; `action_count` grows by
-        the number of actions."""
+        the number of actions. `step`: the ordinal of the step that applied them, when they are
+        folded later (dynamic decisions taken on the device are read back a step later)."""
         arr = np.asarray(actions, dtype=np.int64)
         arr[:, 0] &= 0xFFFFFFFF
-        self.value = mix64(self.value ^ ((self.step & 0xFFFFFFFF) << 32 | zlib.crc32(arr.astype("<i8").tobytes())))
+        ordinal = self.step if step is None else step
+        self.value = mix64(self.value ^ ((ordinal & 0xFFFFFFFF) << 32 | zlib.crc32(arr.astype("<i8").tobytes())))
         self.count += len(actions)
 
     def _mix(self, crc: int) -> None:

@@ -78,6 +78,14 @@ class CausalboardWorkerExtension:
         st.dynamic.replay_enabled = bool(on)
         return st.dynamic.replay_enabled
 
+    def cb_set_dyn_device(self, on: bool) -> bool:
+        """Whether repeated steady steps' threshold decisions are taken on the device
+        (`engine_ext.dynamic.device_decisions`; opt-in, `CAUSALBOARD_DYN_DEVICE=1`). Returns the
+        new setting."""
+        st = self._cb()
+        st.dynamic.device_decisions = bool(on)
+        return st.dynamic.device_decisions
+
     def cb_close(self) -> bool:
         """Free this engine's worker state and device buffers (called before shutdown)."""
         st = runner_state(self.model_runner)

@@ -369,6 +369,9 @@ class StepPlanner:
         self.applied_steps = 0
         #: test-only fault (`cb_debug_fault`): skip the next planned request window entirely
         self.skip_next_action = False
+        #: run once right after the next upload, before the forward (dynamic decisions taken on
+        #: the device rewrite their rows' slots there: `engine_ext.dynamic.device_decisions`)
+        self.after_upload: Any = None
 
     def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow, extra=None,
                   defer: bool = False) -> None:
@@ -484,6 +487,9 @@ class StepPlanner:
             self.applied_steps += 1
         self.slots.flush()
         self._upload(max_row, n_cap > 0)
+        if self.after_upload is not None:
+            fn, self.after_upload = self.after_upload, None
+            fn()
 
     def _upload(self, max_row: int, captures: bool) -> None:
         b = self.b

@@ -1,0 +1,209 @@
+"""Threshold decisions of repeated steady decode steps taken on the device (opt-in:
+`CAUSALBOARD_DYN_DEVICE=1`; off by default until validated on a GPU).
+
+A repeated step (`worker._Replay`) normally waits for the previous forward's scores before its
+forward is launched (to check its decisions taken ahead). With decisions on the device it does
+not wait at all:
+
+* at the step that builds the record, every window gets both of its slots at each site it may
+  steer: *on* (its policy's action composed on the static plan's slot, acquired and held here
+  even while the policy is released) and *off* (the static plan's slot, or -1); each policy's
+  constants and state go into a `device_rule.PolicyTable` (bit-equal to `PolicyState.decide`);
+* after each forward the monitored scores are computed on the device as before and the table
+  decides there (`PolicyTable.decide`): one engaged flag per window for the next position;
+* the next step uploads its rows as usual and, right after the upload and before its forward,
+  rewrites the windows' entries of `row_slot` from the flags (`torch.where(on_flag, on, off)`:
+  no host wait, no per-request host work);
+* the host copies each step's scores and decided scales back without waiting and reads them a
+  step or two later (`process`): it takes the same decisions itself (`DynamicWorker._decide`:
+  traces, hold counters, latches, `decided`), checks them against the device's (a mismatch is
+  logged, reported in the request's errors and turns the mode off), and folds the actions the
+  device applied into the checksum with the ordinal of the step that applied them.
+
+When the chain of repeated steps ends (a request comes or goes, a preemption, a status read),
+every outstanding read-back is waited for and processed first (`drain`), so the host path goes
+on from exactly the device's state. Only batches whose every dynamic request has one threshold
+policy (no gates) and whose record could compose every window's action take this path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine_ext.dynamic.device_rule import PolicyTable
+
+logger = logging.getLogger("causalboard.dynamic")
+
+
+@dataclass
+class _Readback:
+    """One step's scores and decided scales on their way to the host."""
+
+    positions: list[int]  # the position each window scored
+    scores: torch.Tensor  # [k] fp32 (host; pinned on CUDA)
+    scales: torch.Tensor  # [k] float64: the scale each window's policy has at the next position
+    event: Any  # CUDA event (None on CPU)
+    #: the checksum ordinal of the step that applied these decisions (None: no step did)
+    applied_step: int | None = None
+
+
+class DeviceDecisions:
+    """The device-side decision state of one chain of repeated steps (`worker._Replay`)."""
+
+    def __init__(self, worker: Any, rp: Any, hs: np.ndarray):
+        """Acquire every window's on-slots and load the table; raises `NotEligible` when a
+        window's action cannot be composed (the chain then repeats on the host)."""
+        self.w = worker
+        b = worker.st.buffers
+        self.device = b.device
+        slots = worker.st.slots
+        k = len(rp.drs)
+        self.held: list[int] = []
+        rows: list[int] = []
+        sites: list[int] = []
+        on: list[int] = []
+        off: list[int] = []
+        q: list[int] = []
+        self.crc_on: list[int] = []
+        try:
+            for i, dr in enumerate(rp.drs):
+                st = dr.states[0]
+                if st.policy.mode != "threshold":
+                    raise NotEligible()
+                row = int(rp.w0[i])
+                on_scales = (float(st.policy.scale),)
+                layout = worker._layout(dr, on_scales)[0]
+                if st.current_scale() != 0.0:  # engaged: this step's slots are the on-slots
+                    got = [(site, int(hs[row, site])) for site in layout]
+                    crc = rp.crc_of[i]
+                    base = [int(rp.snap[row, site]) for site in layout]
+                    for _, slot in got:
+                        self.held.append(slots.acquire(slots.key_of(slot), _no_make))
+                else:
+                    plan = worker._action_plan(dr, row, on_scales, hs)
+                    if isinstance(plan, str):
+                        raise NotEligible()
+                    entries, crc, gated = plan
+                    if gated:
+                        raise NotEligible()
+                    base = [int(hs[row, site]) for site, _, _ in entries]
+                    got = []
+                    for site, key, make in entries:
+                        slot = slots.acquire(key, make)
+                        self.held.append(slot)
+                        got.append((site, slot))
+                for (site, slot), b0 in zip(got, base):
+                    rows.append(row)
+                    sites.append(site)
+                    on.append(slot)
+                    off.append(b0)
+                    q.append(i)
+                self.crc_on.append(int(crc))
+        except Exception:
+            slots.release(self.held)
+            self.held = []
+            raise
+        slots.flush()  # new on-slots: uploaded before any forward reads them
+        dev = self.device
+        self.h_rows, self.h_sites = np.asarray(rows, np.int64), np.asarray(sites, np.int64)
+        self.h_on, self.h_off = np.asarray(on, np.int32), np.asarray(off, np.int32)
+        self.rows = torch.as_tensor(self.h_rows, device=dev)
+        self.sites = torch.as_tensor(self.h_sites, device=dev)
+        self.on = torch.as_tensor(self.h_on, device=dev)
+        self.off = torch.as_tensor(self.h_off, device=dev)
+        self.q = torch.as_tensor(np.asarray(q, np.int64), device=dev)
+        table = PolicyTable(k, "cpu")
+        for i, dr in enumerate(rp.drs):
+            table.load(i, dr.states[0])
+        self.table = table.to(dev)
+        self.idx = torch.arange(k, device=dev)
+        self.picks: torch.Tensor | None = None
+        #: the engaged flag of each window at the next step (device), set by `after_forward`
+        self.flags: torch.Tensor | None = None
+        self.queue: list[_Readback] = []
+        self.steps = 0
+
+    # ---- per step -----------------------------------------------------------------------------
+    def after_forward(self, rp: Any, positions: list[int], flat: torch.Tensor) -> None:
+        """Decide on the device from this step's scores and start their read-back."""
+        if self.picks is None:
+            self.picks = torch.as_tensor(np.asarray(rp.picks, np.int64), device=self.device)
+        scores = flat.index_select(0, self.picks)
+        scales = self.table.decide(self.idx, scores)
+        self.flags = scales != 0.0
+        if self.device.type == "cuda":
+            hs_ = torch.empty(scores.shape, dtype=torch.float32, device="cpu", pin_memory=True)
+            hd = torch.empty(scales.shape, dtype=torch.float64, device="cpu", pin_memory=True)
+            hs_.copy_(scores, non_blocking=True)
+            hd.copy_(scales, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.queue.append(_Readback(positions, hs_, hd, ev))
+        else:
+            self.queue.append(_Readback(positions, scores.float().clone(), scales.clone(), None))
+
+    def rewrite(self) -> None:
+        """After the step's upload, before its forward: each window's entries from its flag."""
+        b = self.w.st.buffers
+        b.row_slot[self.rows, self.sites] = torch.where(self.flags.index_select(0, self.q), self.on, self.off)
+
+    def consume(self, ordinal: int) -> None:
+        """The step about to be launched applies the last read-back's decisions."""
+        self.queue[-1].applied_step = ordinal
+        self.steps += 1
+
+    def process(self, rp: Any, wait: bool) -> bool:
+        """Take, on the host, the decisions of every read-back that has arrived (all of them,
+        waiting, with `wait`), in order. Returns False on a mismatch with the device."""
+        ok = True
+        while self.queue:
+            r = self.queue[0]
+            if r.event is not None:
+                if wait:
+                    r.event.synchronize()
+                elif not r.event.query():
+                    break
+            self.queue.pop(0)
+            ok &= self._take(rp, r)
+        return ok
+
+    def _take(self, rp: Any, r: _Readback) -> bool:
+        w = self.w
+        scores = r.scores.tolist()
+        scales = r.scales.tolist()
+        acts = []
+        ok = True
+        for i, (dr, pos, x, dev) in enumerate(zip(rp.drs, r.positions, scores, scales)):
+            w._decide(dr, pos, [x])
+            host = dr.decided[pos + 1][0]
+            if host != dev and not (host != host and dev != dev):
+                msg = (f"dynamic decision at position {pos} taken on the device ({dev!r}) differs from "
+                       f"the host's ({host!r}); decisions on the device turned off")
+                logger.error("causalboard: %s (request %s)", msg, dr.req_id)
+                if msg not in dr.errors:
+                    dr.errors.append(msg)
+                ok = False
+            if r.applied_step is not None and dev != 0.0:
+                acts.append((self.crc_on[i], pos + 1, pos + 2))
+                dr.actions += 1
+        if acts:
+            w.st.planner.checksum.fold_step(acts, step=r.applied_step)
+            w.actions += len(acts)
+        return ok
+
+    def release(self) -> None:
+        self.w.st.slots.release(self.held)
+        self.held = []
+
+
+class NotEligible(Exception):
+    """A window whose action cannot be composed for decisions on the device."""
+
+
+def _no_make():  # pragma: no cover - the key is held already
+    raise AssertionError("an on-slot held by the step is missing")
