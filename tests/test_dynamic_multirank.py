@@ -165,6 +165,42 @@ def test_the_forks_gates_decide_alike_at_two_ranks(one_rank, tp2):
     assert st["determinism"]["consistent"] is True, st["determinism"]
 
 
+def test_decisions_on_the_device_at_two_ranks_equal_the_host_path(one_rank, tp2):
+    """(Before the fault test below, which makes the ranks' checksums differ for good.)
+    Threshold policies decided on the device (`device_decisions`) at tensor-parallel size 2:
+    every rank decides from its own (rank-identical) scores and folds the actions it read back
+    a fixed number of steps later, so the checksums agree; tokens, engaged flags and action
+    counts equal the same batch planned request by request on the host."""
+    pols = [[_threshold(one_rank["on"])]] * len(PROMPTS)
+
+    def repeated() -> list[int]:
+        return [w["replayed_steps"] for w in sorted(tp2.dynamic_status()["workers"], key=lambda w: w["tp_rank"])]
+
+    tp2._rpc("cb_set_dyn_replay", False)
+    try:
+        host = _run(tp2, pols)
+    finally:
+        tp2._rpc("cb_set_dyn_replay", True)
+    before = repeated()
+    tp2._rpc("cb_set_dyn_device", True)
+    try:
+        dev = _run(tp2, pols)
+    finally:
+        tp2._rpc("cb_set_dyn_device", False)
+    after = repeated()
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+    assert after[0] - before[0] == after[1] - before[1]
+    for g1, g2 in zip(host, dev):
+        assert g2.intervention.status == "ok", g2.intervention.errors
+        assert g2.token_ids == g1.token_ids
+        t1, t2 = g1.intervention.dynamic["trace"][0], g2.intervention.dynamic["trace"][0]
+        assert [e["engaged"] for e in t2] == [e["engaged"] for e in t1]
+        assert [e["position"] for e in t2] == [e["position"] for e in t1]
+        assert g2.intervention.dynamic["actions"] == g1.intervention.dynamic["actions"]
+    st = tp2.dynamic_status()
+    assert st["determinism"]["consistent"] is True, st["determinism"]
+
+
 def test_a_dynamic_action_skipped_on_one_rank_is_reported(one_rank, tp2):
     """Runs last in the module: the fault leaves the ranks' checksums apart for good."""
     pol = Policy.make(probe="mr-dir", sites=["L2.post_attn"], vector=_vec(1, 4.0), on=-1e30)  # engaged from the first token
@@ -181,3 +217,4 @@ def test_a_dynamic_action_skipped_on_one_rank_is_reported(one_rank, tp2):
     acts = {w["tp_rank"]: w["dynamic_actions"] for w in st["workers"]}
     assert acts[0] == acts[1] + 1  # rank 1 applied (and folded) one dynamic action fewer
     assert tp2.generate(PROMPTS[1], GenerationParams(max_tokens=2)).token_ids
+

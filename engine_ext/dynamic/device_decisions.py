@@ -14,8 +14,9 @@ not wait at all:
 * the next step uploads its rows as usual and, right after the upload and before its forward,
   rewrites the windows' entries of `row_slot` from the flags (`torch.where(on_flag, on, off)`:
   no host wait, no per-request host work);
-* the host copies each step's scores and decided scales back without waiting and reads them a
-  step or two later (`process`): it takes the same decisions itself (`DynamicWorker._decide`:
+* the host copies each step's scores and decided scales back without waiting and reads them
+  two steps later, after that step's forward is launched (`process`, a fixed number of steps
+  behind, so every rank folds in the same order): it takes the same decisions itself (`DynamicWorker._decide`:
   traces, hold counters, latches, `decided`), checks them against the device's (a mismatch is
   logged, reported in the request's errors and turns the mode off), and folds the actions the
   device applied into the checksum with the ordinal of the step that applied them.
@@ -129,8 +130,12 @@ class DeviceDecisions:
         self.steps = 0
 
     # ---- per step -----------------------------------------------------------------------------
-    def after_forward(self, rp: Any, positions: list[int], flat: torch.Tensor) -> None:
-        """Decide on the device from this step's scores and start their read-back."""
+    def after_forward(self, rp: Any, positions: list[int], flat: torch.Tensor) -> bool:
+        """Decide on the device from this step's scores and start their read-back; first take,
+        on the host, every read-back but the newest (the one this step applied): a fixed number of
+        steps behind, never depending on timing, so every rank folds the checksum in the same
+        order. Returns False on a mismatch with the device."""
+        ok = self.process(rp, keep=1)
         if self.picks is None:
             self.picks = torch.as_tensor(np.asarray(rp.picks, np.int64), device=self.device)
         scores = flat.index_select(0, self.picks)
@@ -146,6 +151,7 @@ class DeviceDecisions:
             self.queue.append(_Readback(positions, hs_, hd, ev))
         else:
             self.queue.append(_Readback(positions, scores.float().clone(), scales.clone(), None))
+        return ok
 
     def rewrite(self) -> None:
         """After the step's upload, before its forward: each window's entries from its flag."""
@@ -157,18 +163,14 @@ class DeviceDecisions:
         self.queue[-1].applied_step = ordinal
         self.steps += 1
 
-    def process(self, rp: Any, wait: bool) -> bool:
-        """Take, on the host, the decisions of every read-back that has arrived (all of them,
-        waiting, with `wait`), in order. Returns False on a mismatch with the device."""
+    def process(self, rp: Any, keep: int = 0) -> bool:
+        """Take, on the host and in order, the decisions of every read-back but the newest `keep`
+        (waiting for each copy). Returns False on a mismatch with the device."""
         ok = True
-        while self.queue:
-            r = self.queue[0]
+        while len(self.queue) > keep:
+            r = self.queue.pop(0)
             if r.event is not None:
-                if wait:
-                    r.event.synchronize()
-                elif not r.event.query():
-                    break
-            self.queue.pop(0)
+                r.event.synchronize()
             ok &= self._take(rp, r)
         return ok
 

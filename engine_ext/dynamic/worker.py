@@ -524,8 +524,6 @@ class DynamicWorker:
         if not np.array_equal(hs[dev.h_rows, dev.h_sites], dev.h_off) or (hc[rp.m_rows, rp.m_sites] >= 0).any():
             return None
         dev.consume(planner.checksum.step)  # this step applies the last read-back's decisions
-        if not dev.process(rp, wait=False):  # the read-backs that arrived: the host's own decisions
-            self.device_decisions = False
         rp.armed = False
         rp.nc = nc = np.array(num_computed)
         hs[dev.h_rows, dev.h_sites] = dev.h_on
@@ -544,7 +542,7 @@ class DynamicWorker:
         dev, rp.dev = rp.dev, None
         if dev is None:
             return
-        if not dev.process(rp, wait=True):
+        if not dev.process(rp):
             self.device_decisions = False
         dev.release()
         if self._replay is rp:
@@ -838,7 +836,8 @@ class DynamicWorker:
             rp, positions = rpl
             flat = self._scores(rp.sp, True, False)
             if rp.dev is not None:  # decided on the device, read back later
-                rp.dev.after_forward(rp, positions, flat)
+                if not rp.dev.after_forward(rp, positions, flat):
+                    self.device_decisions = False
                 rp.armed = True
                 return
             work = [(dr, pos, picks, gp) for (dr, _, _, picks, gp), pos in zip(rp.sp.work, positions)]
@@ -862,7 +861,7 @@ class DynamicWorker:
             rp.arm(sp, work)
             if rp.dev is not None:
                 if rp.armed:  # from now on the device decides
-                    rp.dev.after_forward(rp, [m[1] for m in monitors], flat)
+                    rp.dev.after_forward(rp, [m[1] for m in monitors], flat)  # nothing to take back yet
                     return
                 self._end_device(rp)
         self._start_copy(work, flat)
