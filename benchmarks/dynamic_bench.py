@@ -44,6 +44,9 @@ def main():
     ap.add_argument("--ab-replay", action="store_true",
                     help="also run each dynamic variant with steady decode steps planned request by request "
                          "(variant@no_replay; the default repeats them: engine_ext.dynamic.worker._Replay)")
+    ap.add_argument("--ab-device", action="store_true",
+                    help="also run each dynamic variant with threshold decisions taken on the device "
+                         "(variant@device: engine_ext.dynamic.device_decisions, opt-in)")
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
 
@@ -84,14 +87,18 @@ def main():
     if args.ab_replay:
         run_kw.update({f"{k}@no_replay": {"dynamic": dyn, "replay": False} for k, dyn in variants.items()
                        if dyn is not None})
+    if args.ab_device:
+        run_kw.update({f"{k}@device": {"dynamic": dyn, "device": True} for k, dyn in variants.items()
+                       if dyn is not None})
     run_kw.update({k: {"interventions": spec} for k, spec in static.items() if not args.variants or k in keep})
-    # the worker switches a variant sets (RPC only when one changes): name -> (RPC, current value)
-    switches = {"defer": ["cb_set_defer_plan", True], "replay": ["cb_set_dyn_replay", True]}
+    # the worker switches a variant sets (RPC only when one changes): name -> [RPC, current value, default]
+    switches = {"defer": ["cb_set_defer_plan", True, True], "replay": ["cb_set_dyn_replay", True, True],
+                "device": ["cb_set_dyn_device", False, False]}
 
     def generate_kw(kw: dict) -> dict:
         """Set the variant's switches on the workers; the rest are `generate` arguments."""
         for name, sw in switches.items():
-            want = kw.get(name, True)
+            want = kw.get(name, sw[2])
             if want != sw[1]:
                 eng._rpc(sw[0], want)
                 sw[1] = want
