@@ -37,6 +37,12 @@ bookkeeping of the decisions that held (trace entries included) is done after th
 forward is launched.
 Positions recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
 
+A steady decode step (the same requests on the same rows as the last step, one position on, one
+policy each, no gates) repeats the last step's plan (`_Replay`): its writes as arrays, its
+threshold decisions checked at once, its proportional ones decided at once; anything else falls
+back to the path above, exactly. Opt-in, such steps' threshold decisions are taken on the device
+instead (`engine_ext.dynamic.device_decisions`): no wait before the forward at all.
+
 Every tensor-parallel rank holds the same registrations, sees the same post-all-reduce stream and
 runs the same code, so all ranks take the same decisions; the applied-action checksum proves it.
 """
