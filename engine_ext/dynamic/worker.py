@@ -997,13 +997,16 @@ def requests_decode_only(qsl, req_ids) -> bool:
 
 class _Replay:
     """A steady decode step that the next step may repeat (`DynamicWorker._replay_begin`): every
-    dynamic request of the batch one row, one threshold policy (no gates, one probe site), its
-    monitor row freshly handed out, its decision taken ahead and held. The next step repeats it
-    when it has the same requests on the same rows, each one position further, the same slots
-    under its writes (the static plan's) and no capture row taken where its monitors go; the
-    request set, the probes (`_version`) and the rejection count did not change. Its decisions
-    are then checked at once (`lo`, `hi`: a score below `lo` or at or above `hi` may flip the
-    policy and makes the step fall back to the exact path; NaN: never)."""
+    dynamic request of the batch one row, one policy (no gates, one probe site), its monitor row
+    freshly handed out; a threshold policy's decision taken ahead and held, a proportional one
+    acting (scale not 0) with no static steering under it. The next step repeats it when it has
+    the same requests on the same rows, each one position further, the same slots under its
+    writes (the static plan's) and no capture row taken where its monitors go; the request set,
+    the probes (`_version`) and the rejection count did not change. Its threshold decisions are
+    then checked at once (`lo`, `hi`: a score below `lo` or at or above `hi` may flip the policy
+    and makes the step fall back to the exact path; NaN: never), its proportional ones taken at
+    once (`DynamicWorker._replay_proportional`). `dev`: the chain's decisions taken on the device
+    instead (`device_decisions.DeviceDecisions`, opt-in; threshold policies only)."""
 
     def __init__(self) -> None:
         self.armed = False
