@@ -27,5 +27,6 @@ def test_the_dynamic_gpu_check_passes_on_the_cpu_engine():
     assert proc.returncode == 0 and not failed, (failed, proc.stderr[-3000:])
     names = {ln.get("check") for ln in lines}
     assert {"single[threshold][device].equals_host", "single[proportional][replay].equals_host",
+            "single[proportional][device].equals_host",
             "single[threshold].repeated", "single[proportional].repeated", "repeatable"} <= names
     assert lines[-1] == {"summary": "dynamic_gpu_check", "failures": 0}

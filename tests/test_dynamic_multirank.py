@@ -167,11 +167,12 @@ def test_the_forks_gates_decide_alike_at_two_ranks(one_rank, tp2):
 
 def test_decisions_on_the_device_at_two_ranks_equal_the_host_path(one_rank, tp2):
     """(Before the fault test below, which makes the ranks' checksums differ for good.)
-    Threshold policies decided on the device (`device_decisions`) at tensor-parallel size 2:
+    Threshold and proportional policies decided on the device (`device_decisions`) at
+    tensor-parallel size 2:
     every rank decides from its own (rank-identical) scores and folds the actions it read back
     a fixed number of steps later, so the checksums agree; tokens, engaged flags and action
     counts equal the same batch planned request by request on the host."""
-    pols = [[_threshold(one_rank["on"])]] * len(PROMPTS)
+    pols = [[_threshold(one_rank["on"])], [_proportional(one_rank["target"])], [_threshold(one_rank["on"])]]
 
     def repeated() -> list[int]:
         return [w["replayed_steps"] for w in sorted(tp2.dynamic_status()["workers"], key=lambda w: w["tp_rank"])]
@@ -196,6 +197,7 @@ def test_decisions_on_the_device_at_two_ranks_equal_the_host_path(one_rank, tp2)
         t1, t2 = g1.intervention.dynamic["trace"][0], g2.intervention.dynamic["trace"][0]
         assert [e["engaged"] for e in t2] == [e["engaged"] for e in t1]
         assert [e["position"] for e in t2] == [e["position"] for e in t1]
+        assert np.allclose([e["scale"] for e in t2], [e["scale"] for e in t1], rtol=1e-3, atol=1e-3)
         assert g2.intervention.dynamic["actions"] == g1.intervention.dynamic["actions"]
     st = tp2.dynamic_status()
     assert st["determinism"]["consistent"] is True, st["determinism"]

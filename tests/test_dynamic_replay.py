@@ -9,6 +9,8 @@ and the run with repeats did repeat steps (and fell back where a decision flippe
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -51,6 +53,15 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
     st = WorkerState(L, H, 256, torch.device("cpu"), torch.float32, WorkerConfig(max_capture_rows=64))
     st.dynamic.replay_enabled = replay
     st.dynamic.device_decisions = device
+    folded: list[tuple] = []  # every action folded into the checksum: (step ordinal, crc, p0, p1)
+    fold = st.planner.checksum.fold_step
+
+    def recording_fold(actions, step=None):
+        ordinal = st.planner.checksum.step if step is None else step
+        folded.extend((ordinal, int(a[0]) & 0xFFFFFFFF, int(a[1]), int(a[2])) for a in np.asarray(actions).tolist())
+        return fold(actions, step)
+
+    st.planner.checksum.fold_step = recording_fold
     direction = np.random.default_rng(0).standard_normal(H).astype(np.float32)
     st.dynamic.set_probe(Probe.make("p", "L2.post_block", direction=direction).to_json())
     pols = _policies()
@@ -96,9 +107,16 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
         if st.plan_step(rids, qsl, computed, defer=defer):
             st.finish_step()
         rows = int(qsl[-1])
-        # the slots by content key (slot numbers depend on what else holds slots)
-        key_of = st.slots.key_of
-        keys = np.vectorize(lambda x: repr(key_of(int(x))) if x >= 0 else "", otypes=[object])(st.planner.hs[:rows])
+        # the slots by what the op reads from them (slot numbers depend on what else holds slots)
+        b = st.buffers
+
+        def content(x: int) -> str:
+            if x < 0:
+                return ""
+            return repr((int(b.slot_mode[x]), float(b.slot_a[x]), zlib.crc32(b.slot_c[x].numpy().tobytes()),
+                         int(b.slot_adim[x]), int(b.slot_clamp[x]), int(b.slot_gate[x])))
+
+        keys = np.vectorize(content, otypes=[object])(st.planner.hs[:rows])
         tables.append((keys, st.planner.hc[:rows].copy()))
         for dr, pos, _, idx in st.dynamic.step_monitors():  # the score each monitored row reads
             want = _score(dr.req_id, pos, seed)
@@ -112,6 +130,7 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
     st.dynamic.decide_pending()
     results = {rid: st.dynamic.result(rid) for rid in nc if rid != "static_only"}
     results["checksum"] = st.planner.checksum.status()
+    results["folded"] = sorted(folded)
     return st, tables, results
 
 
@@ -169,22 +188,27 @@ def test_a_flip_during_a_repeated_step_falls_back_exactly():
 THRESHOLD_BATCH = ("hyst", "hold", "latch", "static_only", "under_static")
 
 
+@pytest.mark.parametrize("batch", [THRESHOLD_BATCH, BATCH, ("prop", "prop_clamped", "prop_to_zero")],
+                         ids=["threshold", "mixed", "proportional"])
 @pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
-@pytest.mark.parametrize("seed", [1, 2, 3, 6])
-def test_decisions_taken_on_the_device_equal_the_hosts(seed, defer):
-    """Threshold policies decided on the device (`device_decisions`, CPU tensors here): no wait,
-    each window's entries rewritten from the device's flags after the upload, the host taking the
-    same decisions from the read-back a step later. Every step's tables, every trace, action count
+@pytest.mark.parametrize("seed", [1, 2, 6])
+def test_decisions_taken_on_the_device_equal_the_hosts(seed, defer, batch):
+    """Policies decided on the device (`device_decisions`, CPU tensors here): no wait, each
+    window's entries (and a proportional policy's payload) rewritten from the device's decisions
+    after the upload, the host taking the same decisions from the read-back two steps later. Every step's tables, every trace, action count
     and error equal planning request by request on the host; the checksum folds as many actions
     (its value differs: the device's actions are folded when read back, with their step's ordinal)."""
-    dev, t_dev, r_dev = _drive(True, seed, defer, batch=THRESHOLD_BATCH, device=True)
-    host, t_host, r_host = _drive(False, seed, defer, batch=THRESHOLD_BATCH)
+    dev, t_dev, r_dev = _drive(True, seed, defer, batch=batch, device=True)
+    host, t_host, r_host = _drive(False, seed, defer, batch=batch)
     assert dev.dynamic.device_decisions, "a device decision differed from the host's"
     assert dev.dynamic.replayed_steps >= 3
     for step, ((hs_a, hc_a), (hs_b, hc_b)) in enumerate(zip(t_dev, t_host)):
         assert np.array_equal(hs_a, hs_b), step
         assert np.array_equal(hc_a, hc_b), step
     c_dev, c_host = r_dev.pop("checksum"), r_host.pop("checksum")
+    # the same actions, each under the ordinal of the step that applied it (the rolling value
+    # differs only because the device's are folded when read back)
+    assert r_dev.pop("folded") == r_host.pop("folded")
     assert r_dev == r_host
     assert c_dev["action_count"] == c_host["action_count"] > 0
     assert dev.dynamic.actions == host.dynamic.actions

@@ -1,4 +1,4 @@
-"""Threshold decisions of repeated steady decode steps taken on the device (opt-in:
+"""Decisions of repeated steady decode steps taken on the device (opt-in:
 `CAUSALBOARD_DYN_DEVICE=1`; off by default until validated on a GPU).
 
 A repeated step (`worker._Replay`) normally waits for the previous forward's scores before its
@@ -6,14 +6,16 @@ forward is launched (to check its decisions taken ahead). With decisions on the 
 not wait at all:
 
 * at the step that builds the record, every window gets both of its slots at each site it may
-  steer: *on* (its policy's action composed on the static plan's slot, acquired and held here
-  even while the policy is released) and *off* (the static plan's slot, or -1); each policy's
-  constants and state go into a `device_rule.PolicyTable` (bit-equal to `PolicyState.decide`);
+  steer: *on* (a threshold policy's action composed on the static plan's slot, acquired and held
+  here even while the policy is released; for proportional control a slot of its own whose `c`
+  the device rewrites every step with `vector * f32(scale)`) and *off* (the static plan's slot,
+  or -1); each policy's constants and state go into a `device_rule.PolicyTable` (bit-equal to
+  `PolicyState.decide`);
 * after each forward the monitored scores are computed on the device as before and the table
   decides there (`PolicyTable.decide`): one engaged flag per window for the next position;
 * the next step uploads its rows as usual and, right after the upload and before its forward,
-  rewrites the windows' entries of `row_slot` from the flags (`torch.where(on_flag, on, off)`:
-  no host wait, no per-request host work);
+  rewrites the windows' entries of `row_slot` from the flags (`torch.where(acts, on, off)`) and
+  the proportional slots' `c` (no host wait, no per-request host work);
 * the host copies each step's scores and decided scales back without waiting and reads them
   two steps later, after that step's forward is launched (`process`, a fixed number of steps
   behind, so every rank folds in the same order): it takes the same decisions itself (`DynamicWorker._decide`:
@@ -23,13 +25,14 @@ not wait at all:
 
 When the chain of repeated steps ends (a request comes or goes, a preemption, a status read),
 every outstanding read-back is waited for and processed first (`drain`), so the host path goes
-on from exactly the device's state. Only batches whose every dynamic request has one threshold
-policy (no gates) and whose record could compose every window's action take this path.
+on from exactly the device's state. Only batches whose every dynamic request has one policy
+(no gates) and whose record could compose every window's action take this path.
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +40,8 @@ import numpy as np
 import torch
 
 from engine_ext.dynamic.device_rule import PolicyTable
+from engine_ext.worker.intervention_op import SlotMode
+from engine_ext.worker.slots import SlotValue
 
 logger = logging.getLogger("causalboard.dynamic")
 
@@ -71,12 +76,40 @@ class DeviceDecisions:
         off: list[int] = []
         q: list[int] = []
         self.crc_on: list[int] = []
+        #: proportional windows: window -> (vector crc, ["site:" in site order]) for the checksum
+        self.prop: dict[int, tuple[int, list[str]]] = {}
+        live_slots: list[int] = []  # per proportional entry: its dedicated slot, its window
+        live_q: list[int] = []
+        vecs: list[np.ndarray] = []
+        prop_of = {id(e[0]): e for e in rp.prop}
         try:
             for i, dr in enumerate(rp.drs):
                 st = dr.states[0]
+                row = int(rp.w0[i])
+                if st.policy.mode == "proportional":
+                    # one slot of its own per site, not shared: its `c` is rewritten on the device
+                    # every step (`vector * f32(scale)`, the payload the host would compose)
+                    _, _, vcrc, site_tags = prop_of[id(dr)]
+                    vec = np.asarray(dr.policies[0].vec, np.float32)
+                    c0 = np.multiply(vec, np.float32(st.current_scale()), dtype=np.float32)
+                    for tag in site_tags:
+                        site = int(tag[:-1])
+                        slot = slots.acquire(("dyn-live", id(self), i, site),
+                                             lambda c0=c0: SlotValue(SlotMode.AFFINE, a=1.0, c=c0))
+                        self.held.append(slot)
+                        rows.append(row)
+                        sites.append(site)
+                        on.append(slot)
+                        off.append(-1)  # `_Replay.build`: no static steering under a proportional action
+                        q.append(i)
+                        live_slots.append(slot)
+                        live_q.append(i)
+                    vecs.append(vec)
+                    self.prop[i] = (vcrc, site_tags)
+                    self.crc_on.append(0)
+                    continue
                 if st.policy.mode != "threshold":
                     raise NotEligible()
-                row = int(rp.w0[i])
                 on_scales = (float(st.policy.scale),)
                 layout = worker._layout(dr, on_scales)[0]
                 if st.current_scale() != 0.0:  # engaged: this step's slots are the on-slots
@@ -118,13 +151,20 @@ class DeviceDecisions:
         self.on = torch.as_tensor(self.h_on, device=dev)
         self.off = torch.as_tensor(self.h_off, device=dev)
         self.q = torch.as_tensor(np.asarray(q, np.int64), device=dev)
+        # proportional entries: their slots, windows and vectors (one row per entry)
+        self.live = torch.as_tensor(np.asarray(live_slots, np.int64), device=dev)
+        self.live_q = torch.as_tensor(np.asarray(live_q, np.int64), device=dev)
+        by_window = {i: v for i, v in zip(sorted(self.prop), vecs)}
+        self.live_vec = (torch.as_tensor(np.stack([by_window[i] for i in live_q]), device=dev)
+                         if live_q else None)
         table = PolicyTable(k, "cpu")
         for i, dr in enumerate(rp.drs):
             table.load(i, dr.states[0])
         self.table = table.to(dev)
         self.idx = torch.arange(k, device=dev)
         self.picks: torch.Tensor | None = None
-        #: the engaged flag of each window at the next step (device), set by `after_forward`
+        #: each window's scale and whether it acts at the next step (device), set by `after_forward`
+        self.scales: torch.Tensor | None = None
         self.flags: torch.Tensor | None = None
         self.queue: list[_Readback] = []
         self.steps = 0
@@ -140,7 +180,7 @@ class DeviceDecisions:
             self.picks = torch.as_tensor(np.asarray(rp.picks, np.int64), device=self.device)
         scores = flat.index_select(0, self.picks)
         scales = self.table.decide(self.idx, scores)
-        self.flags = scales != 0.0
+        self.scales, self.flags = scales, scales != 0.0
         if self.device.type == "cuda":
             hs_ = torch.empty(scores.shape, dtype=torch.float32, device="cpu", pin_memory=True)
             hd = torch.empty(scales.shape, dtype=torch.float64, device="cpu", pin_memory=True)
@@ -157,6 +197,9 @@ class DeviceDecisions:
         """After the step's upload, before its forward: each window's entries from its flag."""
         b = self.w.st.buffers
         b.row_slot[self.rows, self.sites] = torch.where(self.flags.index_select(0, self.q), self.on, self.off)
+        if self.live_vec is not None:  # proportional: the payload at the decided scale, in fp32
+            s32 = self.scales.index_select(0, self.live_q).to(torch.float32)
+            b.slot_c.index_copy_(0, self.live, self.live_vec * s32[:, None])
 
     def consume(self, ordinal: int) -> None:
         """The step about to be launched applies the last read-back's decisions."""
@@ -191,7 +234,12 @@ class DeviceDecisions:
                     dr.errors.append(msg)
                 ok = False
             if r.applied_step is not None and dev != 0.0:
-                acts.append((self.crc_on[i], pos + 1, pos + 2))
+                crc = self.crc_on[i]
+                if i in self.prop:  # the crc the host path gives a proportional action (`_replay_proportional`)
+                    vcrc, tags = self.prop[i]
+                    scrc = zlib.crc32(np.float32(dev).astype("<f4").tobytes(), vcrc)
+                    crc = zlib.crc32("|".join([dr.key] + [f"{t}{scrc:08x}" for t in tags]).encode())
+                acts.append((crc, pos + 1, pos + 2))
                 dr.actions += 1
         if acts:
             w.st.planner.checksum.fold_step(acts, step=r.applied_step)

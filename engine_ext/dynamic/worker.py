@@ -466,7 +466,7 @@ class DynamicWorker:
         self.actions += len(actions)
         if ctx is not None and not flipped and windows:
             rp = self._replay = _Replay.build(self, ctx, windows, hs)
-            if rp is not None and self.device_decisions and not rp.prop:
+            if rp is not None and self.device_decisions:
                 self._settle()  # the table starts from the states after this step's decisions
                 try:
                     rp.dev = DeviceDecisions(self, rp, hs)
@@ -1041,28 +1041,31 @@ class _Replay:
                 applied = (0.0,)
             if applied != scales or (scales[0] != 0.0) != bool(acts) or len(acts) > 1:
                 return None
-            if acts:
-                act_idx.append(j)
-                act_crcs.append(acts[0][0])
-            sites = w._layout(dr, scales)[0] if acts else ()
             if pol.mode == "proportional":
-                if not acts or (snap[row0, list(sites)] != -1).any():
-                    return None  # a scale of 0 (no action), or static steering under the action
+                # it acts at every repeated step (a new scale of 0 falls back): at its policy's sites
                 pol_ = dr.policies[0]
-                if tuple(sorted(site for site in pol_.sites if owns_site(site))) != sites:
-                    return None
+                sites = tuple(sorted(site for site in pol_.sites if owns_site(site)))
+                if (snap[row0, list(sites)] != -1).any() or (acts and w._layout(dr, scales)[0] != sites):
+                    return None  # static steering under the action
+                act_idx.append(j)
+                act_crcs.append(acts[0][0] if acts else 0)
                 # the payload's crc: `f32(scale)`'s bytes continued from the vector's (`_Policy.parts`)
                 vcrc = zlib.crc32(np.ascontiguousarray(pol_.vec, "<f4").tobytes())
                 prop.append((dr, st, vcrc, [f"{site}:" for site in sites]))
                 act_prop.append(len(act_idx) - 1)
                 p_rows += [row0] * len(sites)
                 p_sites += sites
-                prop_held += [int(hs[row0, site]) for site in sites]
+                if acts:
+                    prop_held += [int(hs[row0, site]) for site in sites]
                 lo.append(np.nan)
                 hi.append(np.nan)
             else:
                 if not dr.speculable:
                     return None
+                if acts:
+                    act_idx.append(j)
+                    act_crcs.append(acts[0][0])
+                sites = w._layout(dr, scales)[0] if acts else ()
                 ahead_idx.append(j)
                 ahead_scales.append(scales)
                 if st.engaged:
