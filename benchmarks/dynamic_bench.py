@@ -43,7 +43,7 @@ def main():
                          "(variant@prepare_inputs; the default finishes it right before the forward)")
     ap.add_argument("--ab-replay", action="store_true",
                     help="also run each dynamic variant with steady decode steps planned request by request "
-                         "(variant@no_replay; the default repeats them: engine_ext.dynamic.worker._Replay)")
+                         "(variant@no_replay; the default repeats them: engine_ext.dynamic.replay.Replay)")
     ap.add_argument("--ab-device", action="store_true",
                     help="also run each dynamic variant with threshold decisions taken on the device "
                          "(variant@device: engine_ext.dynamic.device_decisions, opt-in)")

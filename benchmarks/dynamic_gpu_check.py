@@ -94,7 +94,7 @@ def main():
     same = all(a.intervention.dynamic["trace"] == b.intervention.dynamic["trace"] and a.token_ids == b.token_ids
                for a, b in zip(*runs))
     check("repeatable", same)
-    # one policy per request: steady decode steps repeat the last step's plan (`_Replay`), and with
+    # one policy per request: steady decode steps repeat the last step's plan (`Replay`), and with
     # decisions on the device (`device_decisions`) no step waits for the scores;
     # each mode must give the tokens, traces and action counts of planning request by request
     def replayed():

@@ -41,7 +41,7 @@ def variants(v: np.ndarray) -> dict:
 
 def run(dyn, steps: int, replay: bool = True) -> dict:
     """One batch: register, prefill step, `steps` decode steps; median us per call. `replay`:
-    steady decode steps repeated (`_Replay`, the default) or planned request by request."""
+    steady decode steps repeated (`Replay`, the default) or planned request by request."""
     st = WorkerState(L, H, 8192, torch.device("cpu"), torch.float32, WorkerConfig())
     st.dynamic.replay_enabled = replay
     rng = np.random.default_rng(0)
@@ -80,7 +80,7 @@ def run(dyn, steps: int, replay: bool = True) -> dict:
 
     orig_replay = st.dynamic._replay_finish
 
-    def replay_finish(*a, **k):  # a repeated step (`_Replay`) waits here instead
+    def replay_finish(*a, **k):  # a repeated step (`Replay`) waits here instead
         wait.append(time.perf_counter_ns())
         return orig_replay(*a, **k)
 

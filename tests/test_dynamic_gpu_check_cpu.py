@@ -1,6 +1,6 @@
 """`benchmarks/dynamic_gpu_check.py` on the CPU engine (it is the GPU's check of dynamic
 steering): every check passes here too, including the single-policy runs that compare planning
-request by request, repeated steady steps (`_Replay`) and decisions taken on the device
+request by request, repeated steady steps (`Replay`) and decisions taken on the device
 (`device_decisions`, CPU tensors here), so the script cannot rot between GPU calls and the three
 modes are compared on the real engine in every `make test`."""
 

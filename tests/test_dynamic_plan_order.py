@@ -58,7 +58,7 @@ def test_traces_monitors_and_decisions_line_up_step_by_step():
         assert [e["engaged"] for e in trace] == [False] + [True] * 5
         assert res["actions"] == 5 and not res["errors"]
     # the first decode step engages (a decision that flips): planned request by request, as is the
-    # second (it builds the record); the other three repeat it (`_Replay`)
+    # second (it builds the record); the other three repeat it (`Replay`)
     assert st.dynamic.replayed_steps == 3 and st.dynamic.replay_fallbacks == 0
 
 

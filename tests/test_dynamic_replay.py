@@ -1,4 +1,4 @@
-"""Fast tier (no engine): a steady decode step repeated (`engine_ext.dynamic.worker._Replay`)
+"""Fast tier (no engine): a steady decode step repeated (`engine_ext.dynamic.replay.Replay`)
 plans exactly what planning it request by request does. The same scripted run — threshold
 policies with hysteresis, a minimum hold and a latch, a request with static steering under the
 dynamic action at two positions only, a static-only request, a request joining mid-run, one

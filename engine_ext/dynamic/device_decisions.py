@@ -1,7 +1,7 @@
 """Decisions of repeated steady decode steps taken on the device (opt-in:
 `CAUSALBOARD_DYN_DEVICE=1`; off by default until validated on a GPU).
 
-A repeated step (`worker._Replay`) normally waits for the previous forward's scores before its
+A repeated step (`replay.Replay`) normally waits for the previous forward's scores before its
 forward is launched (to check its decisions taken ahead). With decisions on the device it does
 not wait at all:
 
@@ -59,7 +59,7 @@ class _Readback:
 
 
 class DeviceDecisions:
-    """The device-side decision state of one chain of repeated steps (`worker._Replay`)."""
+    """The device-side decision state of one chain of repeated steps (`replay.Replay`)."""
 
     def __init__(self, worker: Any, rp: Any, hs: np.ndarray):
         """Acquire every window's on-slots and load the table; raises `NotEligible` when a
@@ -100,7 +100,7 @@ class DeviceDecisions:
                         rows.append(row)
                         sites.append(site)
                         on.append(slot)
-                        off.append(-1)  # `_Replay.build`: no static steering under a proportional action
+                        off.append(-1)  # `Replay.build`: no static steering under a proportional action
                         q.append(i)
                         live_slots.append(slot)
                         live_q.append(i)

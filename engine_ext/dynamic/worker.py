@@ -38,7 +38,7 @@ forward is launched.
 Positions recomputed after a preemption reuse their recorded decisions (nothing is decided twice).
 
 A steady decode step (the same requests on the same rows as the last step, one position on, one
-policy each, no gates) repeats the last step's plan (`_Replay`): its writes as arrays, its
+policy each, no gates) repeats the last step's plan (`Replay`): its writes as arrays, its
 threshold decisions checked at once, its proportional ones decided at once; anything else falls
 back to the path above, exactly. Opt-in, such steps' threshold decisions are taken on the device
 instead (`engine_ext.dynamic.device_decisions`): no wait before the forward at all.
@@ -54,7 +54,7 @@ import json
 import logging
 import os
 import zlib
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ import torch
 
 from engine_ext.dynamic.device_decisions import DeviceDecisions, NotEligible
 from engine_ext.dynamic.gates import GateSet, GateState
+from engine_ext.dynamic.replay import Replay, requests_decode_only
 from engine_ext.dynamic.policy import PolicyState
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, Policy, Probe, policy_from_wire  # noqa: F401 (re-export)
 from engine_ext.specs import spec_hash
@@ -210,13 +211,13 @@ class DynamicWorker:
         #: CUDA: the pinned buffer the scores are copied into and the copy's event (reused)
         self._host_scores: torch.Tensor | None = None
         self._score_event: Any = None
-        #: the steady decode step to repeat (`_Replay`), built by a step's finish, armed by its
+        #: the steady decode step to repeat (`Replay`), built by a step's finish, armed by its
         #: `after_forward`, consumed by the next plan; `_version` changes whenever a request or
         #: probe comes or goes (a replay built before is void)
-        self._replay: _Replay | None = None
-        self._replaying: tuple[_Replay, list[int]] | None = None
+        self._replay: Replay | None = None
+        self._replaying: tuple[Replay, list[int]] | None = None
         self._version = 0
-        #: repeat steady decode steps (`_Replay`); off: every step planned request by request
+        #: repeat steady decode steps (`Replay`); off: every step planned request by request
         #: (`CAUSALBOARD_DYN_REPLAY=0`; the same plans, decisions and checksum, only slower)
         self.replay_enabled = os.environ.get("CAUSALBOARD_DYN_REPLAY", "1") != "0"
         #: steps repeated / begun as a repeat and finished the usual way (a decision flipped)
@@ -434,7 +435,7 @@ class DynamicWorker:
     def _plan_rows_finish(self, planner: Any, hs: np.ndarray, windows: list[list], ahead: dict[int, int],
                           held_before: list[int], ctx: tuple | None = None) -> tuple[int, list]:
         """Phases 2 and 3 of `plan_rows_begin`; then, for a steady decode step (`ctx`), the
-        record of it that the next step may repeat (`_Replay.build`)."""
+        record of it that the next step may repeat (`Replay.build`)."""
         max_row = 0
         flipped = self.decide_pending(record=False, ahead=ahead)  # the previous step's decisions apply from this step
         # requests whose monitor rows were handed out (a row refused for lack of capture rows: the
@@ -465,7 +466,7 @@ class DynamicWorker:
         self.st.slots.release(held_before)
         self.actions += len(actions)
         if ctx is not None and not flipped and windows:
-            rp = self._replay = _Replay.build(self, ctx, windows, hs)
+            rp = self._replay = Replay.build(self, ctx, windows, hs)
             if rp is not None and self.device_decisions:
                 self._settle()  # the table starts from the states after this step's decisions
                 try:
@@ -476,7 +477,7 @@ class DynamicWorker:
 
     def step_monitors(self) -> list[tuple[DynRequest, int, int, int]]:
         """The monitors of the step planned last, not yet scored: (request, position, site index,
-        capture row) — for tests and tools (a repeated step keeps them in its `_Replay`)."""
+        capture row) — for tests and tools (a repeated step keeps them in its `Replay`)."""
         if self._replaying is not None:
             rp, positions = self._replaying
             return [(dr, p, site, idx) for dr, p, site, idx in
@@ -484,9 +485,9 @@ class DynamicWorker:
         return list(self._monitors)
 
     # ---- the steady decode step, repeated -----------------------------------------------------
-    def _replay_begin(self, rp: "_Replay", planner: Any, req_ids, qsl, num_computed, hs: np.ndarray,
+    def _replay_begin(self, rp: "Replay", planner: Any, req_ids, qsl, num_computed, hs: np.ndarray,
                       hc: np.ndarray, n_cap: int):
-        """Phase 1 of a step that repeats the last one (`_Replay`: the same requests on the same
+        """Phase 1 of a step that repeats the last one (`Replay`: the same requests on the same
         rows, one position further, every decision taken ahead): the same slots on the same rows,
         the same capture rows, the scales held written to `decided`, as `plan_rows_begin` would
         (its result is the same: `tests/test_dynamic_replay.py`). None, with nothing written, when
@@ -515,7 +516,7 @@ class DynamicWorker:
         self._replaying = (rp, positions)
         return rp.max_row, n_cap + rp.m_idx.size, lambda: self._replay_finish(rp, positions, planner, hs)
 
-    def _device_begin(self, rp: "_Replay", planner: Any, req_ids, qsl, num_computed, hs: np.ndarray,
+    def _device_begin(self, rp: "Replay", planner: Any, req_ids, qsl, num_computed, hs: np.ndarray,
                       hc: np.ndarray, n_cap: int):
         """A repeated step whose decisions the device takes (`device_decisions`): every window's
         on-slots written (the device rewrites each entry from its flag right after the upload),
@@ -542,7 +543,7 @@ class DynamicWorker:
         self._replay = rp
         return rp.max_row, n_cap + rp.m_idx.size, lambda: (rp.max_row, [])
 
-    def _end_device(self, rp: "_Replay") -> None:
+    def _end_device(self, rp: "Replay") -> None:
         """End a chain of steps decided on the device: every read-back waited for and taken on
         the host (so the host's states and `decided` are the device's), its slots released."""
         dev, rp.dev = rp.dev, None
@@ -561,9 +562,9 @@ class DynamicWorker:
         if rp is not None and rp.dev is not None:
             self._end_device(rp)
 
-    def _replay_finish(self, rp: "_Replay", positions: list[int], planner: Any, hs: np.ndarray) -> tuple[int, Any]:
+    def _replay_finish(self, rp: "Replay", positions: list[int], planner: Any, hs: np.ndarray) -> tuple[int, Any]:
         """Phases 2 and 3 of a repeated step: wait for the previous step's scores and check, at
-        once for the batch, that every decision taken ahead holds (`_Replay.lo`/`hi`: the scores
+        once for the batch, that every decision taken ahead holds (`Replay.lo`/`hi`: the scores
         at which a threshold policy could flip); decide the proportional policies for the batch
         (`PolicyState.decide`'s arithmetic on float64 arrays) and compose their slots. If all
         hold, the threshold windows stay as written (their actions: the last step's, one position
@@ -616,7 +617,7 @@ class DynamicWorker:
         self._replay = rp  # the next step may repeat it again (armed by `after_forward`)
         return rp.max_row, acts
 
-    def _replay_proportional(self, rp: "_Replay", scores: np.ndarray):
+    def _replay_proportional(self, rp: "Replay", scores: np.ndarray):
         """The proportional windows of a repeated step: their new scales (`PolicyState.decide`:
         `min(max_scale, max(min_scale, scale + gain * (target - score)))` in float64, Python's
         min/max order), the slots of `vector * f32(scale)` at their sites (the keys and values
@@ -987,157 +988,6 @@ class DynamicWorker:
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
                 "latched_conversations": len(self.latches), "dynamic_actions": self.actions,
                 "rejected_actions": self.rejected, "replayed_steps": self.replayed_steps}
-
-
-def requests_decode_only(qsl, req_ids) -> bool:
-    """Is every request of the step one decode row (query start locations 0, 1, ..., n)?"""
-    n = len(req_ids)
-    return n > 0 and len(qsl) == n + 1 and int(qsl[0]) == 0 and int(qsl[n]) == n
-
-
-class _Replay:
-    """A steady decode step that the next step may repeat (`DynamicWorker._replay_begin`): every
-    dynamic request of the batch one row, one policy (no gates, one probe site), its monitor row
-    freshly handed out; a threshold policy's decision taken ahead and held, a proportional one
-    acting (scale not 0) with no static steering under it. The next step repeats it when it has
-    the same requests on the same rows, each one position further, the same slots under its
-    writes (the static plan's) and no capture row taken where its monitors go; the request set,
-    the probes (`_version`) and the rejection count did not change. Its threshold decisions are
-    then checked at once (`lo`, `hi`: a score below `lo` or at or above `hi` may flip the policy
-    and makes the step fall back to the exact path; NaN: never), its proportional ones taken at
-    once (`DynamicWorker._replay_proportional`). `dev`: the chain's decisions taken on the device
-    instead (`device_decisions.DeviceDecisions`, opt-in; threshold policies only)."""
-
-    def __init__(self) -> None:
-        self.armed = False
-        self.sp: _ScorePlan | None = None
-        self.work: list | None = None
-        self.picks = np.zeros(0, np.int64)
-
-    @classmethod
-    def build(cls, w: "DynamicWorker", ctx: tuple, windows: list[list], hs: np.ndarray) -> "_Replay | None":
-        req_ids, qsl, nc, snap, n_cap0, rejected0, version0 = ctx
-        if w.rejected != rejected0 or w._version != version0 or len(w._monitors) != len(windows) or w._gated:
-            return None
-        owns_site = w.st.owns_site
-        drs, w0, lo, hi, m_sites = [], [], [], [], []
-        ahead_idx, ahead_scales, t_engaged = [], [], []  # threshold windows (decisions taken ahead)
-        act_idx, act_crcs, act_prop = [], [], []  # windows that act, in window order
-        w_rows: list[int] = []
-        w_sites: list[int] = []
-        prop: list[tuple] = []  # proportional windows: (request, state, vector crc, ["site:" in site order])
-        p_rows: list[int] = []
-        p_sites: list[int] = []
-        prop_held: list[int] = []
-        for j, ((dr, row0, p0, n, acts, _), mon) in enumerate(zip(windows, w._monitors)):
-            if (n != 1 or dr.gate is not None or len(dr.states) != 1 or len(dr.monitor_sites) != 1
-                    or mon[0] is not dr or mon[1] != p0 or mon[3] != n_cap0 + j):
-                return None
-            st = dr.states[0]
-            pol = st.policy
-            scales = (st.current_scale(),)
-            applied = dr.decided.get(p0)
-            if applied is None:
-                applied = (0.0,)
-            if applied != scales or (scales[0] != 0.0) != bool(acts) or len(acts) > 1:
-                return None
-            if pol.mode == "proportional":
-                # it acts at every repeated step (a new scale of 0 falls back): at its policy's sites
-                pol_ = dr.policies[0]
-                sites = tuple(sorted(site for site in pol_.sites if owns_site(site)))
-                if (snap[row0, list(sites)] != -1).any() or (acts and w._layout(dr, scales)[0] != sites):
-                    return None  # static steering under the action
-                act_idx.append(j)
-                act_crcs.append(acts[0][0] if acts else 0)
-                # the payload's crc: `f32(scale)`'s bytes continued from the vector's (`_Policy.parts`)
-                vcrc = zlib.crc32(np.ascontiguousarray(pol_.vec, "<f4").tobytes())
-                prop.append((dr, st, vcrc, [f"{site}:" for site in sites]))
-                act_prop.append(len(act_idx) - 1)
-                p_rows += [row0] * len(sites)
-                p_sites += sites
-                if acts:
-                    prop_held += [int(hs[row0, site]) for site in sites]
-                lo.append(np.nan)
-                hi.append(np.nan)
-            else:
-                if not dr.speculable:
-                    return None
-                if acts:
-                    act_idx.append(j)
-                    act_crcs.append(acts[0][0])
-                sites = w._layout(dr, scales)[0] if acts else ()
-                ahead_idx.append(j)
-                ahead_scales.append(scales)
-                if st.engaged:
-                    if pol.latch == "none" and not st.latched:
-                        # within a minimum hold a low score does not release it: checked exactly then
-                        # (the step falls back), so `lo` may flag more than flips, never less
-                        lo.append(pol.release_at)
-                    else:
-                        lo.append(np.nan)
-                    hi.append(np.nan)
-                else:
-                    lo.append(np.nan)
-                    hi.append(pol.on)
-                if acts:
-                    t_engaged.append(dr)
-                    w_rows += [row0] * len(sites)
-                    w_sites += sites
-            drs.append(dr)
-            w0.append(row0)
-            m_sites.append(mon[2])
-        rp = cls()
-        rp.req_ids, rp.qsl, rp.nc, rp.n_cap0, rp.version = list(req_ids), qsl, nc, n_cap0, version0
-        rp.drs = drs
-        rp.ahead_idx, rp.ahead_scales = ahead_idx, ahead_scales
-        rp.engaged = t_engaged
-        rp.w0 = np.asarray(w0, np.int64)
-        rp.win_rows = rp.w0 - int(qsl[0])  # decode rows: a window's row is its batch index
-        rp.act_idx = np.asarray(act_idx, np.int64)
-        rp.act_crcs = np.asarray(act_crcs, np.int64)
-        rp.act_prop = np.asarray(act_prop, np.int64)
-        rp.snap = snap
-        rp.crc_of = dict(zip(act_idx, act_crcs))
-        rp.dev = None  # decisions on the device (`device_decisions.DeviceDecisions`), when on
-        rp.w_rows, rp.w_sites = np.asarray(w_rows, np.int64), np.asarray(w_sites, np.int64)
-        rp.w_base = snap[rp.w_rows, rp.w_sites]
-        rp.w_slots = hs[rp.w_rows, rp.w_sites].copy()
-        rp.m_rows, rp.m_sites = rp.w0, np.asarray(m_sites, np.int64)
-        rp.m_idx = (n_cap0 + np.arange(len(drs))).astype(hs.dtype)
-        rp.lo, rp.hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
-        rp.max_row = int(rp.w0.max()) + 1
-        # proportional windows: their scale moves every step (`_replay_finish` composes their slots)
-        rp.prop = prop
-        rp.p_j = np.asarray([j for j, pol in enumerate(drs) if pol.states[0].policy.mode == "proportional"], np.int64)
-        rp.p_rows, rp.p_sites = np.asarray(p_rows, np.int64), np.asarray(p_sites, np.int64)
-        if prop:
-            specs = [st.policy for _, st, _, _ in prop]
-            rp.p_gain = np.asarray([float(sp.gain) for sp in specs], np.float64)
-            rp.p_target = np.asarray([float(sp.target) for sp in specs], np.float64)
-            rp.p_min = np.asarray([float(sp.min_scale) for sp in specs], np.float64)
-            rp.p_max = np.asarray([float(sp.max_scale) for sp in specs], np.float64)
-            rp.p_vec = np.stack([np.asarray(dr.policies[0].vec, np.float32) for dr, _, _, _ in prop])
-        # the slots held across repeats: the threshold windows' (kept) and the proportional
-        # windows' (replaced every step)
-        rp.prop_held = prop_held
-        rest = Counter(w._held)
-        rest.subtract(prop_held)
-        if any(v < 0 for v in rest.values()):
-            return None
-        rp.static_held = list(rest.elements())
-        return rp
-
-    def arm(self, sp: "_ScorePlan", work: list) -> None:
-        """After the building step's forward: its score layout, if each request has one score
-        (no row gate) in window order; the next plan may then repeat the step."""
-        if len(sp.work) != len(self.drs) or sp.gate_rows:
-            return
-        picks = []
-        for (dr, from_monitor, _, pk, gp), mine in zip(sp.work, self.drs):
-            if dr is not mine or not from_monitor or gp is not None or len(pk) != 1 or pk[0] is None:
-                return
-            picks.append(pk[0])
-        self.sp, self.work, self.picks, self.armed = sp, work, np.asarray(picks, np.int64), True
 
 
 class _ScorePlan:

@@ -72,7 +72,7 @@ class CausalboardWorkerExtension:
 
     def cb_set_dyn_replay(self, on: bool) -> bool:
         """Benchmarking aid: whether steady decode steps with dynamic steering repeat the last
-        step's plan (`engine_ext.dynamic.worker._Replay`; the default) or are planned request by
+        step's plan (`engine_ext.dynamic.replay.Replay`; the default) or are planned request by
         request (the same plans, decisions and checksum). Returns the new setting."""
         st = self._cb()
         st.dynamic.replay_enabled = bool(on)
