@@ -212,3 +212,28 @@ def test_decisions_taken_on_the_device_equal_the_hosts(seed, defer, batch):
     assert r_dev == r_host
     assert c_dev["action_count"] == c_host["action_count"] > 0
     assert dev.dynamic.actions == host.dynamic.actions
+
+
+def test_a_status_read_does_not_end_a_chain_decided_on_the_device():
+    """A status read between steps takes every read-back (the host's state is current) and the
+    chain decided on the device goes on: every step after the first two is repeated, and the
+    traces and folded actions equal planning request by request."""
+    from tests.test_dynamic_plan_order import N, PROMPT, _plan, _state
+
+    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.ones(32, np.float32) * 0.1, on=-1e30)
+    runs = []
+    for device in (True, False):
+        st = _state(DynamicRequest.make([pol]))
+        st.dynamic.device_decisions, st.dynamic.replay_enabled = device, device
+        st.plan_step([f"r{i}" for i in range(N)], np.arange(0, PROMPT * N + 1, PROMPT, dtype=np.int32), np.zeros(N, np.int32))
+        st.after_forward()
+        for step in range(8):
+            _plan(st, [PROMPT + step] * N)
+            st.after_forward()
+            if step == 4:
+                status = st.dynamic.status()
+                assert status["dynamic_actions"] == N * (step + 1)  # current: every step's actions
+        runs.append((st, [st.dynamic.result(f"r{i}") for i in range(N)], st.planner.checksum.status()))
+    (dev, r_dev, c_dev), (host, r_host, c_host) = runs
+    assert dev.dynamic.replayed_steps == 8 - 2
+    assert r_dev == r_host and c_dev["action_count"] == c_host["action_count"] == N * 8

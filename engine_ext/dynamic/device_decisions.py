@@ -167,6 +167,8 @@ class DeviceDecisions:
         self.scales: torch.Tensor | None = None
         self.flags: torch.Tensor | None = None
         self.queue: list[_Readback] = []
+        #: the newest read-back's actions when the host took it before any step applied it
+        self.taken_early: tuple | None = None
         self.steps = 0
 
     # ---- per step -----------------------------------------------------------------------------
@@ -201,14 +203,26 @@ class DeviceDecisions:
             s32 = self.scales.index_select(0, self.live_q).to(torch.float32)
             b.slot_c.index_copy_(0, self.live, self.live_vec * s32[:, None])
 
+    def ready(self) -> bool:
+        """Is there a decision for the next step (the last read-back, not yet applied, whether or
+        not the host has taken it already)?"""
+        return (bool(self.queue) and self.queue[-1].applied_step is None) or self.taken_early is not None
+
     def consume(self, ordinal: int) -> None:
-        """The step about to be launched applies the last read-back's decisions."""
-        self.queue[-1].applied_step = ordinal
+        """The step about to be launched applies the last read-back's decisions (if the host took
+        them already, for a status read, their actions are folded now)."""
+        if self.taken_early is not None:
+            (acts, drs), self.taken_early = self.taken_early, None
+            self._fold(acts, drs, ordinal)
+        else:
+            self.queue[-1].applied_step = ordinal
         self.steps += 1
 
     def process(self, rp: Any, keep: int = 0) -> bool:
         """Take, on the host and in order, the decisions of every read-back but the newest `keep`
-        (waiting for each copy). Returns False on a mismatch with the device."""
+        (waiting for each copy). A read-back no step has applied yet keeps its actions for
+        `consume` (a status read between steps does not end the chain). Returns False on a
+        mismatch with the device."""
         ok = True
         while len(self.queue) > keep:
             r = self.queue.pop(0)
@@ -217,11 +231,19 @@ class DeviceDecisions:
             ok &= self._take(rp, r)
         return ok
 
+    def _fold(self, acts: list, drs: list, ordinal: int) -> None:
+        if acts:
+            self.w.st.planner.checksum.fold_step(acts, step=ordinal)
+            self.w.actions += len(acts)
+            for dr in drs:
+                dr.actions += 1
+
     def _take(self, rp: Any, r: _Readback) -> bool:
         w = self.w
         scores = r.scores.tolist()
         scales = r.scales.tolist()
         acts = []
+        acting = []
         ok = True
         for i, (dr, pos, x, dev) in enumerate(zip(rp.drs, r.positions, scores, scales)):
             w._decide(dr, pos, [x])
@@ -233,17 +255,18 @@ class DeviceDecisions:
                 if msg not in dr.errors:
                     dr.errors.append(msg)
                 ok = False
-            if r.applied_step is not None and dev != 0.0:
+            if dev != 0.0:
                 crc = self.crc_on[i]
                 if i in self.prop:  # the crc the host path gives a proportional action (`_replay_proportional`)
                     vcrc, tags = self.prop[i]
                     scrc = zlib.crc32(np.float32(dev).astype("<f4").tobytes(), vcrc)
                     crc = zlib.crc32("|".join([dr.key] + [f"{t}{scrc:08x}" for t in tags]).encode())
                 acts.append((crc, pos + 1, pos + 2))
-                dr.actions += 1
-        if acts:
-            w.st.planner.checksum.fold_step(acts, step=r.applied_step)
-            w.actions += len(acts)
+                acting.append(dr)
+        if r.applied_step is not None:
+            self._fold(acts, acting, r.applied_step)
+        else:  # taken before a step applied it: folded by that step's `consume`, if one does
+            self.taken_early = (acts, acting)
         return ok
 
     def release(self) -> None:

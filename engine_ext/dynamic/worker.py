@@ -522,7 +522,7 @@ class DynamicWorker:
         on-slots written (the device rewrites each entry from its flag right after the upload),
         the capture rows as before, nothing waited for. None when the step is not a repeat."""
         dev = rp.dev
-        if (not rp.armed or self._pending is not None or not dev.queue or dev.queue[-1].applied_step is not None
+        if (not rp.armed or self._pending is not None or not dev.ready()
                 or rp.version != self._version or planner.skip_next_action or n_cap != rp.n_cap0
                 or rp.n_cap0 + rp.m_idx.size > planner.b.max_capture_rows or not self.device_decisions
                 or not np.array_equal(qsl, rp.qsl) or not np.array_equal(num_computed, rp.nc + 1)
@@ -555,12 +555,16 @@ class DynamicWorker:
         if self._replay is rp:
             self._replay = None
 
-    def sync_device(self) -> None:
+    def sync_device(self, end: bool = True) -> None:
         """Before the host reads or changes dynamic state from outside the step loop (a result,
-        the status, a request leaving): end a chain decided on the device."""
+        a request leaving: `end`, the chain decided on the device ends; the status: every
+        read-back is taken, the chain goes on)."""
         rp = self._replay
         if rp is not None and rp.dev is not None:
-            self._end_device(rp)
+            if end:
+                self._end_device(rp)
+            elif not rp.dev.process(rp):
+                self.device_decisions = False
 
     def _replay_finish(self, rp: "Replay", positions: list[int], planner: Any, hs: np.ndarray) -> tuple[int, Any]:
         """Phases 2 and 3 of a repeated step: wait for the previous step's scores and check, at
@@ -982,7 +986,7 @@ class DynamicWorker:
 
     # ---- status -----------------------------------------------------------------------------
     def status(self) -> dict:
-        self.sync_device()
+        self.sync_device(end=False)
         self.decide_pending()
         return {"probes": sorted(n for n in self.probes if not n.startswith("~")), "requests": len(self.requests),
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
