@@ -177,17 +177,17 @@ def test_decisions_on_the_device_at_two_ranks_equal_the_host_path(one_rank, tp2)
     def repeated() -> list[int]:
         return [w["replayed_steps"] for w in sorted(tp2.dynamic_status()["workers"], key=lambda w: w["tp_rank"])]
 
-    tp2._rpc("cb_set_dyn_replay", False)
-    try:
-        host = _run(tp2, pols)
-    finally:
-        tp2._rpc("cb_set_dyn_replay", True)
+    def run_with(rpc: str, value: bool) -> list:
+        """The batch with a worker switch set, put back to its default afterwards."""
+        tp2._rpc(rpc, value)
+        try:
+            return _run(tp2, pols)
+        finally:
+            tp2._rpc(rpc, not value)
+
+    host = run_with("cb_set_dyn_replay", False)
     before = repeated()
-    tp2._rpc("cb_set_dyn_device", True)
-    try:
-        dev = _run(tp2, pols)
-    finally:
-        tp2._rpc("cb_set_dyn_device", False)
+    dev = run_with("cb_set_dyn_device", True)
     after = repeated()
     assert all(a > b for a, b in zip(after, before)), (before, after)
     assert after[0] - before[0] == after[1] - before[1]
