@@ -488,10 +488,11 @@ class DynamicWorker:
     def _replay_begin(self, rp: "Replay", planner: Any, req_ids, qsl, num_computed, hs: np.ndarray,
                       hc: np.ndarray, n_cap: int):
         """Phase 1 of a step that repeats the last one (`Replay`: the same requests on the same
-        rows, one position further, every decision taken ahead): the same slots on the same rows,
-        the same capture rows, the scales held written to `decided`, as `plan_rows_begin` would
-        (its result is the same: `tests/test_dynamic_replay.py`). None, with nothing written, when
-        the step is not such a repeat."""
+        rows, one position further): the threshold windows' slots on the same rows and their held
+        scales written to `decided` (decisions taken ahead), the same capture rows, as
+        `plan_rows_begin` would (its result is the same: `tests/test_dynamic_replay.py`); the
+        proportional windows wait for their scores (`_replay_finish`). None, with nothing
+        written, when the step is not such a repeat."""
         pend = self._pending
         if (not rp.armed or pend is None or pend[0] is not rp.work or rp.version != self._version
                 or planner.skip_next_action or n_cap != rp.n_cap0
