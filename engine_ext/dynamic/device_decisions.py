@@ -32,7 +32,6 @@ on from exactly the device's state. Only batches whose every dynamic request has
 from __future__ import annotations
 
 import logging
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 from engine_ext.dynamic.device_rule import PolicyTable
+from engine_ext.dynamic.replay import proportional_action_crc
 from engine_ext.worker.intervention_op import SlotMode
 from engine_ext.worker.slots import SlotValue
 
@@ -257,10 +257,9 @@ class DeviceDecisions:
                 ok = False
             if dev != 0.0:
                 crc = self.crc_on[i]
-                if i in self.prop:  # the crc the host path gives a proportional action (`_replay_proportional`)
+                if i in self.prop:  # the crc the host path gives a proportional action
                     vcrc, tags = self.prop[i]
-                    scrc = zlib.crc32(np.float32(dev).astype("<f4").tobytes(), vcrc)
-                    crc = zlib.crc32("|".join([dr.key] + [f"{t}{scrc:08x}" for t in tags]).encode())
+                    crc = proportional_action_crc(dr.key, tags, vcrc, np.float32(dev).astype("<f4").tobytes())
                 acts.append((crc, pos + 1, pos + 2))
                 acting.append(dr)
         if r.applied_step is not None:

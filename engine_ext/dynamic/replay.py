@@ -21,18 +21,26 @@ def requests_decode_only(qsl, req_ids) -> bool:
     return n > 0 and len(qsl) == n + 1 and int(qsl[0]) == 0 and int(qsl[n]) == n
 
 
+def proportional_action_crc(key: str, site_tags: list[str], vcrc: int, s32_bytes: bytes) -> int:
+    """The checksum crc of a proportional policy's action, as `DynamicWorker._action_plan` names it
+    (no base under it): the request key and, per site (`"site:"`), the payload's crc (`f32(scale)`'s
+    4 bytes continued from the vector's crc, `_Policy.parts`)."""
+    tail = f"{zlib.crc32(s32_bytes, vcrc):08x}"
+    return zlib.crc32("|".join([key] + [tag + tail for tag in site_tags]).encode())
+
+
 class Replay:
     """A steady decode step that the next step may repeat (`worker.DynamicWorker._replay_begin`): every
     dynamic request of the batch one row, one policy (no gates, one probe site), its monitor row
     freshly handed out; a threshold policy's decision taken ahead and held, a proportional one
-    acting (scale not 0) with no static steering under it. The next step repeats it when it has
+    with no static steering under it. The next step repeats it when it has
     the same requests on the same rows, each one position further, the same slots under its
     writes (the static plan's) and no capture row taken where its monitors go; the request set,
     the probes (`_version`) and the rejection count did not change. Its threshold decisions are
     then checked at once (`lo`, `hi`: a score below `lo` or at or above `hi` may flip the policy
     and makes the step fall back to the exact path; NaN: never), its proportional ones taken at
     once (`worker.DynamicWorker._replay_proportional`). `dev`: the chain's decisions taken on the device
-    instead (`device_decisions.DeviceDecisions`, opt-in; threshold policies only)."""
+    instead (`device_decisions.DeviceDecisions`, opt-in)."""
 
     def __init__(self) -> None:
         self.armed = False
@@ -152,6 +160,15 @@ class Replay:
             return None
         rp.static_held = list(rest.elements())
         return rp
+
+    def continues(self, version: int, planner, req_ids, qsl, num_computed, n_cap: int) -> bool:
+        """Is the step being planned this record's next one: armed by its `after_forward`, the
+        request set and probes unchanged (`version`), no test fault pending, the same capture
+        rows free, the same requests on the same rows, each one position further?"""
+        return (self.armed and self.version == version and not planner.skip_next_action
+                and n_cap == self.n_cap0 and self.n_cap0 + self.m_idx.size <= planner.b.max_capture_rows
+                and np.array_equal(qsl, self.qsl) and np.array_equal(num_computed, self.nc + 1)
+                and list(req_ids) == self.req_ids)
 
     def arm(self, sp: "_ScorePlan", work: list) -> None:
         """After the building step's forward: its score layout, if each request has one score

@@ -63,7 +63,7 @@ import torch
 
 from engine_ext.dynamic.device_decisions import DeviceDecisions, NotEligible
 from engine_ext.dynamic.gates import GateSet, GateState
-from engine_ext.dynamic.replay import Replay, requests_decode_only
+from engine_ext.dynamic.replay import Replay, proportional_action_crc, requests_decode_only
 from engine_ext.dynamic.policy import PolicyState
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, Policy, Probe, policy_from_wire  # noqa: F401 (re-export)
 from engine_ext.specs import spec_hash
@@ -494,11 +494,8 @@ class DynamicWorker:
         proportional windows wait for their scores (`_replay_finish`). None, with nothing
         written, when the step is not such a repeat."""
         pend = self._pending
-        if (not rp.armed or pend is None or pend[0] is not rp.work or rp.version != self._version
-                or planner.skip_next_action or n_cap != rp.n_cap0
-                or rp.n_cap0 + rp.m_idx.size > planner.b.max_capture_rows
-                or not np.array_equal(qsl, rp.qsl) or not np.array_equal(num_computed, rp.nc + 1)
-                or list(req_ids) != rp.req_ids):
+        if (pend is None or pend[0] is not rp.work
+                or not rp.continues(self._version, planner, req_ids, qsl, num_computed, n_cap)):
             return None
         if (not np.array_equal(hs[rp.w_rows, rp.w_sites], rp.w_base)
                 or (hs[rp.p_rows, rp.p_sites] != -1).any()
@@ -523,11 +520,8 @@ class DynamicWorker:
         on-slots written (the device rewrites each entry from its flag right after the upload),
         the capture rows as before, nothing waited for. None when the step is not a repeat."""
         dev = rp.dev
-        if (not rp.armed or self._pending is not None or not dev.ready()
-                or rp.version != self._version or planner.skip_next_action or n_cap != rp.n_cap0
-                or rp.n_cap0 + rp.m_idx.size > planner.b.max_capture_rows or not self.device_decisions
-                or not np.array_equal(qsl, rp.qsl) or not np.array_equal(num_computed, rp.nc + 1)
-                or list(req_ids) != rp.req_ids):
+        if (not self.device_decisions or self._pending is not None or not dev.ready()
+                or not rp.continues(self._version, planner, req_ids, qsl, num_computed, n_cap)):
             return None
         if not np.array_equal(hs[dev.h_rows, dev.h_sites], dev.h_off) or (hc[rp.m_rows, rp.m_sites] >= 0).any():
             return None
@@ -645,13 +639,11 @@ class DynamicWorker:
         crcs = []
         try:
             for k, (dr, _, vcrc, sites) in enumerate(prop):
-                crc = zlib.crc32(b32[4 * k: 4 * k + 4], vcrc)
-                key = ("dyn", None, (crc,), None)
+                key = ("dyn", None, (zlib.crc32(b32[4 * k: 4 * k + 4], vcrc),), None)
                 row = c[k]
                 for _ in sites:
                     acquired.append(acquire(key, lambda row=row: SlotValue(SlotMode.AFFINE, a=1.0, c=row)))
-                tail = f"{crc:08x}"
-                crcs.append(zlib.crc32("|".join([dr.key] + [site + tail for site in sites]).encode()))
+                crcs.append(proportional_action_crc(dr.key, sites, vcrc, b32[4 * k: 4 * k + 4]))
         except SlotCapacityError:
             slots.release(acquired)
             return None, [], None
