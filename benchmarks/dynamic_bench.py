@@ -104,10 +104,12 @@ def main():
                 sw[1] = want
         return {a: b for a, b in kw.items() if a not in switches}
 
-    for kw in run_kw.values():  # warm-up
+    for name, kw in run_kw.items():  # warm-up
+        t = time.perf_counter()
         eng.generate(prompts, GenerationParams(max_tokens=8, ignore_eos=True), **generate_kw(kw))
+        emit("dyn_warmup", variant=name, seconds=round(time.perf_counter() - t, 3))
     times = {k: [] for k in run_kw}
-    for _ in range(args.reps):
+    for rep in range(args.reps):
         for k, kw in run_kw.items():
             dyn = kw.get("dynamic")
             kw = generate_kw(kw)
@@ -117,6 +119,8 @@ def main():
             assert sum(len(g.token_ids) for g in gens) == args.batch * args.tokens
             if dyn is not None:
                 assert all(g.intervention.status == "ok" for g in gens), gens[0].intervention.errors
+        # one line per repetition, so a run cut short by its time limit still reports
+        emit("dyn_rep", rep=rep, seconds={k: round(ts[-1], 4) for k, ts in times.items()})
     base = statistics.median(times["vanilla"])
     for k, ts in times.items():
         m = statistics.median(ts)

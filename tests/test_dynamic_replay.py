@@ -30,6 +30,8 @@ def _policies() -> dict[str, list[Policy]]:
 
     return {"hyst": [pol(on=0.5, off=-0.5)], "hold": [pol(on=0.3, min_hold=3)],
             "latch": [pol(on=0.8, latch="request", scale=2.0)], "static_only": [],
+            "conv": [pol(on=0.4, latch="conversation", scale=1.5)],
+            "conv2": [pol(on=0.2, latch="conversation", scale=0.5)],
             "under_static": [pol(on=0.5, off=-0.5)], "late": [pol(on=0.0)],
             "prop": [pol(mode="proportional", target=0.1, gain=0.4, min_scale=-1.0, max_scale=1.5, initial_scale=0.5)],
             "prop_clamped": [pol(mode="proportional", target=0.0, gain=2.0, min_scale=0.25, max_scale=0.75,
@@ -45,7 +47,7 @@ def _score(rid: str, pos: int, seed: int) -> float:
     return float(side * (0.6 + 0.3 * rng.random()))
 
 
-BATCH = ("hyst", "hold", "latch", "static_only", "under_static", "prop", "prop_clamped")
+BATCH = ("hyst", "hold", "latch", "conv", "conv2", "static_only", "under_static", "prop", "prop_clamped")
 
 
 def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
@@ -77,7 +79,8 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
                                ModelDims(L, H, 100, 0.02), key=f"k-{rid}", named_vector_dims=lambda n: None)
         extra = program_to_extra_args(prog)
         if pols[rid]:
-            extra[DYNAMIC_ARGS_KEY] = canonical_json(DynamicRequest.make(pols[rid]).wire(()))
+            conv = {"conv": "conversation-1", "conv2": "conversation-2"}.get(rid)
+            extra[DYNAMIC_ARGS_KEY] = canonical_json(DynamicRequest.make(pols[rid], conversation_id=conv).wire(()))
         st.register(rid, extra)
         nc[rid] = 0
 
@@ -91,7 +94,8 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
         if step == 15 and "hold" in nc:
             st.finish("hold")
             del nc["hold"]
-        rewind = {"latch": 2} if step == 11 and "latch" in nc else {}  # preempted: recomputes its last two positions
+        # preempted: recomputes its last two positions (the second after a long chain of repeats)
+        rewind = {"latch": 2} if step == 11 and "latch" in nc else {"hyst": 2} if step == 21 and "hyst" in nc else {}
         rids = list(nc)
         lens = []
         for rid in rids:
@@ -127,8 +131,15 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
             st.dynamic.status()  # takes the pending decisions: the next step is planned the usual way
         for rid, n in zip(rids, lens):
             nc[rid] += n
+    st.dynamic.sync_device()  # a chain decided on the device: its read-backs taken (as `result` does)
     st.dynamic.decide_pending()
-    results = {rid: st.dynamic.result(rid) for rid in nc if rid != "static_only"}
+    # every request's decision state as the host holds it (bookkeeping done in bulk or request
+    # by request must leave the same), and the conversations latched
+    results = {f"state-{rid}": ([(s.engaged, s.held, s.latched, s.scale) for s in dr.states],
+                                sorted(dr.decided.items()), dr.last_scored, dr.actions)
+               for rid, dr in st.dynamic.requests.items()}
+    results["latches"] = [(k, sorted(v)) for k, v in st.dynamic.latches.items()]  # in LRU order
+    results.update({rid: st.dynamic.result(rid) for rid in nc if rid != "static_only"})
     results["checksum"] = st.planner.checksum.status()
     results["folded"] = sorted(folded)
     return st, tables, results
@@ -185,7 +196,7 @@ def test_a_flip_during_a_repeated_step_falls_back_exactly():
     assert sum(_drive(True, seed, False)[0].dynamic.replay_fallbacks for seed in (1, 2, 3)) >= 1
 
 
-THRESHOLD_BATCH = ("hyst", "hold", "latch", "static_only", "under_static")
+THRESHOLD_BATCH = ("hyst", "hold", "latch", "conv", "conv2", "static_only", "under_static")
 
 
 @pytest.mark.parametrize("batch", [THRESHOLD_BATCH, BATCH, ("prop", "prop_clamped", "prop_to_zero")],

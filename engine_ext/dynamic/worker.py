@@ -206,6 +206,11 @@ class DynamicWorker:
         #: decisions taken ahead that held (request, position, scores): their bookkeeping
         #: (`PolicyState.hold`, `last_scored`, trace, latches) is done by `_settle`
         self._held_decisions: list[tuple[DynRequest, int, list[float]]] = []
+        #: the same for a chain of repeated steps (`Replay`), one entry per step and not per
+        #: request: (record, positions scored [k], scores [k], proportional scales decided or
+        #: None); `_flush_chain` does their bookkeeping request by request, in bulk, whenever
+        #: anything but the next repeated step reads or changes the requests' state
+        self._chain_log: list[tuple[Replay, np.ndarray, np.ndarray, np.ndarray | None]] = []
         #: the last step's score layout (`_ScorePlan`), reused while it stays the same
         self._score_plan: _ScorePlan | None = None
         #: CUDA: the pinned buffer the scores are copied into and the copy's event (reused)
@@ -215,7 +220,7 @@ class DynamicWorker:
         #: `after_forward`, consumed by the next plan; `_version` changes whenever a request or
         #: probe comes or goes (a replay built before is void)
         self._replay: Replay | None = None
-        self._replaying: tuple[Replay, list[int]] | None = None
+        self._replaying: tuple[Replay, np.ndarray] | None = None
         self._version = 0
         #: repeat steady decode steps (`Replay`); off: every step planned request by request
         #: (`CAUSALBOARD_DYN_REPLAY=0`; the same plans, decisions and checksum, only slower)
@@ -364,7 +369,7 @@ class DynamicWorker:
         The checksum's actions are listed in batch order whatever the phase that applied them.
         The bookkeeping of the decisions that held is done after the step's forward is launched
         (`after_forward`)."""
-        self._settle()
+        self._settle(chain=False)
         rp, self._replay = self._replay, None
         if rp is not None and self.replay_enabled:
             if rp.dev is not None:
@@ -373,6 +378,7 @@ class DynamicWorker:
                 got = self._replay_begin(rp, planner, req_ids, qsl, num_computed, hs, hc, n_cap)
             if got is not None:
                 return got
+        self._settle()  # the chain's bookkeeping, before any step planned request by request
         if rp is not None and rp.dev is not None:
             self._end_device(rp)  # the host goes on from the device's decisions
         ctx = (req_ids, np.array(qsl), np.array(num_computed), hs[: int(qsl[-1])].copy(), n_cap,
@@ -481,7 +487,7 @@ class DynamicWorker:
         if self._replaying is not None:
             rp, positions = self._replaying
             return [(dr, p, site, idx) for dr, p, site, idx in
-                    zip(rp.drs, positions, rp.m_sites.tolist(), rp.m_idx.tolist())]
+                    zip(rp.drs, positions.tolist(), rp.m_sites.tolist(), rp.m_idx.tolist())]
         return list(self._monitors)
 
     # ---- the steady decode step, repeated -----------------------------------------------------
@@ -505,11 +511,9 @@ class DynamicWorker:
         rp.nc = nc = np.array(num_computed)
         hs[rp.w_rows, rp.w_sites] = rp.w_slots
         hc[rp.m_rows, rp.m_sites] = rp.m_idx
-        positions = nc[rp.win_rows].tolist()
-        for j, scales in zip(rp.ahead_idx, rp.ahead_scales):
-            rp.drs[j].decided[positions[j]] = scales
-        for dr in rp.engaged:
-            dr.actions += 1
+        positions = nc[rp.win_rows]
+        # the held scales at `positions` (`decided`) and the engaged requests' action counts are
+        # written by `_flush_chain` (or by the fall-back below) with the rest of the bookkeeping
         self._monitors, self._gated = [], []
         self._replaying = (rp, positions)
         return rp.max_row, n_cap + rp.m_idx.size, lambda: self._replay_finish(rp, positions, planner, hs)
@@ -530,7 +534,7 @@ class DynamicWorker:
         rp.nc = nc = np.array(num_computed)
         hs[dev.h_rows, dev.h_sites] = dev.h_on
         hc[rp.m_rows, rp.m_sites] = rp.m_idx
-        positions = nc[rp.win_rows].tolist()
+        positions = nc[rp.win_rows]
         planner.after_upload = dev.rewrite
         self._monitors, self._gated = [], []
         self._replaying = (rp, positions)
@@ -561,7 +565,7 @@ class DynamicWorker:
             elif not rp.dev.process(rp):
                 self.device_decisions = False
 
-    def _replay_finish(self, rp: "Replay", positions: list[int], planner: Any, hs: np.ndarray) -> tuple[int, Any]:
+    def _replay_finish(self, rp: "Replay", positions: np.ndarray, planner: Any, hs: np.ndarray) -> tuple[int, Any]:
         """Phases 2 and 3 of a repeated step: wait for the previous step's scores and check, at
         once for the batch, that every decision taken ahead holds (`Replay.lo`/`hi`: the scores
         at which a threshold policy could flip); decide the proportional policies for the batch
@@ -583,10 +587,12 @@ class DynamicWorker:
                 flips = True
         if np.any(flips):  # undo, and finish the step the usual way
             self.replay_fallbacks += 1
+            self._flush_chain()
             self._pending = (work, host, None)
             hs[rp.w_rows, rp.w_sites] = rp.w_base
-            for dr in rp.engaged:
-                dr.actions -= 1
+            positions = positions.tolist()
+            for j, scales in zip(rp.ahead_idx, rp.ahead_scales):  # the decisions taken ahead
+                rp.drs[j].decided[positions[j]] = scales
             self._monitors = self.step_monitors()
             self._replaying = None
             windows = [[dr, row, p, 1, None, None] for dr, row, p in zip(rp.drs, rp.w0.tolist(), positions)]
@@ -606,8 +612,9 @@ class DynamicWorker:
                 dr.actions += 1
             act_crcs = act_crcs.copy()
             act_crcs[rp.act_prop] = crcs
-        prev = [p - 1 for p in positions]
-        self._held_decisions.extend(zip(rp.drs, prev, [[x] for x in scores.tolist()]))
+        if self._chain_log and self._chain_log[-1][0] is not rp:
+            self._flush_chain()
+        self._chain_log.append((rp, positions - 1, scores, new if prop else None))
         acts = np.empty((rp.act_idx.size, 3), np.int64)
         acts[:, 0] = act_crcs
         acts[:, 1] = rp.nc[rp.win_rows[rp.act_idx]]
@@ -834,17 +841,17 @@ class DynamicWorker:
         status is read), so on a GPU the host keeps running ahead of the forward until the next
         step's plan needs them. The bookkeeping of the decisions this step's plan took ahead is
         done first (the forward they steer is launched already)."""
-        self.decide_pending()
+        self.decide_pending(chain=False)
         rpl, self._replaying = self._replaying, None
         if rpl is not None:  # a repeated step: the last step's layout, one position further
             rp, positions = rpl
             flat = self._scores(rp.sp, True, False)
             if rp.dev is not None:  # decided on the device, read back later
-                if not rp.dev.after_forward(rp, positions, flat):
+                if not rp.dev.after_forward(rp, positions.tolist(), flat):
                     self.device_decisions = False
                 rp.armed = True
                 return
-            work = [(dr, pos, picks, gp) for (dr, _, _, picks, gp), pos in zip(rp.sp.work, positions)]
+            work = _ReplayWork(rp.sp.work, positions)
             rp.work, rp.armed = work, True
             self._start_copy(work, flat)
             return
@@ -898,13 +905,16 @@ class DynamicWorker:
         else:  # CPU: the scores are computed already; the decisions are still taken when needed (same path)
             self._pending = (work, flat, None)
 
-    def decide_pending(self, record: bool = True, ahead: dict[int, int] | None = None) -> set[int]:
+    def decide_pending(self, record: bool = True, ahead: dict[int, int] | None = None, chain: bool = True) -> set[int]:
         """Take the decisions of the last scored step (waits for its scores' copy). A decision
         taken ahead (`ahead`, from `_speculate`) is checked: if every policy holds, its bookkeeping
         is queued for `_settle`; else it is taken here (it overwrites the scales written ahead).
-        With `record`, everything queued is settled too (the step's `finish` leaves that for later).
+        With `record`, everything queued is settled too (the step's `finish` leaves that for later;
+        `chain=False`: a chain of repeated steps' bookkeeping stays queued, `_flush_chain`).
         Returns the ids of the requests whose decision taken ahead did not hold."""
         flipped: set[int] = set()
+        if chain:  # a chain's bookkeeping comes before any decision taken request by request
+            self._flush_chain()
         if self._pending is not None:
             work, host, event = self._pending
             self._pending = None
@@ -925,16 +935,57 @@ class DynamicWorker:
                 self._decide(dr, pos, [None if pick is None else flat[pick] for pick in picks],
                              None if gp is None else (flat[gp], flat[gp + 1]))
         if record:
-            self._settle()
+            self._settle(chain)
         return flipped
 
-    def _settle(self) -> None:
+    def _settle(self, chain: bool = True) -> None:
         """The bookkeeping of the decisions taken ahead that held (`_decide` with `held`), in
-        the order taken."""
+        the order taken: a chain of repeated steps' first (`_flush_chain`; `chain=False` leaves
+        it queued: only the next repeated step may come before it)."""
+        if chain:
+            self._flush_chain()
         if self._held_decisions:
             held, self._held_decisions = self._held_decisions, []
             for dr, pos, scores in held:
                 self._decide(dr, pos, scores, held=True)
+
+    def _flush_chain(self) -> None:
+        """The bookkeeping of a chain of repeated steps' decisions that held, request by request
+        for all of its steps at once: what `_decide(..., held=True)` does for each request and
+        position in turn (`tests/test_dynamic_replay.py` compares both), written in bulk. In a
+        chain every request has one policy that holds at every step (a threshold policy stays
+        engaged or released: its threshold and scale do not change; a proportional one's scale
+        is each step's, logged), and each step scores each request one position further."""
+        if not self._chain_log:
+            return
+        log, self._chain_log = self._chain_log, []
+        rp = log[0][0]
+        n = len(log)
+        pos = np.stack([e[1] for e in log], axis=1).tolist()  # [request][step]
+        sc = np.stack([e[2] for e in log], axis=1).tolist()
+        prop_scales = (np.stack([e[3] for e in log], axis=1).tolist() if log[0][3] is not None else None)
+        prop_k = {int(j): k for k, j in enumerate(rp.p_j.tolist())}
+        engaged = {id(dr) for dr in rp.engaged}
+        for j, dr in enumerate(rp.drs):
+            ps, xs = pos[j], sc[j]
+            st = dr.states[0]
+            first = dr.decided.get(ps[0])
+            app0 = first[0] if first is not None else 0.0
+            if j in prop_k:  # proportional: each step's scale (set on the state at its step)
+                new = prop_scales[prop_k[j]]
+                dr.trace[0].extend(zip(ps, xs, [st.policy.target] * n, [app0] + new[:-1]))
+                dr.decided.update(zip([p + 1 for p in ps], [(s,) for s in new]))
+            else:  # threshold, held: the same threshold and scale throughout
+                scale = st.current_scale()
+                dr.trace[0].extend(zip(ps, xs, [st.threshold()] * n, [app0] + [scale] * (n - 1)))
+                dr.decided.update(zip([p + 1 for p in ps], [(scale,)] * n))
+                if st.engaged:
+                    st.held += n
+                if id(dr) in engaged:
+                    dr.actions += n
+            dr.last_scored = max(dr.last_scored, ps[-1])
+            if st.latched and dr.policies[0].spec.latch == "conversation" and dr.conversation_id is not None:
+                self._latch(dr.conversation_id, dr.policies[0].ident)
 
     def _decide(self, dr: DynRequest, pos: int, scores: list[float | None],
                 row_gate: tuple[float, float] | None = None, held: bool = False) -> None:
@@ -1043,6 +1094,22 @@ class _ScorePlan:
     def current(self, probes: dict[str, _Probe]) -> bool:
         """Are the probes the layout read still the registered ones?"""
         return all(probes.get(name) is pr for name, pr in self.probes)
+
+
+class _ReplayWork:
+    """A repeated step's pending work, `(request, position, picks, row gate pick)` per request as
+    `_start_copy` takes it, built only when something iterates it (a fall-back or a read between
+    steps; a chain's steps take their decisions from arrays)."""
+
+    __slots__ = ("work", "positions", "_items")
+
+    def __init__(self, work: list, positions: np.ndarray):
+        self.work, self.positions, self._items = work, positions, None
+
+    def __iter__(self):
+        if self._items is None:
+            self._items = [(dr, pos, picks, gp) for (dr, _, _, picks, gp), pos in zip(self.work, self.positions.tolist())]
+        return iter(self._items)
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
