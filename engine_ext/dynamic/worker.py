@@ -882,7 +882,9 @@ class DynamicWorker:
         b = self.st.buffers
         blocks = []
         if monitors:
-            vals = _rows(b.cap_x, sp.cap_rows).float() + _rows(b.cap_r, sp.cap_rows).float()  # [m, H]
+            # [m, H] in fp32: x + r (r converted exactly inside the add: one launch fewer than
+            # converting it first; a copy, so the capture buffer itself is never written)
+            vals = _rows(b.cap_x, sp.cap_rows).to(torch.float32, copy=True).add_(_rows(b.cap_r, sp.cap_rows))
             for pr, rows in sp.probe_rows:
                 blocks.append((_rows(vals, rows) @ pr.w.T + pr.b).flatten())
         if gated:  # the row gates' (score, g) the op wrote for the gated rows, after the scores
