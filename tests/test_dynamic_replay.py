@@ -213,6 +213,8 @@ def test_decisions_taken_on_the_device_equal_the_hosts(seed, defer, batch):
     host, t_host, r_host = _drive(False, seed, defer, batch=batch)
     assert dev.dynamic.device_decisions, "a device decision differed from the host's"
     assert dev.dynamic.replayed_steps >= 3
+    # read-backs where every decision held are taken as arrays (the rest request by request)
+    assert dev.dynamic.device_held_reads >= (10 if batch[0] == "prop" else 3), dev.dynamic.device_held_reads
     for step, ((hs_a, hc_a), (hs_b, hc_b)) in enumerate(zip(t_dev, t_host)):
         assert np.array_equal(hs_a, hs_b), step
         assert np.array_equal(hc_a, hc_b), step

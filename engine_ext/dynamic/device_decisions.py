@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_ext.dynamic import device_kernels
 from engine_ext.dynamic.device_rule import PolicyTable
 from engine_ext.dynamic.replay import proportional_action_crc
 from engine_ext.worker.intervention_op import SlotMode
@@ -50,9 +51,9 @@ logger = logging.getLogger("causalboard.dynamic")
 class _Readback:
     """One step's scores and decided scales on their way to the host."""
 
-    positions: list[int]  # the position each window scored
-    scores: torch.Tensor  # [k] fp32 (host; pinned on CUDA)
-    scales: torch.Tensor  # [k] float64: the scale each window's policy has at the next position
+    positions: np.ndarray  # the position each window scored
+    scores: np.ndarray  # [k] float64 (exact fp32 scores; a view of a pinned buffer on CUDA)
+    scales: np.ndarray  # [k] float64: the scale each window's policy has at the next position
     event: Any  # CUDA event (None on CPU)
     #: the checksum ordinal of the step that applied these decisions (None: no step did)
     applied_step: int | None = None
@@ -163,9 +164,18 @@ class DeviceDecisions:
         self.table = table.to(dev)
         self.idx = torch.arange(k, device=dev)
         self.picks: torch.Tensor | None = None
-        #: each window's scale and whether it acts at the next step (device), set by `after_forward`
-        self.scales: torch.Tensor | None = None
-        self.flags: torch.Tensor | None = None
+        #: each window's scale at the next step (device), written by `after_forward`'s decision
+        self.scales = torch.zeros(k, dtype=torch.float64, device=dev)
+        #: (score, scale) per window for the host: one device buffer, copied into a ring of
+        #: pinned host buffers (a read-back is taken at most 2 steps later: 4 never collide)
+        self.rb = torch.zeros(2 * k, dtype=torch.float64, device=dev)
+        self.k = k
+        if dev.type == "cuda":
+            self.ring = [torch.empty(2 * k, dtype=torch.float64, pin_memory=True) for _ in range(4)]
+            self.events = [torch.cuda.Event() for _ in range(4)]
+        self.n_rb = 0
+        self._expect(rp)
+        self.crc_arr = np.asarray(self.crc_on, np.int64)
         self.queue: list[_Readback] = []
         #: the newest read-back's actions when the host took it before any step applied it
         self.taken_early: tuple | None = None
@@ -180,28 +190,26 @@ class DeviceDecisions:
         ok = self.process(rp, keep=1)
         if self.picks is None:
             self.picks = torch.as_tensor(np.asarray(rp.picks, np.int64), device=self.device)
-        scores = flat.index_select(0, self.picks)
-        scales = self.table.decide(self.idx, scores)
-        self.scales, self.flags = scales, scales != 0.0
+        device_kernels.decide(self.table, self.idx, flat, self.picks, self.scales, self.rb)
+        k = self.k
         if self.device.type == "cuda":
-            hs_ = torch.empty(scores.shape, dtype=torch.float32, device="cpu", pin_memory=True)
-            hd = torch.empty(scales.shape, dtype=torch.float64, device="cpu", pin_memory=True)
-            hs_.copy_(scores, non_blocking=True)
-            hd.copy_(scales, non_blocking=True)
-            ev = torch.cuda.Event()
+            j = self.n_rb % 4
+            host, ev = self.ring[j], self.events[j]
+            host.copy_(self.rb, non_blocking=True)
             ev.record()
-            self.queue.append(_Readback(positions, hs_, hd, ev))
         else:
-            self.queue.append(_Readback(positions, scores.float().clone(), scales.clone(), None))
+            host, ev = self.rb.clone(), None
+        self.n_rb += 1
+        arr = host.numpy()
+        self.queue.append(_Readback(np.asarray(positions), arr[:k], arr[k:], ev))
         return ok
 
     def rewrite(self) -> None:
         """After the step's upload, before its forward: each window's entries from its flag."""
         b = self.w.st.buffers
-        b.row_slot[self.rows, self.sites] = torch.where(self.flags.index_select(0, self.q), self.on, self.off)
-        if self.live_vec is not None:  # proportional: the payload at the decided scale, in fp32
-            s32 = self.scales.index_select(0, self.live_q).to(torch.float32)
-            b.slot_c.index_copy_(0, self.live, self.live_vec * s32[:, None])
+        # proportional entries: the payload at the decided scale, in fp32
+        device_kernels.rewrite(b.row_slot, self.rows, self.sites, self.q, self.on, self.off, self.scales,
+                               b.slot_c, self.live, self.live_q, self.live_vec)
 
     def ready(self) -> bool:
         """Is there a decision for the next step (the last read-back, not yet applied, whether or
@@ -232,20 +240,89 @@ class DeviceDecisions:
         return ok
 
     def _fold(self, acts: list, drs: list, ordinal: int) -> None:
-        if acts:
+        if len(acts):
             self.w.st.planner.checksum.fold_step(acts, step=ordinal)
             self.w.actions += len(acts)
             for dr in drs:
                 dr.actions += 1
 
+    def _expect(self, rp: Any) -> None:
+        """What the host expects of the next read-back while no policy flips, from the requests'
+        states: each window's scale (`cur`), the scores at which a threshold policy could flip
+        (`lo`, `hi`, as `Replay.build`), the proportional windows' constants."""
+        k = len(rp.drs)
+        nan = np.nan
+        self.cur = np.zeros(k)
+        self.lo, self.hi = np.full(k, nan), np.full(k, nan)
+        self.is_prop = np.zeros(k, bool)
+        self.gain, self.target = np.zeros(k), np.zeros(k)
+        self.smin, self.smax = np.zeros(k), np.zeros(k)
+        for i, dr in enumerate(rp.drs):
+            st = dr.states[0]
+            pol = st.policy
+            self.cur[i] = st.current_scale()
+            if pol.mode == "proportional":
+                self.is_prop[i] = True
+                self.gain[i], self.target[i] = float(pol.gain), float(pol.target)
+                self.smin[i], self.smax[i] = float(pol.min_scale), float(pol.max_scale)
+            elif st.engaged:
+                if pol.latch == "none" and not st.latched:
+                    self.lo[i] = pol.release_at  # within a minimum hold: checked exactly (slow path)
+            else:
+                self.hi[i] = pol.on
+        self.any_prop = bool(self.is_prop.any())
+
     def _take(self, rp: Any, r: _Readback) -> bool:
+        """Take one read-back on the host. While no policy flips (the scores and the device's
+        scales what the host expects: `_expect`), its bookkeeping is queued for the worker's
+        `_flush_chain` and its actions folded as arrays; else every decision is taken again
+        request by request (`DynamicWorker._decide`) and compared with the device's."""
+        x, d = r.scores, r.scales
+        if r.applied_step is not None and not ((x < self.lo) | (x >= self.hi)).any():
+            exp = self.cur.copy()
+            if self.any_prop:
+                p = self.is_prop
+                s = self.cur[p] + self.gain[p] * (self.target[p] - x[p])
+                s = np.where(s > self.smin[p], s, self.smin[p])  # max(min_scale, s)
+                exp[p] = np.where(s < self.smax[p], s, self.smax[p])  # min(max_scale, .)
+            if np.array_equal(exp, d):
+                return self._take_held(rp, r)
+        return self._take_each(rp, r)
+
+    def _take_held(self, rp: Any, r: _Readback) -> bool:
+        """A read-back that a step applied, where every decision held (or moved a proportional
+        scale as the host expects): its actions folded as one array, its bookkeeping logged."""
         w = self.w
+        w.device_held_reads += 1
+        x, d = r.scores, r.scales
+        acting = d != 0.0
+        crcs = self.crc_arr
+        if self.any_prop:
+            self.cur[self.is_prop] = d[self.is_prop]
+            crcs = crcs.copy()
+            for i in np.flatnonzero(acting & self.is_prop).tolist():
+                vcrc, tags = self.prop[i]
+                crcs[i] = proportional_action_crc(rp.drs[i].key, tags, vcrc, np.float32(d[i]).astype("<f4").tobytes())
+        pos = r.positions
+        w._log_chain(rp, pos, x.copy(), d[rp.p_j].copy() if self.any_prop else None, acting)
+        acts = np.empty((int(acting.sum()), 3), np.int64)
+        acts[:, 0] = crcs[acting]
+        acts[:, 1] = pos[acting] + 1
+        acts[:, 2] = acts[:, 1] + 1
+        if len(acts):
+            w.st.planner.checksum.fold_step(acts, step=r.applied_step)
+            w.actions += len(acts)
+        return True
+
+    def _take_each(self, rp: Any, r: _Readback) -> bool:
+        w = self.w
+        w._flush_chain()  # the chain's bookkeeping so far comes first
         scores = r.scores.tolist()
         scales = r.scales.tolist()
         acts = []
         acting = []
         ok = True
-        for i, (dr, pos, x, dev) in enumerate(zip(rp.drs, r.positions, scores, scales)):
+        for i, (dr, pos, x, dev) in enumerate(zip(rp.drs, r.positions.tolist(), scores, scales)):
             w._decide(dr, pos, [x])
             host = dr.decided[pos + 1][0]
             if host != dev and not (host != host and dev != dev):
@@ -266,6 +343,7 @@ class DeviceDecisions:
             self._fold(acts, acting, r.applied_step)
         else:  # taken before a step applied it: folded by that step's `consume`, if one does
             self.taken_early = (acts, acting)
+        self._expect(rp)  # the states may have flipped
         return ok
 
     def release(self) -> None:

@@ -208,9 +208,10 @@ class DynamicWorker:
         self._held_decisions: list[tuple[DynRequest, int, list[float]]] = []
         #: the same for a chain of repeated steps (`Replay`), one entry per step and not per
         #: request: (record, positions scored [k], scores [k], proportional scales decided or
-        #: None); `_flush_chain` does their bookkeeping request by request, in bulk, whenever
-        #: anything but the next repeated step reads or changes the requests' state
-        self._chain_log: list[tuple[Replay, np.ndarray, np.ndarray, np.ndarray | None]] = []
+        #: None, which windows acted or None: the record's engaged threshold windows);
+        #: `_flush_chain` does their bookkeeping request by request, in bulk, whenever anything
+        #: but the next repeated step reads or changes the requests' state
+        self._chain_log: list[tuple[Replay, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]] = []
         #: the last step's score layout (`_ScorePlan`), reused while it stays the same
         self._score_plan: _ScorePlan | None = None
         #: CUDA: the pinned buffer the scores are copied into and the copy's event (reused)
@@ -232,6 +233,8 @@ class DynamicWorker:
         #: `engine_ext.dynamic.device_decisions`). Opt-in (`CAUSALBOARD_DYN_DEVICE=1`) until
         #: validated on a GPU
         self.device_decisions = os.environ.get("CAUSALBOARD_DYN_DEVICE", "0") == "1"
+        #: read-backs of such steps taken as arrays (every decision held: `DeviceDecisions._take_held`)
+        self.device_held_reads = 0
         self.actions = 0
         self.rejected = 0
         self.results: dict[str, dict] = {}
@@ -612,9 +615,7 @@ class DynamicWorker:
                 dr.actions += 1
             act_crcs = act_crcs.copy()
             act_crcs[rp.act_prop] = crcs
-        if self._chain_log and self._chain_log[-1][0] is not rp:
-            self._flush_chain()
-        self._chain_log.append((rp, positions - 1, scores, new if prop else None))
+        self._log_chain(rp, positions - 1, scores, new if prop else None)
         acts = np.empty((rp.act_idx.size, 3), np.int64)
         acts[:, 0] = act_crcs
         acts[:, 1] = rp.nc[rp.win_rows[rp.act_idx]]
@@ -951,6 +952,13 @@ class DynamicWorker:
             for dr, pos, scores in held:
                 self._decide(dr, pos, scores, held=True)
 
+    def _log_chain(self, rp: "Replay", positions: np.ndarray, scores: np.ndarray, prop_scales: np.ndarray | None,
+                   acting: np.ndarray | None = None) -> None:
+        """Queue one repeated step's decisions that held (`_flush_chain`)."""
+        if self._chain_log and self._chain_log[-1][0] is not rp:
+            self._flush_chain()
+        self._chain_log.append((rp, positions, scores, prop_scales, acting))
+
     def _flush_chain(self) -> None:
         """The bookkeeping of a chain of repeated steps' decisions that held, request by request
         for all of its steps at once: what `_decide(..., held=True)` does for each request and
@@ -968,6 +976,12 @@ class DynamicWorker:
         prop_scales = (np.stack([e[3] for e in log], axis=1).tolist() if log[0][3] is not None else None)
         prop_k = {int(j): k for k, j in enumerate(rp.p_j.tolist())}
         engaged = {id(dr) for dr in rp.engaged}
+        # actions: per window, the steps whose entry says it acted (decisions on the device), else
+        # one per step for the record's engaged threshold windows (a proportional one counts its
+        # own at each repeated step)
+        counted = [e[4] for e in log if e[4] is not None]
+        acted = np.sum(counted, axis=0).tolist() if counted else None
+        n_plain = n - len(counted)
         for j, dr in enumerate(rp.drs):
             ps, xs = pos[j], sc[j]
             st = dr.states[0]
@@ -977,6 +991,7 @@ class DynamicWorker:
                 new = prop_scales[prop_k[j]]
                 dr.trace[0].extend(zip(ps, xs, [st.policy.target] * n, [app0] + new[:-1]))
                 dr.decided.update(zip([p + 1 for p in ps], [(s,) for s in new]))
+                st.scale = new[-1]
             else:  # threshold, held: the same threshold and scale throughout
                 scale = st.current_scale()
                 dr.trace[0].extend(zip(ps, xs, [st.threshold()] * n, [app0] + [scale] * (n - 1)))
@@ -984,7 +999,9 @@ class DynamicWorker:
                 if st.engaged:
                     st.held += n
                 if id(dr) in engaged:
-                    dr.actions += n
+                    dr.actions += n_plain
+            if acted is not None:
+                dr.actions += acted[j]
             dr.last_scored = max(dr.last_scored, ps[-1])
             if st.latched and dr.policies[0].spec.latch == "conversation" and dr.conversation_id is not None:
                 self._latch(dr.conversation_id, dr.policies[0].ident)
