@@ -45,8 +45,9 @@ def main():
                     help="also run each dynamic variant with steady decode steps planned request by request "
                          "(variant@no_replay; the default repeats them: engine_ext.dynamic.replay.Replay)")
     ap.add_argument("--ab-device", action="store_true",
-                    help="also run each dynamic variant with threshold decisions taken on the device "
-                         "(variant@device: engine_ext.dynamic.device_decisions, opt-in)")
+                    help="also run each dynamic variant with its decisions taken on the device and on the host "
+                         "(variant@device, variant@host: engine_ext.dynamic.device_decisions; the default "
+                         "is auto: on the device for proportional control)")
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
 
@@ -88,12 +89,12 @@ def main():
         run_kw.update({f"{k}@no_replay": {"dynamic": dyn, "replay": False} for k, dyn in variants.items()
                        if dyn is not None})
     if args.ab_device:
-        run_kw.update({f"{k}@device": {"dynamic": dyn, "device": True} for k, dyn in variants.items()
-                       if dyn is not None})
+        run_kw.update({f"{k}@{where}": {"dynamic": dyn, "device": on} for k, dyn in variants.items()
+                       if dyn is not None for where, on in (("device", True), ("host", False))})
     run_kw.update({k: {"interventions": spec} for k, spec in static.items() if not args.variants or k in keep})
     # the worker switches a variant sets (RPC only when one changes): name -> [RPC, current value, default]
     switches = {"defer": ["cb_set_defer_plan", True, True], "replay": ["cb_set_dyn_replay", True, True],
-                "device": ["cb_set_dyn_device", False, False]}
+                "device": ["cb_set_dyn_device", "auto", "auto"]}
 
     def generate_kw(kw: dict) -> dict:
         """Set the variant's switches on the workers; the rest are `generate` arguments."""

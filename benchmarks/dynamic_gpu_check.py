@@ -109,7 +109,7 @@ def main():
             gens = eng.generate(prompts, params, dynamic=DynamicRequest.make([pol]))
             modes[mode] = (gens, replayed() - before)
         eng._rpc("cb_set_dyn_replay", True)
-        eng._rpc("cb_set_dyn_device", False)
+        eng._rpc("cb_set_dyn_device", "auto")  # the default
         # the faster modes ran (threshold's plain repeat needs two steps in a row without a flip)
         check(f"single[{name}].repeated", modes["device"][1] > 0
               and (name == "threshold" or modes["replay"][1] > 0))

@@ -250,3 +250,20 @@ def test_a_status_read_does_not_end_a_chain_decided_on_the_device():
     (dev, r_dev, c_dev), (host, r_host, c_host) = runs
     assert dev.dynamic.replayed_steps == 8 - 2
     assert r_dev == r_host and c_dev["action_count"] == c_host["action_count"] == N * 8
+
+
+def test_the_device_setting_and_its_default():
+    from engine_ext.dynamic.worker import device_setting
+
+    assert [device_setting(v) for v in ("auto", "1", "0", "on", "off", True, False)] == [
+        "auto", True, False, True, False, True, False]
+    with pytest.raises(ValueError, match="expected 1, 0 or auto"):
+        device_setting("sometimes")
+    # "auto" takes decisions on the device only on a GPU (for chains with a proportional policy):
+    # on the CPU the chains repeat on the host, exactly as with the setting off
+    st = WorkerState(L, H, 256, torch.device("cpu"), torch.float32, WorkerConfig(max_capture_rows=64))
+    assert st.dynamic.device_decisions == "auto"
+    auto, _, r_auto = _drive(True, 1, False, batch=("prop", "prop_clamped"), device="auto")
+    host, _, r_host = _drive(True, 1, False, batch=("prop", "prop_clamped"), device=False)
+    assert auto.dynamic.device_held_reads == 0 and auto.dynamic.replayed_steps == host.dynamic.replayed_steps > 0
+    assert r_auto == r_host

@@ -229,10 +229,12 @@ class DynamicWorker:
         #: steps repeated / begun as a repeat and finished the usual way (a decision flipped)
         self.replayed_steps = 0
         self.replay_fallbacks = 0
-        #: take the repeated steps' threshold decisions on the device (no wait before a forward;
-        #: `engine_ext.dynamic.device_decisions`). Opt-in (`CAUSALBOARD_DYN_DEVICE=1`) until
-        #: validated on a GPU
-        self.device_decisions = os.environ.get("CAUSALBOARD_DYN_DEVICE", "0") == "1"
+        #: take the repeated steps' decisions on the device (no wait before a forward;
+        #: `engine_ext.dynamic.device_decisions`): True, False, or "auto" (the default: on a GPU,
+        #: for chains with a proportional policy, where it measured faster; threshold policies
+        #: and monitors measured as fast or faster on the host: docs/performance.md).
+        #: `CAUSALBOARD_DYN_DEVICE=1` / `0` / `auto`; turned off (False) by a mismatch
+        self.device_decisions: bool | str = device_setting(os.environ.get("CAUSALBOARD_DYN_DEVICE", "auto"))
         #: read-backs of such steps taken as arrays (every decision held: `DeviceDecisions._take_held`)
         self.device_held_reads = 0
         self.actions = 0
@@ -476,7 +478,7 @@ class DynamicWorker:
         self.actions += len(actions)
         if ctx is not None and not flipped and windows:
             rp = self._replay = Replay.build(self, ctx, windows, hs)
-            if rp is not None and self.device_decisions:
+            if rp is not None and self._decide_on_device(rp):
                 self._settle()  # the table starts from the states after this step's decisions
                 try:
                     rp.dev = DeviceDecisions(self, rp, hs)
@@ -520,6 +522,12 @@ class DynamicWorker:
         self._monitors, self._gated = [], []
         self._replaying = (rp, positions)
         return rp.max_row, n_cap + rp.m_idx.size, lambda: self._replay_finish(rp, positions, planner, hs)
+
+    def _decide_on_device(self, rp: "Replay") -> bool:
+        """Should the chain that `rp` starts take its decisions on the device?"""
+        if self.device_decisions == "auto":
+            return self.st.device.type == "cuda" and bool(rp.prop)
+        return bool(self.device_decisions)
 
     def _device_begin(self, rp: "Replay", planner: Any, req_ids, qsl, num_computed, hs: np.ndarray,
                       hc: np.ndarray, n_cap: int):
@@ -1113,6 +1121,20 @@ class _ScorePlan:
     def current(self, probes: dict[str, _Probe]) -> bool:
         """Are the probes the layout read still the registered ones?"""
         return all(probes.get(name) is pr for name, pr in self.probes)
+
+
+def device_setting(value: Any) -> bool | str:
+    """`CAUSALBOARD_DYN_DEVICE` / `cb_set_dyn_device`'s value: True, False or "auto"."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v == "auto":
+            return "auto"
+        if v in ("1", "true", "on"):
+            return True
+        if v in ("0", "false", "off", ""):
+            return False
+        raise ValueError(f"decisions on the device: expected 1, 0 or auto, got {value!r}")
+    return bool(value)
 
 
 class _ReplayWork:

@@ -78,12 +78,15 @@ class CausalboardWorkerExtension:
         st.dynamic.replay_enabled = bool(on)
         return st.dynamic.replay_enabled
 
-    def cb_set_dyn_device(self, on: bool) -> bool:
-        """Whether repeated steady steps' threshold decisions are taken on the device
-        (`engine_ext.dynamic.device_decisions`; opt-in, `CAUSALBOARD_DYN_DEVICE=1`). Returns the
+    def cb_set_dyn_device(self, on: bool | str) -> bool | str:
+        """Whether repeated steady steps' decisions are taken on the device
+        (`engine_ext.dynamic.device_decisions`): True, False or "auto" (the default,
+        `CAUSALBOARD_DYN_DEVICE`: on a GPU, for chains with a proportional policy). Returns the
         new setting."""
+        from engine_ext.dynamic.worker import device_setting
+
         st = self._cb()
-        st.dynamic.device_decisions = bool(on)
+        st.dynamic.device_decisions = device_setting(on)
         return st.dynamic.device_decisions
 
     def cb_close(self) -> bool:
