@@ -1,5 +1,6 @@
-"""Decisions of repeated steady decode steps taken on the device (opt-in:
-`CAUSALBOARD_DYN_DEVICE=1`; off by default until validated on a GPU).
+"""Decisions of repeated steady decode steps taken on the device (`CAUSALBOARD_DYN_DEVICE` /
+the RPC `cb_set_dyn_device`: 1, 0 or auto; the default, auto, uses it on a GPU for chains with a
+proportional policy, where it measured faster than the host repeat; docs/performance.md).
 
 A repeated step (`replay.Replay`) normally waits for the previous forward's scores before its
 forward is launched (to check its decisions taken ahead). With decisions on the device it does
@@ -12,21 +13,26 @@ not wait at all:
   or -1); each policy's constants and state go into a `device_rule.PolicyTable` (bit-equal to
   `PolicyState.decide`);
 * after each forward the monitored scores are computed on the device as before and the table
-  decides there (`PolicyTable.decide`): one engaged flag per window for the next position;
+  decides there (`device_kernels.decide`: one Triton kernel on CUDA, `PolicyTable.decide`'s torch
+  operations elsewhere): each window's scale at the next position;
 * the next step uploads its rows as usual and, right after the upload and before its forward,
-  rewrites the windows' entries of `row_slot` from the flags (`torch.where(acts, on, off)`) and
-  the proportional slots' `c` (no host wait, no per-request host work);
-* the host copies each step's scores and decided scales back without waiting and reads them
-  two steps later, after that step's forward is launched (`process`, a fixed number of steps
-  behind, so every rank folds in the same order): it takes the same decisions itself (`DynamicWorker._decide`:
-  traces, hold counters, latches, `decided`), checks them against the device's (a mismatch is
-  logged, reported in the request's errors and turns the mode off), and folds the actions the
-  device applied into the checksum with the ordinal of the step that applied them.
+  rewrites the windows' entries of `row_slot` from those scales (on where non-zero, else off)
+  and the proportional slots' `c` (`device_kernels.rewrite`; no host wait);
+* the host copies each step's (score, scale) pairs back without waiting (a ring of pinned
+  buffers) and reads them two steps later, after that step's forward is launched (`process`, a
+  fixed number of steps behind, so every rank folds in the same order). Where every decision is
+  what the host expects without a flip (`_take_held`: threshold scores clear of their flip
+  points, proportional scales equal to the host's float64 arithmetic on arrays) the actions are
+  folded as one array and the bookkeeping queued for the worker's `_flush_chain`; otherwise
+  (`_take_each`) the host takes every decision itself (`DynamicWorker._decide`), checks it against
+  the device's (a mismatch is logged, reported in the request's errors and turns the mode off) and
+  folds the actions the device applied with the ordinal of the step that applied them.
 
-When the chain of repeated steps ends (a request comes or goes, a preemption, a status read),
-every outstanding read-back is waited for and processed first (`drain`), so the host path goes
-on from exactly the device's state. Only batches whose every dynamic request has one policy
-(no gates) and whose record could compose every window's action take this path.
+When the chain of repeated steps ends (a request comes or goes, a preemption, a result read),
+every outstanding read-back is waited for and processed first (`DynamicWorker._end_device`), so
+the host path goes on from exactly the device's state; a status read takes them without ending
+the chain. Only batches whose every dynamic request has one policy (no gates) and whose record
+could compose every window's action take this path.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The policies' decision rule for many policy instances at once, as tensor operations: the
 building block for taking dynamic steering's decisions on the device (no host round trip between
 a step's scores and the next step's scales; docs/performance.md, "Decisions on the device").
-Used by `device_decisions` (opt-in) for the threshold policies of repeated steady steps.
+Used by `device_decisions` for the policies of repeated steady steps: the reference (and the CPU
+implementation) of the Triton kernel in `device_kernels`, which must equal it bit for bit.
 
 `PolicyTable.decide(slots, scores)` equals `policy.PolicyState.decide(score)` applied to each
 slot's state in turn, bit for bit: float64 arithmetic (a fp32 score is exact in float64, Python
