@@ -51,3 +51,19 @@ def test_stock_vllm_part_runs_and_reports():
 def test_hf_hooks_part_runs_and_reports():
     lines = _run("hf_patch.py", "--model", str(model_path()), "--device", "cpu", "--reps", "1", "--chunks", "16")
     assert any("cells_per_s" in json.dumps(ln) for ln in lines), lines
+
+
+def test_dynamic_steering_cost_bench_runs_and_reports():
+    """Issue 15's cost benchmark (`benchmarks/dynamic_bench.py`): every variant, with decisions
+    on the device and on the host, reports its ratios; the checksum stays consistent."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dynamic_bench.py"), "--device", "cpu",
+                           "--tokens", "6", "--batch", "4", "--reps", "2", "--ab-device"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
+    decode = {ln["variant"]: ln for ln in lines if ln["bench"] == "dyn_decode"}
+    assert {"vanilla", "threshold_on", "proportional", "threshold_on@device", "proportional@host"} <= set(decode)
+    assert all(ln["tok_s"] > 0 and ln["ratio_paired"] > 0 and len(ln["reps_s"]) == 2 for ln in decode.values())
+    status = [ln for ln in lines if ln["bench"] == "dyn_status"][0]
+    assert status["determinism"]["consistent"] is True

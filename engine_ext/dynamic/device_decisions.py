@@ -46,7 +46,7 @@ import torch
 
 from engine_ext.dynamic import device_kernels
 from engine_ext.dynamic.device_rule import PolicyTable
-from engine_ext.dynamic.replay import proportional_action_crc
+from engine_ext.dynamic.replay import proportional_action_crc, proportional_scales
 from engine_ext.worker.intervention_op import SlotMode
 from engine_ext.worker.slots import SlotValue
 
@@ -288,9 +288,7 @@ class DeviceDecisions:
             exp = self.cur.copy()
             if self.any_prop:
                 p = self.is_prop
-                s = self.cur[p] + self.gain[p] * (self.target[p] - x[p])
-                s = np.where(s > self.smin[p], s, self.smin[p])  # max(min_scale, s)
-                exp[p] = np.where(s < self.smax[p], s, self.smax[p])  # min(max_scale, .)
+                exp[p] = proportional_scales(self.cur[p], self.gain[p], self.target[p], x[p], self.smin[p], self.smax[p])
             if np.array_equal(exp, d):
                 return self._take_held(rp, r)
         return self._take_each(rp, r)

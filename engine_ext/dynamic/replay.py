@@ -29,6 +29,16 @@ def proportional_action_crc(key: str, site_tags: list[str], vcrc: int, s32_bytes
     return zlib.crc32("|".join([key] + [tag + tail for tag in site_tags]).encode())
 
 
+def proportional_scales(cur: np.ndarray, gain: np.ndarray, target: np.ndarray, score: np.ndarray,
+                        min_scale: np.ndarray, max_scale: np.ndarray) -> np.ndarray:
+    """`PolicyState.decide` of proportional policies on float64 arrays, bit for bit:
+    `min(max_scale, max(min_scale, scale + gain * (target - score)))`, one numpy operation per
+    arithmetic step and Python's min/max argument order (NaN: the limit)."""
+    s = cur + gain * (target - score)
+    s = np.where(s > min_scale, s, min_scale)  # max(min_scale, s)
+    return np.where(s < max_scale, s, max_scale)  # min(max_scale, .)
+
+
 class Replay:
     """A steady decode step that the next step may repeat (`worker.DynamicWorker._replay_begin`): every
     dynamic request of the batch one row, one policy (no gates, one probe site), its monitor row

@@ -63,7 +63,7 @@ import torch
 
 from engine_ext.dynamic.device_decisions import DeviceDecisions, NotEligible
 from engine_ext.dynamic.gates import GateSet, GateState
-from engine_ext.dynamic.replay import Replay, proportional_action_crc, requests_decode_only
+from engine_ext.dynamic.replay import Replay, proportional_action_crc, proportional_scales, requests_decode_only
 from engine_ext.dynamic.policy import PolicyState
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, Policy, Probe, policy_from_wire  # noqa: F401 (re-export)
 from engine_ext.specs import spec_hash
@@ -641,9 +641,7 @@ class DynamicWorker:
         prop = rp.prop
         x = scores[rp.p_j].astype(np.float64)
         cur = np.asarray([st.scale for _, st, _, _ in prop], np.float64)
-        s = cur + rp.p_gain * (rp.p_target - x)
-        s = np.where(s > rp.p_min, s, rp.p_min)  # max(min_scale, s)
-        new = np.where(s < rp.p_max, s, rp.p_max)  # min(max_scale, .)
+        new = proportional_scales(cur, rp.p_gain, rp.p_target, x, rp.p_min, rp.p_max)
         if not new.all():
             return None, [], None
         s32 = new.astype(np.float32)
