@@ -253,7 +253,7 @@ def test_a_status_read_does_not_end_a_chain_decided_on_the_device():
 
 
 def test_the_device_setting_and_its_default():
-    from engine_ext.dynamic.worker import device_setting
+    from engine_ext.dynamic.repeat_steps import device_setting
 
     assert [device_setting(v) for v in ("auto", "1", "0", "on", "off", True, False)] == [
         "auto", True, False, True, False, True, False]

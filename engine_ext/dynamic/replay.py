@@ -1,6 +1,6 @@
 """The record of a steady decode step that the next step may repeat (`Replay`), built by the
 dynamic worker at the end of a step planned request by request (`worker.DynamicWorker`) and used
-by its repeat (`_replay_begin` / `_replay_finish`) and by decisions on the device
+by its repeat (`repeat_steps.RepeatedSteps._replay_begin` / `_replay_finish`) and by decisions on the device
 (`device_decisions`)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def proportional_scales(cur: np.ndarray, gain: np.ndarray, target: np.ndarray, s
 
 
 class Replay:
-    """A steady decode step that the next step may repeat (`worker.DynamicWorker._replay_begin`): every
+    """A steady decode step that the next step may repeat (`repeat_steps.RepeatedSteps._replay_begin`): every
     dynamic request of the batch one row, one policy (no gates, one probe site), its monitor row
     freshly handed out; a threshold policy's decision taken ahead and held, a proportional one
     with no static steering under it. The next step repeats it when it has
@@ -49,7 +49,7 @@ class Replay:
     the probes (`_version`) and the rejection count did not change. Its threshold decisions are
     then checked at once (`lo`, `hi`: a score below `lo` or at or above `hi` may flip the policy
     and makes the step fall back to the exact path; NaN: never), its proportional ones taken at
-    once (`worker.DynamicWorker._replay_proportional`). `dev`: the chain's decisions taken on the device
+    once (`repeat_steps.RepeatedSteps._replay_proportional`). `dev`: the chain's decisions taken on the device
     instead (`device_decisions.DeviceDecisions`, opt-in)."""
 
     def __init__(self) -> None:

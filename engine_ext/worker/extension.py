@@ -83,7 +83,7 @@ class CausalboardWorkerExtension:
         (`engine_ext.dynamic.device_decisions`): True, False or "auto" (the default,
         `CAUSALBOARD_DYN_DEVICE`: on a GPU, for chains with a proportional policy). Returns the
         new setting."""
-        from engine_ext.dynamic.worker import device_setting
+        from engine_ext.dynamic.repeat_steps import device_setting
 
         st = self._cb()
         st.dynamic.device_decisions = device_setting(on)
