@@ -46,7 +46,7 @@ import torch
 
 from engine_ext.dynamic import device_kernels
 from engine_ext.dynamic.device_rule import PolicyTable
-from engine_ext.dynamic.replay import proportional_action_crc, proportional_scales
+from engine_ext.dynamic.replay import proportional_action_crc, proportional_scales, threshold_flip_points
 from engine_ext.worker.intervention_op import SlotMode
 from engine_ext.worker.slots import SlotValue
 
@@ -188,7 +188,7 @@ class DeviceDecisions:
         self.steps = 0
 
     # ---- per step -----------------------------------------------------------------------------
-    def after_forward(self, rp: Any, positions: list[int], flat: torch.Tensor) -> bool:
+    def after_forward(self, rp: Any, positions: Any, flat: torch.Tensor) -> bool:
         """Decide on the device from this step's scores and start their read-back; first take,
         on the host, every read-back but the newest (the one this step applied): a fixed number of
         steps behind, never depending on timing, so every rank folds the checksum in the same
@@ -271,11 +271,8 @@ class DeviceDecisions:
                 self.is_prop[i] = True
                 self.gain[i], self.target[i] = float(pol.gain), float(pol.target)
                 self.smin[i], self.smax[i] = float(pol.min_scale), float(pol.max_scale)
-            elif st.engaged:
-                if pol.latch == "none" and not st.latched:
-                    self.lo[i] = pol.release_at  # within a minimum hold: checked exactly (slow path)
             else:
-                self.hi[i] = pol.on
+                self.lo[i], self.hi[i] = threshold_flip_points(st)
         self.any_prop = bool(self.is_prop.any())
 
     def _take(self, rp: Any, r: _Readback) -> bool:

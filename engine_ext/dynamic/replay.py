@@ -39,6 +39,17 @@ def proportional_scales(cur: np.ndarray, gain: np.ndarray, target: np.ndarray, s
     return np.where(s < max_scale, s, max_scale)  # min(max_scale, .)
 
 
+def threshold_flip_points(st) -> tuple[float, float]:
+    """(lo, hi) of a threshold policy's state (`policy.PolicyState`): a score below `lo` or at or
+    above `hi` may flip it (NaN: no score does; NaN scores never flip it). Within a minimum hold a
+    low score does not release it: such scores are checked exactly by the caller's slow path, so
+    `lo` may flag more than flips, never less."""
+    pol = st.policy
+    if st.engaged:
+        return (pol.release_at if pol.latch == "none" and not st.latched else np.nan), np.nan
+    return np.nan, pol.on
+
+
 class Replay:
     """A steady decode step that the next step may repeat (`repeat_steps.RepeatedSteps._replay_begin`): every
     dynamic request of the batch one row, one policy (no gates, one probe site), its monitor row
@@ -112,17 +123,9 @@ class Replay:
                 sites = w._layout(dr, scales)[0] if acts else ()
                 ahead_idx.append(j)
                 ahead_scales.append(scales)
-                if st.engaged:
-                    if pol.latch == "none" and not st.latched:
-                        # within a minimum hold a low score does not release it: checked exactly then
-                        # (the step falls back), so `lo` may flag more than flips, never less
-                        lo.append(pol.release_at)
-                    else:
-                        lo.append(np.nan)
-                    hi.append(np.nan)
-                else:
-                    lo.append(np.nan)
-                    hi.append(pol.on)
+                lo_, hi_ = threshold_flip_points(st)
+                lo.append(lo_)
+                hi.append(hi_)
                 if acts:
                     t_engaged.append(dr)
                     w_rows += [row0] * len(sites)

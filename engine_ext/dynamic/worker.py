@@ -687,7 +687,7 @@ class DynamicWorker(RepeatedSteps):
             rp, positions = rpl
             flat = self._scores(rp.sp, True, False)
             if rp.dev is not None:  # decided on the device, read back later
-                if not rp.dev.after_forward(rp, positions.tolist(), flat):
+                if not rp.dev.after_forward(rp, positions, flat):
                     self.device_decisions = False
                 rp.armed = True
                 return
