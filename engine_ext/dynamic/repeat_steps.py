@@ -30,11 +30,12 @@ class RepeatedSteps:
     def _replay_begin(self, rp: "Replay", planner: Any, req_ids, qsl, num_computed, hs: np.ndarray,
                       hc: np.ndarray, n_cap: int):
         """Phase 1 of a step that repeats the last one (`Replay`: the same requests on the same
-        rows, one position further): the threshold windows' slots on the same rows and their held
-        scales written to `decided` (decisions taken ahead), the same capture rows, as
-        `plan_rows_begin` would (its result is the same: `tests/test_dynamic_replay.py`); the
-        proportional windows wait for their scores (`_replay_finish`). None, with nothing
-        written, when the step is not such a repeat."""
+        rows, one position further): the threshold windows' slots on the same rows (their
+        decisions taken ahead: the held scales, which `_flush_chain` writes to `decided` with the
+        rest of the bookkeeping, or the fall-back before it plans request by request), the same
+        capture rows, as `plan_rows_begin` would (its result is the same:
+        `tests/test_dynamic_replay.py`); the proportional windows wait for their scores
+        (`_replay_finish`). None, with nothing written, when the step is not such a repeat."""
         pend = self._pending
         if (pend is None or pend[0] is not rp.work
                 or not rp.continues(self._version, planner, req_ids, qsl, num_computed, n_cap)):
