@@ -260,7 +260,7 @@ def device_setting(value: Any) -> bool | str:
             return True
         if v in ("0", "false", "off", ""):
             return False
-        raise ValueError(f"decisions on the device: expected 1, 0 or auto, got {value!r}")
+        raise ValueError(f"CAUSALBOARD_DYN_DEVICE / cb_set_dyn_device (decisions on the device): expected 1, 0 or auto, got {value!r}")
     return bool(value)
 
 
