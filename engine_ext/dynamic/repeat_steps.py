@@ -44,16 +44,22 @@ class RepeatedSteps:
                 or (hs[rp.p_rows, rp.p_sites] != -1).any()
                 or (hc[rp.m_rows, rp.m_sites] >= 0).any()):
             return None
-        rp.armed = False
-        rp.nc = nc = np.array(num_computed)
         hs[rp.w_rows, rp.w_sites] = rp.w_slots
-        hc[rp.m_rows, rp.m_sites] = rp.m_idx
-        positions = nc[rp.win_rows]
         # the held scales at `positions` (`decided`) and the engaged requests' action counts are
         # written by `_flush_chain` (or by the fall-back below) with the rest of the bookkeeping
+        positions = self._repeat(rp, num_computed, hc)
+        return rp.max_row, n_cap + rp.m_idx.size, lambda: self._replay_finish(rp, positions, planner, hs)
+
+    def _repeat(self, rp: "Replay", num_computed, hc: np.ndarray) -> np.ndarray:
+        """What every repeated step does once it repeats: the record disarmed until this step's
+        `after_forward`, the monitors' capture rows, the positions each window is at (returned)."""
+        rp.armed = False
+        rp.nc = np.array(num_computed)
+        hc[rp.m_rows, rp.m_sites] = rp.m_idx
+        positions = rp.nc[rp.win_rows]
         self._monitors, self._gated = [], []
         self._replaying = (rp, positions)
-        return rp.max_row, n_cap + rp.m_idx.size, lambda: self._replay_finish(rp, positions, planner, hs)
+        return positions
 
     def _decide_on_device(self, rp: "Replay") -> bool:
         """Should the chain that `rp` starts take its decisions on the device?"""
@@ -73,14 +79,9 @@ class RepeatedSteps:
         if not np.array_equal(hs[dev.h_rows, dev.h_sites], dev.h_off) or (hc[rp.m_rows, rp.m_sites] >= 0).any():
             return None
         dev.consume(planner.checksum.step)  # this step applies the last read-back's decisions
-        rp.armed = False
-        rp.nc = nc = np.array(num_computed)
         hs[dev.h_rows, dev.h_sites] = dev.h_on
-        hc[rp.m_rows, rp.m_sites] = rp.m_idx
-        positions = nc[rp.win_rows]
+        self._repeat(rp, num_computed, hc)
         planner.after_upload = dev.rewrite
-        self._monitors, self._gated = [], []
-        self._replaying = (rp, positions)
         self.replayed_steps += 1
         self._replay = rp
         return rp.max_row, n_cap + rp.m_idx.size, lambda: (rp.max_row, [])
@@ -150,12 +151,10 @@ class RepeatedSteps:
             self.st.slots.release(rp.prop_held)
             rp.prop_held = acquired
             self._held = rp.static_held + acquired
-            for (dr, st, _, _), scale in zip(prop, new.tolist()):
-                st.scale = scale  # decided; its bookkeeping (`hold`: the same scale) is settled later
-                dr.actions += 1
+            rp.p_cur = new  # decided; the states get it with the rest of the bookkeeping
             act_crcs = act_crcs.copy()
             act_crcs[rp.act_prop] = crcs
-        self._log_chain(rp, positions - 1, scores, new if prop else None)
+        self._log_chain(rp, positions - 1, scores, new if prop else None, rp.acting)
         acts = np.empty((rp.act_idx.size, 3), np.int64)
         acts[:, 0] = act_crcs
         acts[:, 1] = rp.nc[rp.win_rows[rp.act_idx]]
@@ -172,8 +171,7 @@ class RepeatedSteps:
         when a scale is 0 (no action) or a slot cannot be had (nothing is left acquired)."""
         prop = rp.prop
         x = scores[rp.p_j].astype(np.float64)
-        cur = np.asarray([st.scale for _, st, _, _ in prop], np.float64)
-        new = proportional_scales(cur, rp.p_gain, rp.p_target, x, rp.p_min, rp.p_max)
+        new = proportional_scales(rp.p_cur, rp.p_gain, rp.p_target, x, rp.p_min, rp.p_max)
         if not new.all():
             return None, [], None
         s32 = new.astype(np.float32)
@@ -196,7 +194,7 @@ class RepeatedSteps:
         return new, acquired, crcs
 
     def _log_chain(self, rp: "Replay", positions: np.ndarray, scores: np.ndarray, prop_scales: np.ndarray | None,
-                   acting: np.ndarray | None = None) -> None:
+                   acting: np.ndarray) -> None:
         """Queue one repeated step's decisions that held (`_flush_chain`)."""
         if self._chain_log and self._chain_log[-1][0] is not rp:
             self._flush_chain()
@@ -218,13 +216,7 @@ class RepeatedSteps:
         sc = np.stack([e[2] for e in log], axis=1).tolist()
         prop_scales = (np.stack([e[3] for e in log], axis=1).tolist() if log[0][3] is not None else None)
         prop_k = {int(j): k for k, j in enumerate(rp.p_j.tolist())}
-        engaged = {id(dr) for dr in rp.engaged}
-        # actions: per window, the steps whose entry says it acted (decisions on the device), else
-        # one per step for the record's engaged threshold windows (a proportional one counts its
-        # own at each repeated step)
-        counted = [e[4] for e in log if e[4] is not None]
-        acted = np.sum(counted, axis=0).tolist() if counted else None
-        n_plain = n - len(counted)
+        acted = np.sum([e[4] for e in log], axis=0).tolist()  # per window: the steps it acted at
         for j, dr in enumerate(rp.drs):
             ps, xs = pos[j], sc[j]
             st = dr.states[0]
@@ -241,10 +233,7 @@ class RepeatedSteps:
                 dr.decided.update(zip([p + 1 for p in ps], [(scale,)] * n))
                 if st.engaged:
                     st.held += n
-                if id(dr) in engaged:
-                    dr.actions += n_plain
-            if acted is not None:
-                dr.actions += acted[j]
+            dr.actions += acted[j]
             dr.last_scored = max(dr.last_scored, ps[-1])
             if st.latched and dr.policies[0].spec.latch == "conversation" and dr.conversation_id is not None:
                 self._latch(dr.conversation_id, dr.policies[0].ident)

@@ -76,7 +76,7 @@ class Replay:
             return None
         owns_site = w.st.owns_site
         drs, w0, lo, hi, m_sites = [], [], [], [], []
-        ahead_idx, ahead_scales, t_engaged = [], [], []  # threshold windows (decisions taken ahead)
+        ahead_idx, ahead_scales = [], []  # threshold windows (decisions taken ahead)
         act_idx, act_crcs, act_prop = [], [], []  # windows that act, in window order
         w_rows: list[int] = []
         w_sites: list[int] = []
@@ -127,7 +127,6 @@ class Replay:
                 lo.append(lo_)
                 hi.append(hi_)
                 if acts:
-                    t_engaged.append(dr)
                     w_rows += [row0] * len(sites)
                     w_sites += sites
             drs.append(dr)
@@ -137,10 +136,11 @@ class Replay:
         rp.req_ids, rp.qsl, rp.nc, rp.n_cap0, rp.version = list(req_ids), qsl, nc, n_cap0, version0
         rp.drs = drs
         rp.ahead_idx, rp.ahead_scales = ahead_idx, ahead_scales
-        rp.engaged = t_engaged
         rp.w0 = np.asarray(w0, np.int64)
         rp.win_rows = rp.w0 - int(qsl[0])  # decode rows: a window's row is its batch index
         rp.act_idx = np.asarray(act_idx, np.int64)
+        rp.acting = np.zeros(len(drs), bool)  # the windows whose action each repeated step applies
+        rp.acting[rp.act_idx] = True
         rp.act_crcs = np.asarray(act_crcs, np.int64)
         rp.act_prop = np.asarray(act_prop, np.int64)
         rp.snap = snap
@@ -164,6 +164,9 @@ class Replay:
             rp.p_min = np.asarray([float(sp.min_scale) for sp in specs], np.float64)
             rp.p_max = np.asarray([float(sp.max_scale) for sp in specs], np.float64)
             rp.p_vec = np.stack([np.asarray(dr.policies[0].vec, np.float32) for dr, _, _, _ in prop])
+            #: their current scales, moved by each repeated step (the states get them from
+            #: `_flush_chain`)
+            rp.p_cur = np.asarray([st.scale for _, st, _, _ in prop], np.float64)
         # the slots held across repeats: the threshold windows' (kept) and the proportional
         # windows' (replaced every step)
         rp.prop_held = prop_held

@@ -209,10 +209,10 @@ class DynamicWorker(RepeatedSteps):
         self._held_decisions: list[tuple[DynRequest, int, list[float]]] = []
         #: the same for a chain of repeated steps (`Replay`), one entry per step and not per
         #: request: (record, positions scored [k], scores [k], proportional scales decided or
-        #: None, which windows acted or None: the record's engaged threshold windows);
+        #: None, which windows acted [k]);
         #: `_flush_chain` does their bookkeeping request by request, in bulk, whenever anything
         #: but the next repeated step reads or changes the requests' state
-        self._chain_log: list[tuple[Replay, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]] = []
+        self._chain_log: list[tuple[Replay, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
         #: the last step's score layout (`_ScorePlan`), reused while it stays the same
         self._score_plan: _ScorePlan | None = None
         #: CUDA: the pinned buffer the scores are copied into and the copy's event (reused)
