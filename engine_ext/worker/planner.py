@@ -175,6 +175,9 @@ class RequestPlan:
     cap_sites: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     cap_pos: np.ndarray = field(default_factory=lambda: _EMPTY_I64)
     cap_gen: bool = False
+    #: what the host needs of the captured rows: `CAP_PAIRS` (x and r in the model dtype, for a
+    #: stored run), `CAP_VALUES` (their fp32 sum, returned to the client), or both
+    cap_need: int = 0
     #: slots this plan holds a reference to (released when the request finishes)
     held: list[int] = field(default_factory=list)
     #: crc32 of the plan's content (slot contents by digest, sites, positions): what the
@@ -254,6 +257,7 @@ class RequestPlan:
             plan.cap_sites = np.asarray(prog.capture_sites, np.int32)
             plan.cap_pos = np.unique(np.asarray(prog.capture_pos, np.int64))
             plan.cap_gen = bool(prog.capture_gen)
+            plan.cap_need = capture_need(prog)
             described.append(("capture", tuple(plan.cap_sites.tolist()), tuple(plan.cap_pos.tolist()), plan.cap_gen))
         plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
         plan.gen_template_only = not plan.cap_gen and not (plan.cap_pos.size and plan.cap_pos[-1] >= n_prompt) and not (
@@ -266,7 +270,8 @@ class RequestPlan:
         """`build` for a program that only captures (and no global steering): no slots, and the
         tables depend on the prompt length and the capture alone, so requests of one shape share
         them (read-only) and each composes only its digest (which includes its key)."""
-        shape = (n_prompt, tuple(prog.capture_sites), np.asarray(prog.capture_pos, np.int64).tobytes(), bool(prog.capture_gen))
+        shape = (n_prompt, tuple(prog.capture_sites), np.asarray(prog.capture_pos, np.int64).tobytes(), bool(prog.capture_gen),
+                 capture_need(prog))
         hit = _CAPTURE_PLANS.get(shape)
         if hit is None:
             cap_sites = np.asarray(prog.capture_sites, np.int32)
@@ -282,7 +287,7 @@ class RequestPlan:
                                            _template_group(_EMPTY_I32, _EMPTY_I32))
         cap_sites, cap_pos, cap_gen, described, gen_only, group = hit
         plan = cls(key=key, n_prompt=n_prompt, cap_sites=cap_sites, cap_pos=cap_pos, cap_gen=cap_gen,
-                   global_version=global_version, gen_template_only=gen_only, gen_group=group)
+                   cap_need=shape[-1], global_version=global_version, gen_template_only=gen_only, gen_group=group)
         plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
         return plan
 
@@ -290,6 +295,20 @@ class RequestPlan:
         slot = slots.acquire(key, make)
         self.held.append(slot)
         return slot
+
+
+#: `RequestPlan.cap_need` bits
+CAP_PAIRS = 1
+CAP_VALUES = 2
+
+
+def capture_need(prog: WorkerProgram) -> int:
+    """What the host needs of a program's captured rows (`RequestPlan.cap_need`): the pairs
+    for a stored run (`keep_as`), the fp32 values for a result that returns them; a voided
+    program's rows are not needed at all."""
+    if prog.voided:
+        return 0
+    return (CAP_PAIRS if prog.keep_as else 0) | (CAP_VALUES if prog.return_captures else 0)
 
 
 _TEMPLATE_GROUPS: dict[bytes, int] = {}
@@ -311,23 +330,30 @@ def _template_group(sites: np.ndarray, slots: np.ndarray) -> int:
 
 
 class StepCaptures:
-    """One step's captured rows on the host, `xs` / `rs` [rows, hidden] in the model dtype, and
-    their fp32 values `x + r` (as vLLM's fused add computes them), summed once for the whole step
-    on first use and shared by the step's requests (each reads its own slice)."""
+    """One step's captured rows on the host: `xs` / `rs` [rows, hidden] in the model dtype (None
+    when no request of the step keeps its pairs) and their fp32 values `x + r` (as vLLM's fused
+    add computes them; None when no request returns them), summed once for the whole step where
+    the rows are (on the GPU, before the copy) and shared by the step's requests (each reads its
+    own slice)."""
 
     __slots__ = ("xs", "rs", "_values")
 
-    def __init__(self, xs: torch.Tensor, rs: torch.Tensor):
+    def __init__(self, xs: torch.Tensor | None, rs: torch.Tensor | None, values: torch.Tensor | None = None):
         self.xs, self.rs = xs, rs
-        self._values: torch.Tensor | None = None
+        self._values = values
 
     def values(self, base: int, k: int) -> torch.Tensor:
         """fp32 `x + r` of rows `[base, base + k)` (a view of the step's one sum)."""
         if self._values is None:
-            # a new tensor even for an fp32 model (`xs` itself is kept for stored pairs); the
-            # upcast is exact, so this equals `xs.float() + rs.float()` bit for bit
-            self._values = self.xs.to(torch.float32, copy=True).add_(self.rs)
+            self._values = fp32_sum(self.xs, self.rs)
         return self._values[base: base + k]
+
+
+def fp32_sum(xs: torch.Tensor, rs: torch.Tensor) -> torch.Tensor:
+    """`xs.float() + rs.float()` as a new tensor (also for an fp32 model: `xs` itself may be kept
+    for stored pairs), on the tensors' device: both upcasts are exact and the sum is one fp32
+    rounding, so the CPU and the GPU give the same bits."""
+    return xs.to(torch.float32, copy=True).add_(rs)
 
 
 @dataclass
@@ -339,6 +365,7 @@ class _CaptureBlock:
     positions: np.ndarray
     sites: np.ndarray
     base: int
+    need: int = CAP_PAIRS | CAP_VALUES  # `RequestPlan.cap_need`
 
 
 class StepPlanner:
@@ -364,7 +391,7 @@ class StepPlanner:
         self._blocks: list[_CaptureBlock] = []
         #: a step planned but not yet finished (`plan_step(defer=True)`)
         self._open: tuple | None = None
-        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, list[_CaptureBlock]]] = []
+        self._pending: list[tuple[Any, StepCaptures, list[_CaptureBlock]]] = []
         self.steps = 0
         self.applied_steps = 0
         #: test-only fault (`cb_debug_fault`): skip the next planned request window entirely
@@ -391,8 +418,8 @@ class StepPlanner:
         self.finish_step()  # a step left open (never launched) is closed before the next
         self.steps += 1
         self.checksum.begin_step()
-        if self._pending:
-            self.file_captures()
+        if self._pending:  # the copies that finished (never a wait here: the step's host work overlaps the GPU)
+            self.file_captures(wait=False)
         hs, hc = self.hs, self.hc
         if self.on_host and self._dirty_rows:
             hs[: self._dirty_rows] = -1
@@ -455,7 +482,7 @@ class StepPlanner:
                 if cpos.size:
                     ids = n_cap + np.arange(cpos.size * plan.cap_sites.size, dtype=np.int32).reshape(cpos.size, plan.cap_sites.size)
                     hc[(row0 + cpos - p0)[:, None], plan.cap_sites[None, :]] = ids
-                    blocks.append(_CaptureBlock(rid, cpos, plan.cap_sites, n_cap))
+                    blocks.append(_CaptureBlock(rid, cpos, plan.cap_sites, n_cap, plan.cap_need))
                     n_cap += ids.size
                 max_row = max(max_row, row0 + n)
                 actions.append((plan.digest, p0, p1))
@@ -523,32 +550,51 @@ class StepPlanner:
         self._dirty_cap_rows = max_row if captures else 0
 
     def after_forward(self) -> None:
-        """Start copying this step's captured rows to the host (filed later by `file_captures`)."""
+        """Start copying this step's captured rows to the host (filed later by `file_captures`):
+        the pairs if a request of the step keeps them, their fp32 sums (computed here, on the
+        rows' device) if one returns them."""
         if not self._blocks:
             return
         blocks, self._blocks = self._blocks, []
         k = blocks[-1].base + blocks[-1].positions.size * blocks[-1].sites.size
+        need = 0
+        for blk in blocks:
+            need |= blk.need
         b = self.b
+        x, r = b.cap_x[:k], b.cap_r[:k]
         if b.device.type == "cuda":
-            xs = torch.empty((k, b.hidden), dtype=b.dtype, device="cpu", pin_memory=True)
-            rs = torch.empty((k, b.hidden), dtype=b.dtype, device="cpu", pin_memory=True)
-            xs.copy_(b.cap_x[:k], non_blocking=True)
-            rs.copy_(b.cap_r[:k], non_blocking=True)
+            def to_host(t: torch.Tensor) -> torch.Tensor:
+                h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                return h
+
+            xs, rs = (to_host(x), to_host(r)) if need & CAP_PAIRS else (None, None)
+            vals = to_host(fp32_sum(x, r)) if need & CAP_VALUES else None
             done = torch.cuda.Event()
             done.record()
         else:
-            xs, rs, done = b.cap_x[:k].clone(), b.cap_r[:k].clone(), None
-        self._pending.append((done, xs, rs, blocks))
+            xs, rs = (x.clone(), r.clone()) if need & CAP_PAIRS else (None, None)
+            vals = fp32_sum(x, r) if need & CAP_VALUES else None
+            done = None
+        self._pending.append((done, StepCaptures(xs, rs, vals), blocks))
 
-    def file_captures(self) -> None:
-        """Wait for the pending capture copies and hand each request's block to the sink."""
-        pending, self._pending = self._pending, []
-        for done, xs, rs, blocks in pending:
-            if done is not None:
+    def has_pending(self) -> bool:
+        """Are captured rows of some step not yet filed (`file_captures`)?"""
+        return bool(self._pending)
+
+    def file_captures(self, wait: bool = True) -> None:
+        """Hand each request's captured block of the pending steps to the sink, in step order;
+        with `wait`, wait for copies still in flight, else stop at the first of them."""
+        while self._pending:
+            done, step, blocks = self._pending[0]
+            if done is not None and not done.query():
+                if not wait:
+                    return
                 done.synchronize()
-            step = StepCaptures(xs, rs)
+            self._pending.pop(0)
             for blk in blocks:
                 k = blk.positions.size * blk.sites.size
-                shape = (blk.positions.size, blk.sites.size, xs.shape[-1])
-                self.sink(blk.owner, blk.positions, blk.sites, xs[blk.base: blk.base + k].view(shape),
-                          rs[blk.base: blk.base + k].view(shape), step, blk.base)
+                shape = (blk.positions.size, blk.sites.size, self.b.hidden)
+                xs = step.xs[blk.base: blk.base + k].view(shape) if step.xs is not None else None
+                rs = step.rs[blk.base: blk.base + k].view(shape) if step.rs is not None else None
+                self.sink(blk.owner, blk.positions, blk.sites, xs, rs, step, blk.base)

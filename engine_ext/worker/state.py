@@ -69,19 +69,22 @@ MAX_CAPTURE_ROWS = 65536
 @dataclass
 class CapturedBlock:
     """One request's captured rows of one step: `xs` / `rs` [positions, sites, hidden] (host, model
-    dtype) hold position `positions[i]` at site `sites[j]`; they are rows `[base, base + k)` of
-    the step's `StepCaptures` (`step`), which sums them to fp32 once for every request of the step."""
+    dtype; None unless a request of the step keeps its pairs) hold position `positions[i]` at site
+    `sites[j]`; they are rows `[base, base + k)` of the step's `StepCaptures` (`step`), which holds
+    their fp32 sums for every request of the step."""
 
     positions: np.ndarray
     sites: np.ndarray
-    xs: torch.Tensor
-    rs: torch.Tensor
+    xs: torch.Tensor | None
+    rs: torch.Tensor | None
     step: StepCaptures
     base: int
 
     def values(self) -> torch.Tensor:
         """fp32 `x + r`, [positions, sites, hidden]."""
-        return self.step.values(self.base, self.xs.shape[0] * self.xs.shape[1]).view(self.xs.shape)
+        n, m = self.positions.size, self.sites.size
+        vals = self.step.values(self.base, n * m)
+        return vals.view(n, m, vals.shape[-1])
 
 
 @dataclass
@@ -170,6 +173,9 @@ class WorkerState:
         self.prompt_lens: dict[str, int] = {}         # every scheduled request's prompt length
         self.by_key: dict[str, RequestState] = {}
         self.results: dict[str, dict] = {}            # finished-and-collected results waiting, by key
+        #: finished requests whose result waits for capture copies still in flight, by vLLM
+        #: request id: (state, its result so far); completed by `_complete_finished`
+        self._finishing: dict[str, tuple[RequestState, dict]] = {}
         self.global_adds: list[AddOp] = []
         self.global_clamps: list[ClampOp] = []
         self.global_version = 0
@@ -199,6 +205,7 @@ class WorkerState:
         self.plans.clear()
         self.by_key.clear()
         self.results.clear()
+        self._finishing.clear()
         self.store = SourceStore(self.config.source_store_bytes)
         self.buffers = None  # type: ignore[assignment]
 
@@ -267,7 +274,7 @@ class WorkerState:
         """The request left the engine (finished or aborted): drop its state, plan and leases.
         Its results wait for `collect` (captures still in flight are filed first)."""
         if req_id in self.requests:
-            self.planner.file_captures()
+            self.planner.file_captures(wait=False)
         self.prompt_lens.pop(req_id, None)
         plan = self.plans.pop(req_id, None)
         if plan is not None:
@@ -280,10 +287,23 @@ class WorkerState:
         if self.by_key.get(st.program.key) is st:
             del self.by_key[st.program.key]
         if not st.collected:
-            self.results[st.program.key] = self._result(st)
+            prog = st.program
+            if prog.capture_sites and self.planner.has_pending() and prog.keep_as:
+                self.planner.file_captures(wait=True)  # a run to store is stored now: a request registered next finds it
+            if prog.capture_sites and self.planner.has_pending():
+                # its last rows may still be on their way: no wait for the GPU here (the step's
+                # host work overlaps the forward); the captures join the result once filed
+                out = self._result(st, captures=False)
+                self._finishing[req_id] = (st, out)
+            else:
+                out = self._result(st)
+            self.results[prog.key] = out
             if len(self.results) > MAX_UNCOLLECTED:
                 for k in list(self.results)[: len(self.results) - MAX_UNCOLLECTED]:
                     del self.results[k]
+                if self._finishing:
+                    keep = {id(v) for v in self.results.values()}
+                    self._finishing = {r: v for r, v in self._finishing.items() if id(v[1]) in keep}
         self.dynamic.finish(req_id)
 
     # ---- per step -------------------------------------------------------------------------
@@ -299,6 +319,8 @@ class WorkerState:
                         self._compose(rid)
                     else:
                         self._plan_global_only(rid)
+        if self._finishing:
+            self._complete_finished(wait=False)
         dynamic = bool(self.dynamic.requests)
         if not dynamic:
             self.dynamic.idle()
@@ -327,14 +349,29 @@ class WorkerState:
         self.dynamic.after_forward()
         self.planner.after_forward()
 
-    def _file_capture(self, req_id: str, positions: np.ndarray, sites: np.ndarray, xs: torch.Tensor, rs: torch.Tensor,
+    def _file_capture(self, req_id: str, positions: np.ndarray, sites: np.ndarray, xs: torch.Tensor | None,
+                      rs: torch.Tensor | None,
                       step: StepCaptures, base: int) -> None:
         st = self.requests.get(req_id)
+        if st is None and req_id in self._finishing:
+            st = self._finishing[req_id][0]
         if st is not None and not st.collected:
             st.captures.append(CapturedBlock(positions, sites, xs, rs, step, base))
 
     # ---- results --------------------------------------------------------------------------
-    def _result(self, st: RequestState) -> dict:
+    def _complete_finished(self, wait: bool) -> None:
+        """Add their captures to the results of finished requests (`_finishing`) once every
+        pending copy is filed (`wait`: wait for the copies in flight)."""
+        self.planner.file_captures(wait=wait)
+        if self.planner.has_pending():
+            return
+        finishing, self._finishing = self._finishing, {}
+        for st, out in finishing.values():
+            if st.program.return_captures and not st.program.voided:
+                out["captures"] = st.capture_values()
+            st.captures = []
+
+    def _result(self, st: RequestState, captures: bool = True) -> dict:
         prog = st.program
         out: dict[str, Any] = {"key": prog.key, "status": "voided" if prog.voided else "ok",
                                "errors": list(prog.errors), "n_prompt": prog.n_prompt}
@@ -349,7 +386,7 @@ class WorkerState:
                 out["evicted"] = evicted
             except SourceStoreFull as exc:
                 out["store_error"] = str(exc)
-        if prog.capture_sites and not prog.voided and prog.return_captures:
+        if captures and prog.capture_sites and not prog.voided and prog.return_captures:
             out["captures"] = st.capture_values()
         dyn = self.dynamic.result(st.req_id)
         if dyn is not None:
@@ -362,7 +399,7 @@ class WorkerState:
     def collect(self, keys: list[str]) -> dict[str, dict]:
         """Results of finished requests, by key (called by the client once per finished request).
         A request still registered (the worker has not seen its finish yet) is collected now."""
-        self.planner.file_captures()
+        self._complete_finished(wait=True)
         out = {}
         for key in keys:
             if key in self.results:
