@@ -62,7 +62,7 @@ def main():
     with open(os.path.join(args.dir, "client.json"), "w") as f:
         json.dump(report, f)
     time.sleep(1.0)  # the engine core writes its report when the flag is gone
-    eng.shutdown()
+    eng.close()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from engine_ext.bundled import BUNDLED_MODEL_NAME, BUNDLED_MODEL_PATH, bundled_m
 from engine_ext.engine.loop import EngineLoop
 from engine_ext.errors import EngineDeadError, SpecError
 from engine_ext.engine.config import EngineConfig, EngineInfo
+from engine_ext.capture_ring import RingReaders
 from engine_ext.engine.topology import (Topology, cpu_thread_binding, merge_model_info, merge_results, merge_store_info,
                                         merge_store_usage)
 from engine_ext.engine.outputs import AsyncSink, BatchSink, Prepared, QueueSink, delta_from_output
@@ -180,12 +181,33 @@ class Engine(DynamicControl):
                            "with %d ranks the scheduler cannot salt single KV blocks, so every intervened request is "
                            "salted whole (correct, without prefix reuse below its first modified position)", self.world_size)
         self._loop.merge_results = functools.partial(merge_results, topology=self._topology)
+        self._loop.rings = self._open_capture_rings()
         worker = merge_model_info(infos, self._topology)
         startup = time.perf_counter() - t0
         self._info = self._make_info(hf_config, startup, worker)
         self._dims = ModelDims(self._info.num_layers, self._info.hidden_size, self._info.vocab_size, worker["embedding_std"])
         logger.info("vLLM engine ready in %.1f s: %s", startup, self._info)
         return self
+
+    def _open_capture_rings(self) -> RingReaders | None:
+        """Have every worker hand captured values over in shared memory (`engine_ext.capture_ring`)
+        where the workers run in other processes of this host (vLLM's multiprocess engine core,
+        its `mp` executor); None (values inline in each reply) in-process, with Ray, with
+        `capture_ring_bytes=0`, or where any worker's ring cannot be created or mapped here."""
+        size = int(self.config.capture_ring_bytes or 0)
+        core = getattr(self._loop.engine, "engine_core", None)
+        if size <= 0 or type(core).__name__ == "InprocClient" or self.config.distributed_executor_backend == "ray":
+            return None
+        names = self._loop.call(lambda e: e.collective_rpc("cb_capture_ring", args=(size,))).result(timeout=RPC_TIMEOUT_S)
+        readers = RingReaders()
+        if all(names) and all(readers.open(n) for n in names):
+            logger.info("captured values reach this process through %d shared-memory ring(s) of %d MiB", len(names),
+                        size >> 20)
+            return readers
+        readers.close()
+        self._loop.call(lambda e: e.collective_rpc("cb_capture_ring", args=(0,))).result(timeout=RPC_TIMEOUT_S)
+        logger.info("captured values travel inline (no shared-memory ring: %s)", names)
+        return None
 
     def close(self) -> None:
         """Free the workers' state (device buffers, stored runs) and shut the engine down."""
@@ -196,6 +218,8 @@ class Engine(DynamicControl):
                 except Exception:  # best effort: the engine may already be failing
                     logger.debug("cb_close failed", exc_info=True)
             self._loop.shutdown()
+            if self._loop.rings is not None:
+                self._loop.rings.close()
             self._failure = self._loop.error
             self._loop = None
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from engine_ext.capture_ring import RingReaders
 from engine_ext.errors import EngineDeadError
 
 logger = logging.getLogger("causalboard.engine")
@@ -94,6 +95,8 @@ class EngineLoop:
         #: makes one result per request key of the workers' `cb_collect` replies (rank order);
         #: the facade sets it from the topology (several ranks), rank 0's reply otherwise
         self.merge_results: Callable[[list[dict[str, dict]]], dict[str, dict]] = lambda per_rank: per_rank[0]
+        #: the workers' capture rings (`engine_ext.capture_ring`), set by the facade where enabled
+        self.rings: RingReaders | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
 
@@ -317,7 +320,7 @@ class EngineLoop:
         if keys:
             from engine_ext.worker.seam import start_collective_rpc
 
-            fut = start_collective_rpc(self.engine, "cb_collect", (keys,))
+            fut = start_collective_rpc(self.engine, "cb_collect", self._collect_args(keys))
             if fut is not None:  # multiprocess: hold the finished outputs until the reply is in
                 held = [(o, self._collect.pop(o.request_id)) for o in outs if o.finished and o.request_id in self._collect]
                 self._collecting.append((fut, held))
@@ -351,7 +354,7 @@ class EngineLoop:
             per_rank = fut.result()
             self._collecting.pop(0)
             wait = False
-            results = self.merge_results(per_rank) if per_rank else {}
+            results = self._merge(per_rank)
             for out, key in held:
                 with self._lock:
                     sink = self._sinks.pop(out.request_id, None)
@@ -364,8 +367,21 @@ class EngineLoop:
 
     def _collect_results(self, keys: list[str]) -> dict[str, dict]:
         """Fetch every worker's results and merge them (`merge_results`)."""
-        per_rank = self.engine.collective_rpc("cb_collect", args=(keys,))
-        return self.merge_results(per_rank) if per_rank else {}
+        per_rank = self.engine.collective_rpc("cb_collect", args=self._collect_args(keys))
+        return self._merge(per_rank)
+
+    def _collect_args(self, keys: list[str]) -> tuple:
+        """`cb_collect`'s arguments: the keys, and the ring regions read since the last call."""
+        acks = self.rings.take_acks() if self.rings else None
+        return (keys, acks) if acks else (keys,)
+
+    def _merge(self, per_rank: list[dict[str, dict]] | None) -> dict[str, dict]:
+        """One result per key from the workers' replies, ring-held captures copied out first."""
+        if not per_rank:
+            return {}
+        if self.rings:
+            per_rank = [self.rings.materialize(r) for r in per_rank]
+        return self.merge_results(per_rank)
 
     def _close_engine(self) -> None:
         with self._lock:

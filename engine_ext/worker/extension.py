@@ -98,8 +98,13 @@ class CausalboardWorkerExtension:
         self.model_runner._cb_state_obj = None
         return True
 
-    def cb_collect(self, keys: list) -> dict:
-        return self._cb().collect(list(keys))
+    def cb_collect(self, keys: list, ring_acks: dict | None = None) -> dict:
+        return self._cb().collect(list(keys), ring_acks)
+
+    def cb_capture_ring(self, size: int) -> str | None:
+        """Hand captured values to the client through a shared-memory ring of `size` bytes (0:
+        none); the ring's name, or None (`WorkerState.enable_ring`)."""
+        return self._cb().enable_ring(int(size))
 
     def cb_status(self) -> dict:
         return self._cb().status()

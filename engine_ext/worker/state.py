@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_ext.capture_ring import CaptureRing
 from engine_ext.dynamic.worker import DYNAMIC_ARGS_KEY, DynamicWorker
 from engine_ext.program import EXTRA_ARGS_KEY, AddOp, ClampOp, WorkerProgram, clamp_op
 from engine_ext.sites import SITES_PER_LAYER
@@ -106,10 +107,12 @@ class RequestState:
                     out[(site, pos)] = (blk.xs[i, j], blk.rs[i, j])
         return out
 
-    def capture_values(self) -> dict:
+    def capture_values(self, ring: CaptureRing | None = None) -> dict:
         """The captured stream values for the client, in one block: `keys` [[site, position], ...]
         (sorted) and `data`, their fp32 values `x + r` (as vLLM's fused add computes them),
-        little-endian, row after row (a `bytearray`: an in-process client reads it without a copy)."""
+        little-endian, row after row (a `bytearray`: an in-process client reads it without a copy);
+        with a `ring` that has room, written there instead and `ring` = [name, offset, nbytes]
+        in place of `data` (`engine_ext.capture_ring`)."""
         if len(self.captures) == 1 and _increasing(self.captures[0].sites) and _increasing(self.captures[0].positions):
             # the common case (one block, sites and positions in order): keys in (site, position)
             # order are the block's rows transposed; one copy, no per-row work
@@ -119,7 +122,7 @@ class RequestState:
             vals = blk.values()
             if len(positions) > 1:
                 vals = vals.transpose(0, 1)
-            return {"keys": keys, "data": _le_bytes(vals)}
+            return {"keys": keys, **_block_data(vals, ring)}
         latest: dict[tuple[int, int], tuple[int, int, int]] = {}
         for b, blk in enumerate(self.captures):
             for i, pos in enumerate(blk.positions.tolist()):
@@ -130,11 +133,23 @@ class RequestState:
             return {"keys": [], "data": bytearray()}
         per_block = [blk.values() for blk in self.captures]
         vals = torch.stack([per_block[b][i, j] for b, i, j in (latest[k] for k in keys)])
-        return {"keys": [list(k) for k in keys], "data": _le_bytes(vals)}
+        return {"keys": [list(k) for k in keys], **_block_data(vals, ring)}
 
 
 def _increasing(a: np.ndarray) -> bool:
     return a.size < 2 or bool((a[1:] > a[:-1]).all())
+
+
+def _block_data(vals: torch.Tensor, ring: CaptureRing | None) -> dict:
+    """`{"data": bytes}` or, where the ring has room, `{"ring": [name, offset, nbytes]}`."""
+    if ring is not None:
+        n = 4 * vals.numel()
+        off = ring.alloc(n)
+        if off is not None:
+            dst = np.frombuffer(ring.buffer(off, n), dtype="<f4").reshape(vals.shape)
+            np.copyto(dst, vals.numpy())
+            return {"ring": [ring.name, off, n]}
+    return {"data": _le_bytes(vals)}
 
 
 def _le_bytes(vals: torch.Tensor) -> bytearray:
@@ -176,6 +191,8 @@ class WorkerState:
         #: finished requests whose result waits for capture copies still in flight, by vLLM
         #: request id: (state, its result so far); completed by `_complete_finished`
         self._finishing: dict[str, tuple[RequestState, dict]] = {}
+        #: shared memory for captured values handed to a client in another process (`enable_ring`)
+        self.ring: CaptureRing | None = None
         self.global_adds: list[AddOp] = []
         self.global_clamps: list[ClampOp] = []
         self.global_version = 0
@@ -206,6 +223,7 @@ class WorkerState:
         self.by_key.clear()
         self.results.clear()
         self._finishing.clear()
+        self.enable_ring(0)
         self.store = SourceStore(self.config.source_store_bytes)
         self.buffers = None  # type: ignore[assignment]
 
@@ -300,7 +318,7 @@ class WorkerState:
             self.results[prog.key] = out
             if len(self.results) > MAX_UNCOLLECTED:
                 for k in list(self.results)[: len(self.results) - MAX_UNCOLLECTED]:
-                    del self.results[k]
+                    self._free_ring(self.results.pop(k))
                 if self._finishing:
                     keep = {id(v) for v in self.results.values()}
                     self._finishing = {r: v for r, v in self._finishing.items() if id(v[1]) in keep}
@@ -368,7 +386,7 @@ class WorkerState:
         finishing, self._finishing = self._finishing, {}
         for st, out in finishing.values():
             if st.program.return_captures and not st.program.voided:
-                out["captures"] = st.capture_values()
+                out["captures"] = st.capture_values(self.ring)
             st.captures = []
 
     def _result(self, st: RequestState, captures: bool = True) -> dict:
@@ -387,7 +405,7 @@ class WorkerState:
             except SourceStoreFull as exc:
                 out["store_error"] = str(exc)
         if captures and prog.capture_sites and not prog.voided and prog.return_captures:
-            out["captures"] = st.capture_values()
+            out["captures"] = st.capture_values(self.ring)
         dyn = self.dynamic.result(st.req_id)
         if dyn is not None:
             out["dynamic"] = dyn
@@ -396,9 +414,12 @@ class WorkerState:
                 out["errors"] += [e for e in dyn["errors"] if e not in out["errors"]]
         return out
 
-    def collect(self, keys: list[str]) -> dict[str, dict]:
+    def collect(self, keys: list[str], ring_acks: dict[str, list[int]] | None = None) -> dict[str, dict]:
         """Results of finished requests, by key (called by the client once per finished request).
-        A request still registered (the worker has not seen its finish yet) is collected now."""
+        A request still registered (the worker has not seen its finish yet) is collected now.
+        `ring_acks`: the ring regions the client has read since its last call, by ring name."""
+        if ring_acks and self.ring is not None:
+            self.ring.free(ring_acks.get(self.ring.name, ()))
         self._complete_finished(wait=True)
         out = {}
         for key in keys:
@@ -412,6 +433,23 @@ class WorkerState:
             else:
                 out[key] = {"key": key, "status": "unknown", "errors": ["the worker has no record of this request"]}
         return out
+
+    def enable_ring(self, size: int) -> str | None:
+        """Hand captured values to the client through a shared-memory ring of `size` bytes
+        (`engine_ext.capture_ring`; 0: no ring, values inline). Returns the ring's name, None
+        where there is none (off, or shared memory cannot hold it)."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        if size > 0:
+            self.ring = CaptureRing.create(size)
+        return self.ring.name if self.ring is not None else None
+
+    def _free_ring(self, result: dict) -> None:
+        """Give back the ring region of a result that will never be handed out."""
+        block = result.get("captures")
+        if self.ring is not None and block and "ring" in block:
+            self.ring.free([block["ring"][1]])
 
     # ---- control plane ----------------------------------------------------------------------
     def set_global_steer(self, entries: list[dict], clamps: list[dict] | None = None) -> int:
@@ -451,5 +489,6 @@ class WorkerState:
                 "global_clamp_entries": len(self.global_clamps),
                 "named_vectors": sorted(self.named), "store": self.store.usage(), "steps": self.planner.steps,
                 "steps_with_interventions": self.planner.applied_steps, "slots_in_use": len(self.slots),
-                "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status()}
+                "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status(),
+                "capture_ring": None if self.ring is None else {"bytes": self.ring.size, "in_use": self.ring.in_use}}
 

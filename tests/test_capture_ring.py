@@ -1,0 +1,144 @@
+"""Captured values through shared memory (`engine_ext.capture_ring`).
+
+Fast tier: the ring's allocator against a model of it (random allocations and out-of-order frees:
+live regions never overlap and stay inside the ring; a full ring says so instead of overwriting),
+the client's copy-out and acknowledgements, and that no file stays in /dev/shm.
+
+Engine tier (real vLLM on CPU, the engine core in its own process): captures that came through
+the ring equal, bit for bit, the same captures from the session's in-process engine; the regions
+are given back once read; with a ring too small for a result the values come inline, equal too;
+nothing is left in /dev/shm after the engine closes."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from engine_ext.capture_ring import ALIGN, SHM_DIR, CaptureRing, RingReaders
+from engine_ext.specs import Capture, Interventions
+
+from .conftest import model_path
+
+
+def _ring_files() -> set[str]:
+    return {f for f in os.listdir(SHM_DIR) if f.startswith("causalboard-ring-")}
+
+
+def test_regions_never_overlap_and_a_full_ring_refuses():
+    ring = CaptureRing(64 * ALIGN)
+    rng = random.Random(0)
+    live: dict[int, int] = {}
+    refused = wrapped = 0
+    try:
+        for _ in range(5000):
+            if live and rng.random() < 0.45:
+                off = rng.choice(list(live))
+                ring.free([off])
+                del live[off]
+                continue
+            n = rng.randrange(1, 12 * ALIGN)
+            off = ring.alloc(n)
+            if off is None:
+                refused += 1
+                # refused only when no gap after the newest region (or at the start) could hold it
+                continue
+            size = -(-n // ALIGN) * ALIGN
+            wrapped += off == 0 and bool(live)
+            assert off % ALIGN == 0 and off + size <= ring.size
+            for o, s in live.items():
+                assert off + size <= o or o + s <= off, (off, size, o, s)
+            live[off] = size
+            ring.buffer(off, n)[:] = bytes([len(live) % 256]) * n
+        assert refused and wrapped, "the run must reach a full ring and wrap around"
+        assert ring.alloc(ring.size + 1) is None
+        ring.free(list(live))
+        assert ring.in_use == 0 and ring.alloc(ring.size) == 0, "a ring with nothing live has all its room"
+        ring.free([12345])  # an unknown offset (acknowledged twice): ignored
+    finally:
+        ring.close()
+    assert ring.name not in _ring_files()
+
+
+def test_the_client_copies_out_acknowledges_and_unlinks():
+    ring = CaptureRing(1 << 16)
+    readers = RingReaders()
+    try:
+        assert readers.open(ring.name)
+        assert ring.name not in _ring_files(), "the client unlinks the file once mapped"
+        vals = np.arange(24, dtype="<f4")
+        off = ring.alloc(vals.nbytes)
+        ring.buffer(off, vals.nbytes)[:] = vals.tobytes()
+        reply = {"k": {"key": "k", "status": "ok", "captures": {"keys": [[0, 1]], "ring": [ring.name, off, vals.nbytes]}},
+                 "plain": {"key": "plain", "status": "ok"}}
+        out = readers.materialize(reply)
+        data = out["k"]["captures"]["data"]
+        assert isinstance(data, bytearray) and "ring" not in out["k"]["captures"]
+        assert np.array_equal(np.frombuffer(data, "<f4"), vals)
+        ring.buffer(off, 8)[:] = np.float32([7.0, 7.0]).tobytes()  # the worker reuses the region...
+        assert np.array_equal(np.frombuffer(data, "<f4"), vals), "...the client's copy is its own"
+        acks = readers.take_acks()
+        assert acks == {ring.name: [off]} and readers.take_acks() == {}
+        ring.free(acks[ring.name])
+        assert ring.in_use == 0
+        assert not readers.open("causalboard-ring-no-such-ring")
+    finally:
+        readers.close()
+        ring.close()
+
+
+def _capture_all(eng, prompts, sites):
+    from engine_ext import GenerationParams
+
+    spec = Interventions(capture=Capture.make(sites, "all_prompt"))
+    gens = eng.generate(prompts, GenerationParams(max_tokens=2), spec)
+    return [g.intervention.captures for g in gens]
+
+
+@pytest.fixture(scope="module")
+def mp_engine():
+    from engine_ext import Engine
+
+    before = _ring_files()
+    eng = Engine(model=str(model_path()), device="cpu", multiprocess=True).start()
+    yield eng
+    eng.close()
+    assert _ring_files() <= before, "the engine left a ring in /dev/shm"
+
+
+PROMPTS = ["The capital of France is", "One two three four five six", "Rings of shared memory"]
+SITES = ["L0.pre_attn", "L1.post_attn", "L2.post_block"]
+
+
+def test_captures_through_the_ring_equal_the_in_process_engine(engine, mp_engine):
+    assert mp_engine._loop.rings, "a multiprocess engine on this host hands captures over in shared memory"
+    want = _capture_all(engine, PROMPTS, SITES)
+    for _ in range(3):  # the ring's regions are reused
+        got = _capture_all(mp_engine, PROMPTS, SITES)
+        assert [sorted(g) for g in got] == [sorted(w) for w in want]
+        for g, w in zip(got, want):
+            for k, v in w.items():
+                assert np.array_equal(g[k], v), k
+                assert g[k].flags.writeable
+    # every region read is acknowledged with the next collect: one more request frees them all
+    last = _capture_all(mp_engine, PROMPTS[:1], SITES[:1])[0]
+    rings = [w["capture_ring"] for w in mp_engine.intervention_status()["workers"]]
+    assert rings and all(r is not None for r in rings)
+    unacked = -(-sum(v.nbytes for v in last.values()) // ALIGN) * ALIGN  # the last reply's region, not yet acknowledged
+    assert all(0 < r["in_use"] <= unacked for r in rings), (rings, unacked)
+
+
+def test_a_ring_too_small_sends_values_inline(engine):
+    from engine_ext import Engine
+
+    with Engine(model=str(model_path()), device="cpu", multiprocess=True, capture_ring_bytes=ALIGN) as small:
+        assert small._loop.rings
+        want = _capture_all(engine, PROMPTS[:2], SITES)
+        got = _capture_all(small, PROMPTS[:2], SITES)
+        for g, w in zip(got, want):
+            assert sorted(g) == sorted(w)
+            for k, v in w.items():
+                assert np.array_equal(g[k], v)
+        assert all(w["capture_ring"]["in_use"] == 0 for w in small.intervention_status()["workers"])
