@@ -3,11 +3,17 @@
 With vLLM's engine core in its own process, a worker's `cb_collect` reply travels as a msgpack
 message over a zmq socket: every captured value is copied into the message, through the socket,
 out of it into a `bytes` object and once more into a writable array (P3 in docs/performance.md:
-16 layers x 2048 fp32 = 128 KiB per prompt). With a ring, the worker writes each result's values
-once into a shared-memory file (`CaptureRing`, one per worker, in `/dev/shm`), the reply carries
-`{"keys": ..., "ring": [name, offset, nbytes]}` instead of `"data"`, and the client copies them
-once into its own writable buffer (`RingReaders.materialize`) and acknowledges the region with its
-next `cb_collect` call (`take_acks`), after which the worker reuses it.
+16 layers x 2048 fp32 = 128 KiB per prompt). With a ring (`CaptureRing`, one per worker, a
+file in `/dev/shm`), the values are written there — on a GPU by the device-to-host copy of each
+step's captured rows itself (the ring is registered as pinned memory), elsewhere by one copy —,
+the reply carries `{"keys": ..., "ring": [name, offset, nbytes]}` instead of `"data"`, and the
+client copies them once into its own writable buffer (`RingReaders.materialize`) and acknowledges
+the slice with its next `cb_collect` call (`take_acks`).
+
+Regions and slices: a region is allocated with one reference (its owner's: a step's rows, dropped
+when that step's host copy is garbage; or a result's copy, dropped at once); every slice handed to
+the client (`share`) adds one, dropped when the client acknowledges it (`release`). A region is
+reused once it has no reference left and every older region is free too.
 
 Contract:
 * The ring only ever holds results already handed out or about to be; a full ring (a client that
@@ -39,7 +45,7 @@ _ids = itertools.count(1)
 
 class CaptureRing:
     """A worker's ring: a shared-memory file of `size` bytes and a circular allocator over it
-    (regions handed out in order, freed in any order, reused once every older one is free)."""
+    (regions allocated in order, released in any order, reused once every older one is free)."""
 
     def __init__(self, size: int):
         if size <= 0:
@@ -58,8 +64,12 @@ class CaptureRing:
         os.close(fd)
         self._view = memoryview(self._map)
         self._head = 0
-        #: live regions in allocation order: offset -> [nbytes, freed]
+        #: live regions in allocation order: offset -> [nbytes, references]
         self._live: OrderedDict[int, list] = OrderedDict()
+        #: slices handed out: slice offset -> its region's offset
+        self._slices: dict[int, int] = {}
+        self._tensor = None  # the whole ring as a torch uint8 tensor (`host_rows`)
+        self.pinned = False
 
     @classmethod
     def create(cls, size: int) -> CaptureRing | None:
@@ -77,8 +87,30 @@ class CaptureRing:
 
     @property
     def in_use(self) -> int:
-        """Bytes of the live regions (handed out, not yet freed)."""
+        """Bytes of the live regions (allocated, not yet reusable)."""
         return sum(n for n, _ in self._live.values())
+
+    def pin_for_cuda(self) -> bool:
+        """Register the ring as page-locked memory with CUDA, so that device-to-host copies go
+        straight into it without waiting (`host_rows`). False (logged) where that fails."""
+        import numpy as np
+        import torch
+
+        ptr = int(np.frombuffer(self._map, dtype=np.uint8).ctypes.data)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
+        if int(err) != 0:
+            logger.info("capture ring: cudaHostRegister failed (%s); values are copied into it instead", err)
+            return False
+        self._ptr, self.pinned = ptr, True
+        return True
+
+    def host_rows(self, offset: int, rows: int, cols: int):
+        """Region bytes as a float32 [rows, cols] torch tensor sharing the ring's memory."""
+        import torch
+
+        if self._tensor is None:
+            self._tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        return self._tensor[offset: offset + 4 * rows * cols].view(torch.float32).view(rows, cols)
 
     def alloc(self, nbytes: int) -> int | None:
         """The offset of a new region of `nbytes` bytes, or None when the ring has no room."""
@@ -102,18 +134,34 @@ class CaptureRing:
             else:
                 return None
         self._head = off + n
-        self._live[off] = [n, False]
+        self._live[off] = [n, 1]
         return off
 
-    def free(self, offsets) -> None:
-        """Give regions back (unknown offsets are ignored: acknowledged twice, or by another ring)."""
+    def share(self, region: int, start: int, nbytes: int) -> list:
+        """Hand bytes `[start, start + nbytes)` of a region to the client: its descriptor
+        `[name, offset, nbytes]` (one more reference on the region until `release`)."""
+        off = region + start
+        if off in self._slices or region not in self._live:
+            raise ValueError(f"capture ring {self.name}: slice {off} of region {region} is not free to share")
+        self._slices[off] = region
+        self._live[region][1] += 1
+        return [self.name, off, int(nbytes)]
+
+    def release(self, offsets) -> None:
+        """The client is done with these slices (acknowledged; unknown offsets are ignored)."""
         for off in offsets:
-            region = self._live.get(int(off))
+            region = self._slices.pop(int(off), None)
             if region is not None:
-                region[1] = True
+                self.deref(region)
+
+    def deref(self, region: int) -> None:
+        """Drop one reference on a region; reuse the free ones at the ring's tail."""
+        rec = self._live.get(region)
+        if rec is not None and rec[1] > 0:
+            rec[1] -= 1
         while self._live:
-            off, (n, freed) = next(iter(self._live.items()))
-            if not freed:
+            off, (n, refs) = next(iter(self._live.items()))
+            if refs:
                 break
             del self._live[off]
 
@@ -123,10 +171,17 @@ class CaptureRing:
 
     def close(self) -> None:
         self._live.clear()
+        self._slices.clear()
+        if self.pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._ptr)
+            self.pinned = False
+        self._tensor = None
         try:
             self._view.release()
             self._map.close()
-        except BufferError:  # a view still exported: the mapping goes with the last reference
+        except BufferError:  # a tensor still shares it: the mapping goes with the last reference
             logger.debug("capture ring %s still referenced at close", self.name)
         self._unlink()
 

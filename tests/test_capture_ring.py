@@ -36,7 +36,7 @@ def test_regions_never_overlap_and_a_full_ring_refuses():
         for _ in range(5000):
             if live and rng.random() < 0.45:
                 off = rng.choice(list(live))
-                ring.free([off])
+                ring.deref(off)
                 del live[off]
                 continue
             n = rng.randrange(1, 12 * ALIGN)
@@ -54,9 +54,10 @@ def test_regions_never_overlap_and_a_full_ring_refuses():
             ring.buffer(off, n)[:] = bytes([len(live) % 256]) * n
         assert refused and wrapped, "the run must reach a full ring and wrap around"
         assert ring.alloc(ring.size + 1) is None
-        ring.free(list(live))
+        for off in live:
+            ring.deref(off)
         assert ring.in_use == 0 and ring.alloc(ring.size) == 0, "a ring with nothing live has all its room"
-        ring.free([12345])  # an unknown offset (acknowledged twice): ignored
+        ring.release([12345])  # an unknown offset (acknowledged twice): ignored
     finally:
         ring.close()
     assert ring.name not in _ring_files()
@@ -71,7 +72,9 @@ def test_the_client_copies_out_acknowledges_and_unlinks():
         vals = np.arange(24, dtype="<f4")
         off = ring.alloc(vals.nbytes)
         ring.buffer(off, vals.nbytes)[:] = vals.tobytes()
-        reply = {"k": {"key": "k", "status": "ok", "captures": {"keys": [[0, 1]], "ring": [ring.name, off, vals.nbytes]}},
+        desc = ring.share(off, 0, vals.nbytes)
+        ring.deref(off)
+        reply = {"k": {"key": "k", "status": "ok", "captures": {"keys": [[0, 1]], "ring": desc}},
                  "plain": {"key": "plain", "status": "ok"}}
         out = readers.materialize(reply)
         data = out["k"]["captures"]["data"]
@@ -81,11 +84,29 @@ def test_the_client_copies_out_acknowledges_and_unlinks():
         assert np.array_equal(np.frombuffer(data, "<f4"), vals), "...the client's copy is its own"
         acks = readers.take_acks()
         assert acks == {ring.name: [off]} and readers.take_acks() == {}
-        ring.free(acks[ring.name])
+        ring.release(acks[ring.name])
         assert ring.in_use == 0
         assert not readers.open("causalboard-ring-no-such-ring")
     finally:
         readers.close()
+        ring.close()
+
+
+def test_a_region_is_reused_only_when_its_owner_and_every_slice_are_done():
+    ring = CaptureRing(8 * ALIGN)
+    try:
+        step = ring.alloc(4 * ALIGN)  # a step's rows: the step holds one reference
+        a = ring.share(step, 0, ALIGN)[1]
+        b = ring.share(step, 2 * ALIGN, ALIGN)[1]
+        later = ring.alloc(4 * ALIGN)
+        assert ring.alloc(ALIGN) is None, "full"
+        ring.deref(step)  # the step's host copy is gone; two slices still out
+        ring.release([a])
+        assert ring.alloc(ALIGN) is None, "slice b still holds the region"
+        ring.release([b, b])  # acknowledged twice: the second is ignored
+        assert ring.alloc(3 * ALIGN) == 0, "region free and at the tail: reused"
+        ring.deref(later)
+    finally:
         ring.close()
 
 

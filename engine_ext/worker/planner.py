@@ -39,6 +39,7 @@ collected), by which time the copy has long finished.
 from __future__ import annotations
 
 import hashlib
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -336,11 +337,15 @@ class StepCaptures:
     the rows are (on the GPU, before the copy) and shared by the step's requests (each reads its
     own slice)."""
 
-    __slots__ = ("xs", "rs", "_values")
+    __slots__ = ("xs", "rs", "_values", "ring", "region", "__weakref__")
 
-    def __init__(self, xs: torch.Tensor | None, rs: torch.Tensor | None, values: torch.Tensor | None = None):
+    def __init__(self, xs: torch.Tensor | None, rs: torch.Tensor | None, values: torch.Tensor | None = None,
+                 ring: Any = None, region: int | None = None):
         self.xs, self.rs = xs, rs
         self._values = values
+        #: where the values live when they are in a capture ring's region (its reference is
+        #: dropped when this object goes: `StepPlanner.after_forward`)
+        self.ring, self.region = ring, region
 
     def values(self, base: int, k: int) -> torch.Tensor:
         """fp32 `x + r` of rows `[base, base + k)` (a view of the step's one sum)."""
@@ -399,6 +404,9 @@ class StepPlanner:
         #: run once right after the next upload, before the forward (dynamic decisions taken on
         #: the device rewrite their rows' slots there: `engine_ext.dynamic.device_decisions`)
         self.after_upload: Any = None
+        #: the worker's capture ring (`engine_ext.capture_ring`; None: none): each step's fp32
+        #: values go into a region of it, which results hand to the client as slices
+        self.ring: Any = None
 
     def plan_step(self, req_ids, query_start_loc, num_computed, plans: dict, on_overflow, extra=None,
                   defer: bool = False) -> None:
@@ -562,21 +570,34 @@ class StepPlanner:
             need |= blk.need
         b = self.b
         x, r = b.cap_x[:k], b.cap_r[:k]
-        if b.device.type == "cuda":
+        cuda = b.device.type == "cuda"
+        ring, region = self.ring, None
+        if need & CAP_VALUES and ring is not None and (ring.pinned or not cuda):
+            region = ring.alloc(4 * k * b.hidden)  # None: full, the values go the usual way
+        if cuda:
             def to_host(t: torch.Tensor) -> torch.Tensor:
                 h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
                 h.copy_(t, non_blocking=True)
                 return h
 
             xs, rs = (to_host(x), to_host(r)) if need & CAP_PAIRS else (None, None)
-            vals = to_host(fp32_sum(x, r)) if need & CAP_VALUES else None
+            if region is not None:  # straight into the shared ring (registered as pinned memory)
+                vals = ring.host_rows(region, k, b.hidden)
+                vals.copy_(fp32_sum(x, r), non_blocking=True)
+            else:
+                vals = to_host(fp32_sum(x, r)) if need & CAP_VALUES else None
             done = torch.cuda.Event()
             done.record()
         else:
             xs, rs = (x.clone(), r.clone()) if need & CAP_PAIRS else (None, None)
             vals = fp32_sum(x, r) if need & CAP_VALUES else None
+            if region is not None:
+                vals = ring.host_rows(region, k, b.hidden).copy_(vals)
             done = None
-        self._pending.append((done, StepCaptures(xs, rs, vals), blocks))
+        step = StepCaptures(xs, rs, vals, ring if region is not None else None, region)
+        if region is not None:
+            weakref.finalize(step, ring.deref, region)
+        self._pending.append((done, step, blocks))
 
     def has_pending(self) -> bool:
         """Are captured rows of some step not yet filed (`file_captures`)?"""

@@ -120,6 +120,11 @@ class RequestState:
             sites, positions = blk.sites.tolist(), blk.positions.tolist()
             keys = [[site, pos] for site in sites for pos in positions]
             vals = blk.values()
+            step = blk.step
+            if ring is not None and step.ring is ring and (len(positions) == 1 or len(sites) == 1):
+                # the block's rows, in key order, already in the ring: handed over as a slice
+                cols = vals.shape[-1]
+                return {"keys": keys, "ring": ring.share(step.region, 4 * blk.base * cols, 4 * vals.numel())}
             if len(positions) > 1:
                 vals = vals.transpose(0, 1)
             return {"keys": keys, **_block_data(vals, ring)}
@@ -148,7 +153,9 @@ def _block_data(vals: torch.Tensor, ring: CaptureRing | None) -> dict:
         if off is not None:
             dst = np.frombuffer(ring.buffer(off, n), dtype="<f4").reshape(vals.shape)
             np.copyto(dst, vals.numpy())
-            return {"ring": [ring.name, off, n]}
+            desc = ring.share(off, 0, n)
+            ring.deref(off)  # the slice's reference is the only one
+            return {"ring": desc}
     return {"data": _le_bytes(vals)}
 
 
@@ -419,7 +426,7 @@ class WorkerState:
         A request still registered (the worker has not seen its finish yet) is collected now.
         `ring_acks`: the ring regions the client has read since its last call, by ring name."""
         if ring_acks and self.ring is not None:
-            self.ring.free(ring_acks.get(self.ring.name, ()))
+            self.ring.release(ring_acks.get(self.ring.name, ()))
         self._complete_finished(wait=True)
         out = {}
         for key in keys:
@@ -443,13 +450,16 @@ class WorkerState:
             self.ring = None
         if size > 0:
             self.ring = CaptureRing.create(size)
+            if self.ring is not None and self.device.type == "cuda":
+                self.ring.pin_for_cuda()  # else results copy their values into it
+        self.planner.ring = self.ring
         return self.ring.name if self.ring is not None else None
 
     def _free_ring(self, result: dict) -> None:
         """Give back the ring region of a result that will never be handed out."""
         block = result.get("captures")
         if self.ring is not None and block and "ring" in block:
-            self.ring.free([block["ring"][1]])
+            self.ring.release([block["ring"][1]])
 
     # ---- control plane ----------------------------------------------------------------------
     def set_global_steer(self, entries: list[dict], clamps: list[dict] | None = None) -> int:
