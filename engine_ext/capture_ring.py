@@ -70,6 +70,9 @@ class CaptureRing:
         self._slices: dict[int, int] = {}
         self._tensor = None  # the whole ring as a torch uint8 tensor (`host_rows`)
         self.pinned = False
+        #: allocations that found room / found none (then the values travel the usual way)
+        self.allocs = 0
+        self.full = 0
 
     @classmethod
     def create(cls, size: int) -> CaptureRing | None:
@@ -84,6 +87,11 @@ class CaptureRing:
         except OSError as exc:
             logger.info("capture ring off: %s", exc)
             return None
+
+    def status(self) -> dict:
+        """Size, bytes in use, allocations that found room and that found none."""
+        return {"bytes": self.size, "in_use": self.in_use, "allocs": self.allocs, "full": self.full,
+                "pinned": self.pinned}
 
     @property
     def in_use(self) -> int:
@@ -114,7 +122,14 @@ class CaptureRing:
 
     def alloc(self, nbytes: int) -> int | None:
         """The offset of a new region of `nbytes` bytes, or None when the ring has no room."""
-        n = max(ALIGN, -(-int(nbytes) // ALIGN) * ALIGN)
+        off = self._alloc(max(ALIGN, -(-int(nbytes) // ALIGN) * ALIGN))
+        if off is None:
+            self.full += 1
+        else:
+            self.allocs += 1
+        return off
+
+    def _alloc(self, n: int) -> int | None:
         if not self._live:
             self._head = 0
             if n > self.size:
@@ -234,12 +249,10 @@ class RingReaders:
             if not block or "ring" not in block:
                 continue
             name, off, n = block.pop("ring")
-            data = bytearray(n)
             entry = self._maps.get(name)
             if entry is None:  # never opened: a bug (the engine opens every ring it enables)
                 raise RuntimeError(f"capture ring {name} is not mapped in this process")
-            data[:] = entry[1][off: off + n]
-            block["data"] = data
+            block["data"] = bytearray(entry[1][off: off + n])  # one pass: allocate and copy
             self._acks.setdefault(name, []).append(off)
         return reply
 

@@ -141,3 +141,39 @@ def test_requests_without_captures_finish_without_waiting():
     st.finish("plain")
     assert ev.waits == 0
     assert st.collect(["k-plain"])["k-plain"]["status"] == "ok"
+
+
+def test_a_step_s_values_go_into_one_ring_region_and_results_are_slices_of_it():
+    from engine_ext.capture_ring import CaptureRing, RingReaders
+
+    st = _state()
+    ring_name = st.enable_ring(1 << 20)
+    readers = RingReaders()
+    try:
+        assert ring_name and readers.open(ring_name)
+        keys = [_register(st, rid, Capture.make(["L0.post_attn", "L2.post_block"], "last_prompt")) for rid in "abc"]
+        keys.append(_register(st, "d", Capture.make(["L1.pre_attn", "L3.post_attn"], [1, 3])))  # 2 x 2: a copy
+        x, r = _prefill(st, ["a", "b", "c", "d"], seed=5)
+        hc = st.planner.hc[: 4 * PROMPT].copy()
+        assert st.ring.allocs == 1, "one region for the step's rows"
+        for rid in "abcd":
+            st.finish(rid)
+        res = st.collect(keys, {})
+        descs = [res[k]["captures"]["ring"] for k in keys]
+        assert st.ring.allocs == 2, "the 2 x 2 block is copied into a region of its own (key order differs from row order)"
+        region = descs[0][1]
+        assert [d[1] for d in descs[:3]] == [region, region + 2 * 4 * H, region + 4 * 4 * H], "slices of the step's region"
+        for k, rid, row0 in zip(keys, "abcd", range(0, 4 * PROMPT, PROMPT)):
+            got = _values(readers.materialize({k: res[k]})[k])
+            assert len(got) == 2 if rid != "d" else len(got) == 4
+            for (site, pos), v in got.items():
+                idx = hc[row0 + pos, site]
+                assert np.array_equal(v, (x[idx].float() + r[idx].float()).numpy()), (rid, site, pos)
+        in_use = st.ring.in_use
+        assert in_use > 0
+        st.collect([], readers.take_acks())  # acknowledged: every region free again
+        assert st.ring.in_use == 0
+        assert isinstance(st.ring, CaptureRing) and st.ring.full == 0
+    finally:
+        readers.close()
+        st.enable_ring(0)

@@ -149,6 +149,7 @@ def test_captures_through_the_ring_equal_the_in_process_engine(engine, mp_engine
     assert rings and all(r is not None for r in rings)
     unacked = -(-sum(v.nbytes for v in last.values()) // ALIGN) * ALIGN  # the last reply's region, not yet acknowledged
     assert all(0 < r["in_use"] <= unacked for r in rings), (rings, unacked)
+    assert all(r["full"] == 0 and r["allocs"] > 0 for r in rings), rings
 
 
 def test_a_ring_too_small_sends_values_inline(engine):
@@ -162,4 +163,5 @@ def test_a_ring_too_small_sends_values_inline(engine):
             assert sorted(g) == sorted(w)
             for k, v in w.items():
                 assert np.array_equal(g[k], v)
-        assert all(w["capture_ring"]["in_use"] == 0 for w in small.intervention_status()["workers"])
+        rings = [w["capture_ring"] for w in small.intervention_status()["workers"]]
+        assert all(r["in_use"] == 0 and r["full"] > 0 and r["allocs"] == 0 for r in rings), rings

@@ -4,7 +4,8 @@ process while capture repetitions run, plus the per-repetition times with and wi
 
     python3 benchmarks/diag/p3_stacks.py --model DIR [--device cuda] [--n 1000] [--reps 3] --dir OUT_DIR
 
-Writes OUT_DIR/stack-<pid>.json (engine core) and OUT_DIR/client.json; prints JSON lines.
+Samples one window of repetitions per variant (no capture, then capture): writes
+OUT_DIR/stack-<pid>-<variant>.json (engine core) and OUT_DIR/client-<variant>.json; prints JSON lines.
 """
 import argparse
 import json
@@ -49,19 +50,25 @@ def main():
             t = time.perf_counter()
             eng.generate(prompts, one, spec)
             print(json.dumps({"bench": "p3", "variant": name, "seconds": round(time.perf_counter() - t, 4)}), flush=True)
-    open(flag, "w").close()
-    time.sleep(0.3)
-    sampler = StackSampler().start()
-    for _ in range(args.reps):
-        t = time.perf_counter()
-        eng.generate(prompts, one, cap)
-        print(json.dumps({"bench": "p3_sampled", "variant": "capture", "seconds": round(time.perf_counter() - t, 4)}),
-              flush=True)
-    report = sampler.stop(top=80)
-    os.remove(flag)
-    with open(os.path.join(args.dir, "client.json"), "w") as f:
-        json.dump(report, f)
-    time.sleep(1.0)  # the engine core writes its report when the flag is gone
+    for name, spec in (("vanilla", None), ("capture", cap)):  # one sampled window per variant
+        open(flag, "w").close()
+        time.sleep(0.3)
+        sampler = StackSampler().start()
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            eng.generate(prompts, one, spec)
+            print(json.dumps({"bench": "p3_sampled", "variant": name, "seconds": round(time.perf_counter() - t, 4)}),
+                  flush=True)
+        report = sampler.stop(top=80)
+        os.remove(flag)
+        with open(os.path.join(args.dir, f"client-{name}.json"), "w") as f:
+            json.dump(report, f)
+        time.sleep(1.0)  # the engine core writes its report when the flag is gone
+        for fn in os.listdir(args.dir):
+            if fn.startswith("stack-") and fn.count("-") == 1:  # stack-<pid>.json: this window's
+                os.replace(os.path.join(args.dir, fn), os.path.join(args.dir, fn[:-5] + f"-{name}.json"))
+    rings = [w.get("capture_ring") for w in eng.intervention_status()["workers"]]
+    print(json.dumps({"bench": "p3_ring", "rings": rings}), flush=True)
     eng.close()
 
 

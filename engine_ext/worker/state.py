@@ -500,5 +500,5 @@ class WorkerState:
                 "named_vectors": sorted(self.named), "store": self.store.usage(), "steps": self.planner.steps,
                 "steps_with_interventions": self.planner.applied_steps, "slots_in_use": len(self.slots),
                 "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status(),
-                "capture_ring": None if self.ring is None else {"bytes": self.ring.size, "in_use": self.ring.in_use}}
+                "capture_ring": None if self.ring is None else self.ring.status()}
 
