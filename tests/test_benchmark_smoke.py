@@ -67,3 +67,24 @@ def test_dynamic_steering_cost_bench_runs_and_reports():
     assert all(ln["tok_s"] > 0 and ln["ratio_paired"] > 0 and len(ln["reps_s"]) == 2 for ln in decode.values())
     status = [ln for ln in lines if ln["bench"] == "dyn_status"][0]
     assert status["determinism"]["consistent"] is True
+
+
+def test_p3_profile_and_worker_capture_benches_run_and_report(tmp_path):
+    """`benchmarks/diag/p3_stacks.py` (P3 with the stack sampler, one window per variant) and
+    `benchmarks/diag/capture_worker.py` (the worker's host time per captured request)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    diag = REPO / "benchmarks" / "diag"
+    proc = subprocess.run([sys.executable, str(diag / "p3_stacks.py"), "--model", str(model_path()), "--device", "cpu",
+                           "--n", "12", "--reps", "1", "--dir", str(tmp_path / "stacks")],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
+    assert {(ln["bench"], ln.get("variant")) for ln in lines} >= {("p3", "vanilla"), ("p3", "capture"),
+                                                                   ("p3_sampled", "vanilla"), ("p3_sampled", "capture")}
+    assert {"client-vanilla.json", "client-capture.json"} <= set(os.listdir(tmp_path / "stacks"))
+    proc = subprocess.run([sys.executable, str(diag / "capture_worker.py"), "--n", "24", "--per-step", "8", "--reps", "1"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (line,) = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
+    assert line["bench"] == "capture_worker" and line["us_per_request"]["total_us_per_request"] > 0
+    assert line["ring"]["full"] == 0 and line["ring"]["in_use"] == 0, line["ring"]
