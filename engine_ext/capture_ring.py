@@ -243,15 +243,21 @@ class RingReaders:
 
     def materialize(self, reply: dict[str, dict]) -> dict[str, dict]:
         """One worker's `cb_collect` reply with every ring-held capture block copied into a
-        writable `bytearray` (`"data"`, as an inline block has it); the regions are acknowledged."""
+        writable `bytearray` (`"data"`, as an inline block has it); the slices are acknowledged.
+        A slice this process cannot read (a ring it has not mapped, bounds outside the ring: a
+        bug) voids that result, with the reason, instead of handing over wrong values."""
         for res in reply.values():
             block = res.get("captures") if isinstance(res, dict) else None
             if not block or "ring" not in block:
                 continue
             name, off, n = block.pop("ring")
             entry = self._maps.get(name)
-            if entry is None:  # never opened: a bug (the engine opens every ring it enables)
-                raise RuntimeError(f"capture ring {name} is not mapped in this process")
+            if entry is None or off < 0 or n < 0 or off + n > len(entry[1]):
+                block["keys"], block["data"] = [], bytearray()
+                res["status"] = "voided"
+                res["errors"] = list(res.get("errors") or []) + [
+                    f"captured values lost: slice [{off}, {off + n}) of capture ring {name} cannot be read here"]
+                continue
             block["data"] = bytearray(entry[1][off: off + n])  # one pass: allocate and copy
             self._acks.setdefault(name, []).append(off)
         return reply

@@ -87,6 +87,15 @@ def test_the_client_copies_out_acknowledges_and_unlinks():
         ring.release(acks[ring.name])
         assert ring.in_use == 0
         assert not readers.open("causalboard-ring-no-such-ring")
+        # a slice this process cannot read voids its result instead of handing over short or wrong values
+        bad = readers.materialize({
+            "outside": {"key": "outside", "status": "ok", "errors": [],
+                        "captures": {"keys": [[0, 1]], "ring": [ring.name, ring.size - 8, 64]}},
+            "unmapped": {"key": "unmapped", "status": "ok", "captures": {"keys": [[0, 1]], "ring": ["causalboard-ring-x", 0, 64]}}})
+        for res in bad.values():
+            assert res["status"] == "voided" and "captured values lost" in res["errors"][-1]
+            assert res["captures"] == {"keys": [], "data": bytearray()}
+        assert readers.take_acks() == {}
     finally:
         readers.close()
         ring.close()
