@@ -31,9 +31,10 @@ its own window), preemption and resume (recomputed positions are visited again: 
 idempotent per position), async scheduling without speculative decoding (vLLM's CPU-side
 `num_computed` is exact) and padding (rows past the last request belong to no one).
 
-After the forward, `after_forward` starts the device-to-host copy of the captured rows without
-waiting; the rows are filed under their requests at the next step (or when results are
-collected), by which time the copy has long finished.
+After the forward, `after_forward` sums the captured rows to fp32 where they are and starts their
+device-to-host copy without waiting (into a region of the worker's capture ring when there is one,
+`engine_ext.capture_ring`); the rows are filed under their requests by the first step that finds
+the copy done (planning never waits for it), or when results are collected (which waits).
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ Per step (called from the seam's runner wrappers):
    (and those scores) to the host.
 
 Results (status, errors, captures, stored runs) wait, by request key, until the client collects
-them (`collect`). `close()` frees the device buffers (called when the engine shuts down).
+them (`collect`); a finished request whose captured rows are still being copied gets its captures
+once they are filed (`_complete_finished`). With a capture ring (`enable_ring`), captured values
+go to the client as slices of shared memory, acknowledged with its next `collect`. `close()` frees
+the device buffers and the ring (called when the engine shuts down).
 """
 
 from __future__ import annotations
