@@ -40,6 +40,14 @@ logger = logging.getLogger("causalboard.capture_ring")
 SHM_DIR = "/dev/shm"
 #: regions start at multiples of this many bytes
 ALIGN = 64
+#: the bounds of a ring sized automatically (`auto_size`)
+AUTO_MIN, AUTO_MAX = 64 << 20, 1 << 30
+
+
+def auto_size(max_step_bytes: int) -> int:
+    """A ring that holds two of the largest step's values (one still being read by the client,
+    the next being written), within [64 MiB, 1 GiB]."""
+    return int(min(AUTO_MAX, max(AUTO_MIN, 2 * max_step_bytes)))
 _ids = itertools.count(1)
 
 
@@ -137,14 +145,15 @@ class CaptureRing:
             off = 0
         else:
             tail = next(iter(self._live))
+            # (head == tail with regions live: wrapped and exactly full)
             if self._head > tail:  # used: [tail, head); free: [head, size) and [0, tail)
                 if self._head + n <= self.size:
                     off = self._head
-                elif n < tail:
+                elif n <= tail:
                     off = 0
                 else:
                     return None
-            elif self._head + n < tail:  # wrapped: used [tail, size) and [0, head); free: [head, tail)
+            elif self._head + n <= tail:  # wrapped: used [tail, size) and [0, head); free: [head, tail)
                 off = self._head
             else:
                 return None

@@ -119,6 +119,34 @@ def test_a_region_is_reused_only_when_its_owner_and_every_slice_are_done():
         ring.close()
 
 
+def test_a_ring_of_exactly_half_its_size_alternates_without_refusing():
+    """Two regions of half the ring each, one always still being read while the next is written
+    (the client acknowledges a step's slices with its next collect): every allocation finds room."""
+    ring = CaptureRing(8 * ALIGN)
+    try:
+        live = ring.alloc(4 * ALIGN)
+        for _ in range(6):
+            nxt = ring.alloc(4 * ALIGN)
+            assert nxt is not None
+            ring.deref(live)
+            live = nxt
+        assert ring.full == 0
+    finally:
+        ring.close()
+
+
+def test_the_ring_size_is_checked_and_sized_from_the_capture_buffer():
+    from engine_ext import Engine
+    from engine_ext.capture_ring import AUTO_MAX, AUTO_MIN, auto_size
+    from engine_ext.errors import SpecError
+
+    assert auto_size(256 << 20) == 512 << 20 and auto_size(1) == AUTO_MIN and auto_size(10 << 30) == AUTO_MAX
+    for bad in (-1, 1.5, "big", True):
+        with pytest.raises(SpecError) as err:
+            Engine(model=str(model_path()), device="cpu", capture_ring_bytes=bad).start()
+        assert err.value.field == "capture_ring_bytes"
+
+
 def _capture_all(eng, prompts, sites):
     from engine_ext import GenerationParams
 
@@ -156,6 +184,7 @@ def test_captures_through_the_ring_equal_the_in_process_engine(engine, mp_engine
     last = _capture_all(mp_engine, PROMPTS[:1], SITES[:1])[0]
     rings = [w["capture_ring"] for w in mp_engine.intervention_status()["workers"]]
     assert rings and all(r is not None for r in rings)
+    assert all(r["bytes"] >= 64 << 20 for r in rings), "sized from the capture buffer by default"
     unacked = -(-sum(v.nbytes for v in last.values()) // ALIGN) * ALIGN  # the last reply's region, not yet acknowledged
     assert all(0 < r["in_use"] <= unacked for r in rings), (rings, unacked)
     assert all(r["full"] == 0 and r["allocs"] > 0 for r in rings), rings

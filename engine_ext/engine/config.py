@@ -29,8 +29,10 @@ class EngineConfig:
     max_capture_rows: int | None = None
     capture_buffer_bytes: int = 256 * 1024 * 1024
     #: shared memory per worker through which captured values reach a client in another process
-    #: (vLLM's multiprocess engine core; `engine_ext.capture_ring`); 0: always inline in the reply
-    capture_ring_bytes: int = 256 * 1024 * 1024
+    #: (vLLM's multiprocess engine core; `engine_ext.capture_ring`); None: twice the largest
+    #: step's captured values (fp32 rows of the capture buffer), within [64 MiB, 1 GiB]; 0: none,
+    #: values always inline in the reply
+    capture_ring_bytes: int | None = None
     source_store_bytes: int = 256 * 1024 * 1024
     limits: Limits = field(default_factory=Limits)
     #: run vLLM's engine core in its own process, overlapping scheduling and output processing

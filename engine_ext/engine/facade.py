@@ -121,6 +121,10 @@ class Engine(DynamicControl):
     def start(self) -> "Engine":
         if self._loop is not None:
             return self
+        ring = self.config.capture_ring_bytes
+        if ring is not None and (isinstance(ring, bool) or not isinstance(ring, int) or ring < 0):
+            raise SpecError("capture_ring_bytes", "must be None (sized from the capture buffer), 0 (no ring) or a "
+                                                  f"positive number of bytes, not {ring!r}")
         runtime.prepare_environment(self.device)
         if self.device == "cpu" and self.world_size == 1:
             try:
@@ -194,15 +198,14 @@ class Engine(DynamicControl):
         where the workers run in other processes of this host (vLLM's multiprocess engine core,
         its `mp` executor); None (values inline in each reply) in-process, with Ray, with
         `capture_ring_bytes=0`, or where any worker's ring cannot be created or mapped here."""
-        size = int(self.config.capture_ring_bytes or 0)
+        size = -1 if self.config.capture_ring_bytes is None else int(self.config.capture_ring_bytes)  # -1: auto
         core = getattr(self._loop.engine, "engine_core", None)
-        if size <= 0 or type(core).__name__ == "InprocClient" or self.config.distributed_executor_backend == "ray":
+        if size == 0 or type(core).__name__ == "InprocClient" or self.config.distributed_executor_backend == "ray":
             return None
         names = self._loop.call(lambda e: e.collective_rpc("cb_capture_ring", args=(size,))).result(timeout=RPC_TIMEOUT_S)
         readers = RingReaders()
         if all(names) and all(readers.open(n) for n in names):
-            logger.info("captured values reach this process through %d shared-memory ring(s) of %d MiB", len(names),
-                        size >> 20)
+            logger.info("captured values reach this process through %d shared-memory ring(s)", len(names))
             return readers
         readers.close()
         self._loop.call(lambda e: e.collective_rpc("cb_capture_ring", args=(0,))).result(timeout=RPC_TIMEOUT_S)

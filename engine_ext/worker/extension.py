@@ -103,7 +103,7 @@ class CausalboardWorkerExtension:
 
     def cb_capture_ring(self, size: int) -> str | None:
         """Hand captured values to the client through a shared-memory ring of `size` bytes (0:
-        none); the ring's name, or None (`WorkerState.enable_ring`)."""
+        none, -1: sized from the capture buffer); the ring's name, or None (`WorkerState.enable_ring`)."""
         return self._cb().enable_ring(int(size))
 
     def cb_status(self) -> dict:

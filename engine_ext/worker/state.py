@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_ext.capture_ring import CaptureRing
+from engine_ext.capture_ring import CaptureRing, auto_size
 from engine_ext.dynamic.worker import DYNAMIC_ARGS_KEY, DynamicWorker
 from engine_ext.program import EXTRA_ARGS_KEY, AddOp, ClampOp, WorkerProgram, clamp_op
 from engine_ext.sites import SITES_PER_LAYER
@@ -446,11 +446,14 @@ class WorkerState:
 
     def enable_ring(self, size: int) -> str | None:
         """Hand captured values to the client through a shared-memory ring of `size` bytes
-        (`engine_ext.capture_ring`; 0: no ring, values inline). Returns the ring's name, None
-        where there is none (off, or shared memory cannot hold it)."""
+        (`engine_ext.capture_ring`; 0: no ring, values inline; negative: `capture_ring.auto_size`
+        of the largest step's fp32 values). Returns the ring's name, None where there is none
+        (off, or shared memory cannot hold it)."""
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+        if size < 0 and self.buffers is not None:
+            size = auto_size(4 * self.buffers.max_capture_rows * self.hidden)
         if size > 0:
             self.ring = CaptureRing.create(size)
             if self.ring is not None and self.device.type == "cuda":
