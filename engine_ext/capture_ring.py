@@ -48,6 +48,8 @@ def auto_size(max_step_bytes: int) -> int:
     """A ring that holds two of the largest step's values (one still being read by the client,
     the next being written), within [64 MiB, 1 GiB]."""
     return int(min(AUTO_MAX, max(AUTO_MIN, 2 * max_step_bytes)))
+
+
 _ids = itertools.count(1)
 
 

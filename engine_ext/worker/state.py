@@ -395,9 +395,14 @@ class WorkerState:
             return
         finishing, self._finishing = self._finishing, {}
         for st, out in finishing.values():
-            if st.program.return_captures and not st.program.voided:
-                out["captures"] = st.capture_values(self.ring)
+            self._add_captures(st, out)
             st.captures = []
+
+    def _add_captures(self, st: RequestState, out: dict) -> None:
+        """The captured values into a request's result, where it asked for them."""
+        prog = st.program
+        if prog.capture_sites and not prog.voided and prog.return_captures:
+            out["captures"] = st.capture_values(self.ring)
 
     def _result(self, st: RequestState, captures: bool = True) -> dict:
         prog = st.program
@@ -414,8 +419,8 @@ class WorkerState:
                 out["evicted"] = evicted
             except SourceStoreFull as exc:
                 out["store_error"] = str(exc)
-        if captures and prog.capture_sites and not prog.voided and prog.return_captures:
-            out["captures"] = st.capture_values(self.ring)
+        if captures:
+            self._add_captures(st, out)
         dyn = self.dynamic.result(st.req_id)
         if dyn is not None:
             out["dynamic"] = dyn
