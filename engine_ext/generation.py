@@ -33,6 +33,10 @@ class GenerationParams:
     ignore_eos: bool = False
     #: vLLM's `cache_salt`: prefix-cache blocks are shared only among requests with the same salt
     cache_salt: str | None = None
+    #: False: no text is decoded (`text` is empty; token ids, logprobs and scores are unchanged),
+    #: for callers that read ids and scores only, like a sweep's cells (vLLM then skips its
+    #: per-token detokenization). Stop strings need the text.
+    detokenize: bool = True
 
     def validate(self, prefix: str = "") -> None:
         """Raise `SpecError` naming the first bad field."""
@@ -53,6 +57,10 @@ class GenerationParams:
             raise bad("logprobs", f"must be null or an integer between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", f"must be true or false, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            raise bad("detokenize", "stop strings are matched on the decoded text: they need detokenize=True")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "must be a non-empty string if provided")
 

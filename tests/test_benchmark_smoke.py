@@ -88,3 +88,20 @@ def test_p3_profile_and_worker_capture_benches_run_and_report(tmp_path):
     (line,) = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
     assert line["bench"] == "capture_worker" and line["us_per_request"]["total_us_per_request"] > 0
     assert line["ring"]["full"] == 0 and line["ring"]["in_use"] == 0, line["ring"]
+
+
+def test_p1_profile_bench_runs_and_reports(tmp_path):
+    """`benchmarks/diag/p1_stacks.py` (P1 with the stack sampler and both timelines, one window
+    per variant), causalboard's side."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "p1_stacks.py"), "--engine", "cb",
+                           "--model", str(model_path()), "--device", "cpu", "--reps", "1", "--dir", str(tmp_path / "p1")],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
+    assert {(ln["bench"], ln["variant"]) for ln in lines} == {(b, v) for b in ("p1", "p1_sampled")
+                                                              for v in ("nospec", "scored", "patched")}
+    with open(tmp_path / "p1" / "client-patched.json") as f:
+        report = json.load(f)
+    kinds = {e[0] for e in report["client_events"]}
+    assert {"prepare", "add", "step"} <= kinds, kinds

@@ -1,4 +1,5 @@
-"""GenerationParams refuses bad values with an error naming the field (no engine needed)."""
+"""GenerationParams refuses bad values with an error naming the field (no engine needed), and
+what `detokenize=False` changes in a generation (the engine)."""
 
 import math
 
@@ -19,6 +20,8 @@ from engine_ext import GenerationParams, SpecError
         ({"top_k": -1}, "top_k"),
         ({"logprobs": 21}, "logprobs"),
         ({"stop": ("",)}, "stop"),
+        ({"detokenize": 0}, "detokenize"),
+        ({"stop": ("\n",), "detokenize": False}, "detokenize"),
     ],
 )
 def test_bad_params_name_the_field(kwargs, field):
@@ -30,3 +33,16 @@ def test_bad_params_name_the_field(kwargs, field):
 
 def test_good_params_pass():
     GenerationParams(max_tokens=1, temperature=0.7, top_p=0.9, top_k=5, logprobs=20, stop=("\n",)).validate()
+
+
+def test_without_detokenize_a_generation_has_the_same_ids_and_scores_and_no_text(engine):
+    """`detokenize=False` (a sweep's cells): vLLM decodes nothing, everything else is unchanged."""
+    from engine_ext.specs import Interventions
+
+    spec = Interventions(score_token_ids=(5, 9))
+    prompt = "The capital of"
+    with_text = engine.generate(prompt, GenerationParams(max_tokens=3), spec)
+    without = engine.generate(prompt, GenerationParams(max_tokens=3, detokenize=False), spec)
+    assert with_text.text and without.text == ""
+    assert without.token_ids == with_text.token_ids
+    assert without.scores == with_text.scores

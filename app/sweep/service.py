@@ -66,6 +66,9 @@ MIN_EFFECT = 1e-6
 #: while the next ones are prepared
 GROUP_MAX = 128
 GROUPS_PER_WINDOW = 4
+#: every request of a sweep (clean capture, baselines, cells): one token whose scores are read; its
+#: text is never used, so none is decoded
+ONE_SCORED_TOKEN = GenerationParams(max_tokens=1, detokenize=False)
 
 
 class SweepRun:
@@ -262,7 +265,7 @@ class SweepService:
                 spec = Interventions(capture=Capture.make(sites, "all_prompt", keep_as=src.run_id, return_values=False),
                                      score_token_ids=plan.score_ids)
                 base.capture_submitted = True
-                gen = await eng.agenerate(plan.clean_ids, GenerationParams(max_tokens=1), spec)
+                gen = await eng.agenerate(plan.clean_ids, ONE_SCORED_TOKEN, spec)
                 iv = gen.intervention
                 if iv is None or iv.voided or iv.stored_as != src.run_id:
                     errs = "; ".join(iv.errors) if iv else "no result"
@@ -286,7 +289,7 @@ class SweepService:
 
     async def _score(self, run: SweepRun, ids: list[int], noise) -> dict[int, float]:
         # a baseline is computed like the cells: from the prefix cache with prefix reuse, else fresh
-        gen = await self.engine.agenerate(ids, GenerationParams(max_tokens=1), _spec(run.plan, noise),
+        gen = await self.engine.agenerate(ids, ONE_SCORED_TOKEN, _spec(run.plan, noise),
                                           fresh=not run.prefix_reuse)
         if gen.intervention is not None and gen.intervention.voided:
             raise _Voided("; ".join(gen.intervention.errors) or "voided")
@@ -331,7 +334,7 @@ class SweepService:
             vals: list[list[float | None]] = [[None] * (1 if kind == "baseline" else plan.noise_samples) for kind, _ in chunk]
             left = [len(v) for v in vals]
             errs: list[str | None] = [None] * len(chunk)
-            batch = self.engine.agenerate_many([plan.corrupt_ids] * len(specs), GenerationParams(max_tokens=1), specs,
+            batch = self.engine.agenerate_many([plan.corrupt_ids] * len(specs), ONE_SCORED_TOKEN, specs,
                                                fresh=not run.prefix_reuse)
             async with contextlib.aclosing(batch) as finished:
                 async for r, res in finished:

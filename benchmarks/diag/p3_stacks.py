@@ -15,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.diag.stack_sampler import StackSampler, arm_children, arm_spawned_child  # noqa: E402
+from benchmarks.diag.stack_sampler import arm_children, arm_spawned_child, sampled_window  # noqa: E402
 
 arm_spawned_child()
 
@@ -51,22 +51,8 @@ def main():
             eng.generate(prompts, one, spec)
             print(json.dumps({"bench": "p3", "variant": name, "seconds": round(time.perf_counter() - t, 4)}), flush=True)
     for name, spec in (("vanilla", None), ("capture", cap)):  # one sampled window per variant
-        open(flag, "w").close()
-        time.sleep(0.3)
-        sampler = StackSampler().start()
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            eng.generate(prompts, one, spec)
-            print(json.dumps({"bench": "p3_sampled", "variant": name, "seconds": round(time.perf_counter() - t, 4)}),
-                  flush=True)
-        report = sampler.stop(top=80)
-        os.remove(flag)
-        with open(os.path.join(args.dir, f"client-{name}.json"), "w") as f:
-            json.dump(report, f)
-        time.sleep(1.0)  # the engine core writes its report when the flag is gone
-        for fn in os.listdir(args.dir):
-            if fn.startswith("stack-") and fn.count("-") == 1:  # stack-<pid>.json: this window's
-                os.replace(os.path.join(args.dir, fn), os.path.join(args.dir, fn[:-5] + f"-{name}.json"))
+        sampled_window(args.dir, flag, name, lambda spec=spec: eng.generate(prompts, one, spec), args.reps,
+                       "p3_sampled")
     rings = [w.get("capture_ring") for w in eng.intervention_status()["workers"]]
     print(json.dumps({"bench": "p3_ring", "rings": rings}), flush=True)
     eng.close()

@@ -160,3 +160,30 @@ def arm_spawned_child() -> None:
     d, flag = os.environ.get("CB_STACK_DIR"), os.environ.get("CB_STACK_FLAG")
     if d and flag:
         _arm(d, flag, float(os.environ.get("CB_STACK_INTERVAL", "0.002")))
+
+
+def sampled_window(out_dir: str, flag: str, name: str, run, reps: int, bench: str, extra=None) -> None:
+    """One sampled window: `reps` calls of `run()` with this process's threads sampled (written to
+    `out_dir/client-<name>.json`, with `extra(since)`'s keys added: `since` is the window's start,
+    `time.time()`) and every armed child sampling too (its `stack-<pid>.json` renamed to
+    `stack-<pid>-<name>.json`); prints one `{"bench": bench, "variant": name, "seconds": ...}`
+    line per call."""
+    open(flag, "w").close()
+    time.sleep(0.3)
+    since = time.time()
+    sampler = StackSampler().start()
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        print(json.dumps({"bench": bench, "variant": name, "seconds": round(time.perf_counter() - t, 4)}), flush=True)
+    report = sampler.stop(top=80)
+    report["since"] = since
+    if extra is not None:
+        report.update(extra(since))
+    os.remove(flag)
+    with open(os.path.join(out_dir, f"client-{name}.json"), "w") as f:
+        json.dump(report, f)
+    time.sleep(1.0)  # the children write their reports when the flag is gone
+    for fn in os.listdir(out_dir):
+        if fn.startswith("stack-") and fn.count("-") == 1:  # stack-<pid>.json: this window's
+            os.replace(os.path.join(out_dir, fn), os.path.join(out_dir, fn[:-5] + f"-{name}.json"))

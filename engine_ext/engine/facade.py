@@ -549,6 +549,7 @@ class Engine(DynamicControl):
             logprob_token_ids=score_ids,
             stop=list(params.stop) or None,
             ignore_eos=params.ignore_eos,
+            detokenize=params.detokenize,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             extra_args=extra_args,
             skip_reading_prefix_cache=skip_cache_read or None,

@@ -160,18 +160,24 @@ class SlotTable:
             return
         pending, self._pending = self._pending, []
         b = self.b
-        slots = [s for s, _ in pending]
-        modes = np.array([int(v.mode) for _, v in pending], np.int32)
-        a = np.array([v.a for _, v in pending], np.float32)
-        idx = to_device_async(torch.tensor(slots, dtype=torch.long, device="cpu"), b.device)
-        b.slot_mode.index_copy_(0, idx, to_device_async(torch.from_numpy(modes), b.device))
-        b.slot_a.index_copy_(0, idx, to_device_async(torch.from_numpy(a), b.device))
-        adim = self._dim_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
-        b.slot_adim.index_copy_(0, idx, to_device_async(torch.from_numpy(adim), b.device))
-        scl = self._cl_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
-        b.slot_clamp.index_copy_(0, idx, to_device_async(torch.from_numpy(scl), b.device))
-        sgq = self._gate_of_slot[np.asarray(slots, np.int64)].astype(np.int32)
-        b.slot_gate.index_copy_(0, idx, to_device_async(torch.from_numpy(sgq), b.device))
+        n = len(pending)
+        slots = np.fromiter((s for s, _ in pending), np.int64, n)
+        # every per-slot scalar in one int32 table, one upload: slot, mode, dim row, clamp row,
+        # gate row, and the bits of `a` (an fp32 copied, never cast)
+        meta = np.empty((6, n), np.int32)
+        meta[0] = slots
+        meta[1] = np.fromiter((int(v.mode) for _, v in pending), np.int32, n)
+        meta[2] = self._dim_of_slot[slots]
+        meta[3] = self._cl_of_slot[slots]
+        meta[4] = self._gate_of_slot[slots]
+        meta[5] = np.fromiter((v.a for _, v in pending), np.float32, n).view(np.int32)
+        dev = to_device_async(torch.from_numpy(meta), b.device)
+        idx = dev[0].long()
+        b.slot_mode.index_copy_(0, idx, dev[1])
+        b.slot_adim.index_copy_(0, idx, dev[2])
+        b.slot_clamp.index_copy_(0, idx, dev[3])
+        b.slot_gate.index_copy_(0, idx, dev[4])
+        b.slot_a.index_copy_(0, idx, dev[5].view(torch.float32))
         if self._gates.pending:
             gts, self._gates.pending = self._gates.pending, []
             probe = np.stack([np.asarray(v.gate_probe, np.float32) for _, v in gts])
@@ -217,11 +223,9 @@ class SlotTable:
                 rows.append(v.pair.row)
         for run, to, rows in by_run.values():  # one gather per stored run, on the device
             x, r = run.on(b.device)
-            ridx = to_device_async(torch.tensor(rows, dtype=torch.long, device="cpu"), b.device)
-            pidx = to_device_async(torch.tensor(to, dtype=torch.long, device="cpu"), b.device)
-            b.slot_px.index_copy_(0, pidx, x.index_select(0, ridx).to(b.dtype))
-            b.slot_pr.index_copy_(0, pidx, r.index_select(0, ridx).to(b.dtype))
-
+            at = to_device_async(torch.from_numpy(np.array([rows, to], np.int64)), b.device)  # [source rows; slots]
+            b.slot_px.index_copy_(0, at[1], x.index_select(0, at[0]).to(b.dtype))
+            b.slot_pr.index_copy_(0, at[1], r.index_select(0, at[0]).to(b.dtype))
 
 def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without blocking the host (pinned staging for CUDA)."""

@@ -1,0 +1,156 @@
+"""Where P1's time goes, stock vLLM against causalboard, with the engine core in its own process
+(vLLM's default on a GPU): the stack sampler (`stack_sampler.py`) on every thread of this process
+and of the engine-core process, and the core's step timeline (`core_timeline.py`), while the P1
+workload of `benchmarks/compare/` runs: 768 one-token requests on one 16-token prompt (random ids,
+seed 0), scoring ids 1000 / 2000.
+
+    python3 benchmarks/diag/p1_stacks.py --engine stock --model DIR --dir OUT_DIR [--reps 3]
+    python3 benchmarks/diag/p1_stacks.py --engine cb --model DIR --dir OUT_DIR [--reps 3] [--device cpu]
+
+`stock`: vLLM's `LLM` as `benchmarks/compare/vllm_bench.py p1` builds it (dummy weights, no
+tokenizer, `logprob_token_ids`), variant `stock`. `cb`: causalboard's `Engine`, variants `nospec`
+(no spec), `scored` (`score_token_ids` only) and `patched` (each cell patches one (layer, hook,
+position) of 16 x 3 x 16 from a stored clean run, as `cb_bench.py p1`), and with `--http` `sweep_http`
+(the same cells as one `POST /v1/patch_sweep`, as `cb_bench.py p1http`). Per variant: `--reps`
+timed calls (`p1` lines), then one sampled window of `--reps` calls (`p1_sampled` lines; reports
+OUT_DIR/client-<variant>.json, causalboard's with the client's `client_events`, and
+OUT_DIR/stack-<pid>-<variant>.json, the engine core's with its `core_events`; both timelines in
+seconds from the window's start). One engine per process.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.diag.stack_sampler import arm_children, arm_spawned_child, sampled_window  # noqa: E402
+
+arm_spawned_child()
+A_ID, B_ID = 1000, 2000
+
+
+def stock_variants(args, prompt):
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    gpu = torch.cuda.is_available()
+    kw = dict(model=args.model, load_format="dummy", dtype="bfloat16" if gpu else "float32", skip_tokenizer_init=True,
+              attention_backend="TRITON_ATTN" if gpu else "CPU_ATTN", enforce_eager=not gpu, enable_prefix_caching=True,
+              seed=0, **({"gpu_memory_utilization": 0.8} if gpu else {}))
+    llm = LLM(**kw)
+    reqs = [{"prompt_token_ids": list(prompt)} for _ in range(768)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[A_ID, B_ID], detokenize=False)
+    return {"stock": lambda: llm.generate(reqs, sp, use_tqdm=False)}, llm.llm_engine.engine_core.shutdown, None
+
+
+def cb_variants(args, prompt):
+    from engine_ext import Engine, GenerationParams
+    from engine_ext.specs import Interventions, Patch, RunSource
+
+    kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8, batch_invariant=False) \
+        if args.device == "cuda" else {}
+    eng = Engine(model=args.model, device=args.device, **kw).start()
+    from benchmarks.diag import core_timeline
+
+    core_timeline.install_client(eng)  # the client's steps, adds, result waits and preparation, timed
+    L = eng.info.num_layers
+    hooks = ("pre_attn", "post_attn", "post_block")
+    cells = [(layer, h, p) for layer in range(L) for h in hooks for p in range(len(prompt))]
+    eng.capture(prompt, [f"L{layer}.{h}" for layer in range(L) for h in hooks], "all_prompt", keep_as="clean",
+                return_values=False)
+    corrupt = list(prompt)
+    corrupt[3:6] = [9001 % eng.info.vocab_size, 9002 % eng.info.vocab_size, 9003 % eng.info.vocab_size]
+    one = GenerationParams(max_tokens=1)
+    score = (A_ID, B_ID)
+    patched = [Interventions(patch=(Patch.make(f"L{layer}.{h}", [p], RunSource("clean", (p,))),), score_token_ids=score)
+               for layer, h, p in cells]
+    scored = [Interventions(score_token_ids=score)] * len(cells)
+    prompts = [corrupt] * len(cells)
+    variants = {name: (lambda specs=specs: eng.generate(prompts, one, specs))
+                for name, specs in (("nospec", None), ("scored", scored), ("patched", patched))}
+    close = eng.close
+    if args.http:
+        sweep, stop = _http_sweep(eng, prompt, corrupt, hooks)
+        variants["sweep_http"] = sweep
+
+        def close():
+            stop()
+            eng.close()
+    return variants, close, lambda since: {"client_events": core_timeline.client_events(since)}
+
+
+def _http_sweep(eng, clean, corrupt, hooks):
+    """`POST /v1/patch_sweep` of the same cells (`cb_bench.py p1http`'s body): the API served
+    in-process (uvicorn in a thread). Returns (one sweep, stop the server)."""
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+    try:
+        import panel  # noqa: F401
+    except ImportError:  # the GPU host has no dashboard stack: serve the API only
+        import app.dashboard
+        app.dashboard.mount = lambda app_: None
+    from app.api.app import create_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(eng), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    words = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731 (the benchmark model's word-level tokenizer)
+    body = {"prompt": words(corrupt), "clean_prompt": words(clean), "answer_token_id": A_ID, "foil_token_id": B_ID,
+            "metric": "logprob", "hooks": list(hooks), "max_concurrency": 1024}
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+
+    def sweep():
+        r = client.post("/v1/patch_sweep", json=body)
+        r.raise_for_status()
+        assert r.json()["cells_done"] > 0, r.json().get("notes")
+
+    def stop():
+        client.close()
+        server.should_exit = True
+    return sweep, stop
+
+
+def main():
+    global A_ID, B_ID
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=["stock", "cb"], required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--http", action="store_true", help="cb: also the same cells as one sweep over HTTP (variant sweep_http)")
+    args = ap.parse_args()
+    flag = os.path.join(args.dir, "sampling")
+    arm_children(args.dir, flag)
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    if vocab <= 128000:  # a small CPU smoke model
+        A_ID, B_ID = 10, 20
+    rng = random.Random(0)
+    prompt = [rng.randrange(4, min(vocab - 1, 128000)) for _ in range(16)]
+    variants, close, extra = (stock_variants if args.engine == "stock" else cb_variants)(args, prompt)
+    for name, run in variants.items():
+        run()  # warm-up
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            run()
+            print(json.dumps({"bench": "p1", "engine": args.engine, "variant": name,
+                              "seconds": round(time.perf_counter() - t, 4)}), flush=True)
+        sampled_window(args.dir, flag, name, run, args.reps, "p1_sampled", extra)
+    close()
+    sys.stdout.flush()
+    os._exit(0)  # stock's LLM: no slow interpreter shutdown
+
+
+if __name__ == "__main__":
+    main()
