@@ -18,7 +18,10 @@ Per workload and repetition, one JSON line: the wall time unprofiled, then the c
 the step's captured rows to their requests), `register` (worker: parse the program and compose
 the plan), `intervention_result` (client: decode a worker result), `sampling_clone` (vLLM's
 per-request `SamplingParams.clone`), `prepare` (client: validate and build the vLLM request),
-`add_request` (vLLM), `collect` (worker: results of finished requests). cProfile slows Python
+`add_request` (vLLM), `collect` (worker: results of finished requests), `build` (worker: one
+request's plan, inside `register`), `plan_step` / `finish_step` (worker: a step's tables, per
+step), `flush` (worker: a step's new slots to the device), `compile_program` (client: one spec
+to its program, inside `prepare`). cProfile slows Python
 down (roughly 2x): compare the same function before and after a change in the same kind of
 process, not against the unprofiled wall time. With `--model` omitted the bundled model is used;
 `--wide DIR` first builds (once) a random Llama with the benchmark model's hidden width (2048)
@@ -43,6 +46,11 @@ FUNCTIONS = {
     "sampling_clone": ("vllm/sampling_params.py", "clone"),
     "prepare": ("engine_ext/engine/facade.py", "_prepare"),
     "add_request": ("vllm/v1/engine/llm_engine.py", "add_request"),
+    "build": ("engine_ext/worker/planner.py", "build"),
+    "plan_step": ("engine_ext/worker/planner.py", "plan_step"),
+    "finish_step": ("engine_ext/worker/planner.py", "finish_step"),
+    "flush": ("engine_ext/worker/slots.py", "flush"),
+    "compile_program": ("engine_ext/program.py", "compile_program"),
 }
 
 
