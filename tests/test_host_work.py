@@ -208,3 +208,47 @@ def test_capture_only_plans_equal_the_general_composition(capture, monkeypatch):
             assert getattr(fast, f) == getattr(general, f), f
     assert len(planner._CAPTURE_PLANS) == 1
     assert not fast.cap_pos.flags.writeable  # shared: nobody may write them
+
+
+@pytest.mark.parametrize("replaces", [
+    {(7, 3): "pair"},                                   # a sweep cell
+    {(7, 3): "pair", (2, 5): "pair", (7, 1): "pair"},   # several sites and positions, out of order
+    {(4, 2): "zero", (4, 9): "vec"},                    # an affine replace, a generated position
+    {(5, 1): "half-pair"},                              # alpha < 1 from a stored pair: affine
+])
+def test_patch_only_plans_equal_the_general_composition(replaces, monkeypatch):
+    """`RequestPlan._replaces_only` (programs of patches alone) gives the general composition's
+    tables, slots, digest and flags."""
+    import torch
+
+    from engine_ext.worker import planner
+    from engine_ext.worker.intervention_op import SiteBuffers
+    from engine_ext.worker.planner import RequestPlan
+    from engine_ext.worker.slots import SlotTable
+    from engine_ext.worker.source_store import SourceRun, StoredPair
+
+    H = 4
+    run = SourceRun("clean", {(s, p): (torch.full((H,), float(s)), torch.full((H,), float(p))) for s in range(8) for p in range(6)})
+    kinds = {"pair": lambda s, p: (1.0, StoredPair(run, run.row_of[(s, p % 6)]), None),
+             "half-pair": lambda s, p: (0.5, StoredPair(run, run.row_of[(s, p % 6)]), None),
+             "zero": lambda s, p: (1.0, None, None),
+             "vec": lambda s, p: (0.75, np.arange(H, dtype=np.float32), None)}
+    prog = WorkerProgram(key="k", n_prompt=8, max_pos=12, hash="h")
+    prog.replaces = {sp: kinds[k](*sp) for sp, k in replaces.items()}
+    plans = {}
+    for fast in (True, False):
+        monkeypatch.setattr(planner, "FAST_REPLACE_PLANS", fast)
+        slots = SlotTable(SiteBuffers(num_sites=8, max_rows=4, max_slots=16, max_capture_rows=4, hidden=H,
+                                      device=torch.device("cpu"), dtype=torch.float32))
+        plans[fast] = (RequestPlan.build("cb-7-0123abcd", 8, prog, [], slots, 2), slots)
+    (fast, fslots), (general, gslots) = plans[True], plans[False]
+    for f in ("prompt_sites", "prompt_slots", "gen_sites", "gen_slots", "ex_pos", "ex_site", "ex_slot", "cap_sites", "cap_pos"):
+        a, b = getattr(fast, f), getattr(general, f)
+        assert a.dtype == b.dtype and np.array_equal(a, b), f
+    for f in ("key", "n_prompt", "cap_gen", "cap_need", "held", "digest", "global_version", "gen_template_only", "gen_group"):
+        assert getattr(fast, f) == getattr(general, f), f
+    for slot in fast.held:
+        assert fslots.key_of(slot) == gslots.key_of(slot)
+        fv, gv = fslots.value_of(slot), gslots.value_of(slot)
+        assert fv.mode == gv.mode and fv.a == gv.a and fv.pair == gv.pair
+        assert (fv.c is None and gv.c is None) or np.array_equal(fv.c, gv.c)

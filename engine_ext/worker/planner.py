@@ -208,6 +208,8 @@ class RequestPlan:
         replaces = prog.replaces if prog is not None else {}
         if SHARE_CAPTURE_PLANS and not ops and not replaces and prog is not None and prog.capture_sites:
             return cls._capture_only(key, n_prompt, prog, global_version)
+        if FAST_REPLACE_PLANS and not ops and replaces and not prog.capture_sites:
+            return cls._replaces_only(key, n_prompt, replaces, slots, global_version)
         plan = cls(key=key, n_prompt=n_prompt, global_version=global_version)
         described: list[tuple] = []
         by_site: dict[int, list[tuple[AddOp, bool, bool, set[int]]]] = {}
@@ -293,6 +295,35 @@ class RequestPlan:
         plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
         return plan
 
+    @classmethod
+    def _replaces_only(cls, key: str, n_prompt: int, replaces: dict, slots: SlotTable,
+                       global_version: int) -> "RequestPlan":
+        """`build` for a program of patches alone (no steering, noise, clamps or captures of its
+        own, no global steering: a sweep's cell): every replace is an explicit entry, composed and
+        described exactly as the general loop does (sites in order, positions in order within a
+        site), without its per-site bookkeeping."""
+        plan = cls(key=key, n_prompt=n_prompt, global_version=global_version)
+        described: list[tuple] = []
+        ex_rows: list[tuple[int, int, int]] = []
+        try:
+            for site, p in sorted(replaces):
+                rep = replaces[(site, p)]
+                skey = ("P", _rep_identity(rep)) if _is_pair(rep) else ("A", _rep_identity(rep), ())
+                slot = plan._acquire(slots, skey, lambda rep=rep, p=p: _slot_value(rep, [], p))
+                ex_rows.append((p, site, slot))
+                described.append(("at", p, site, skey))
+        except BaseException:
+            slots.release(plan.held)
+            plan.held = []
+            raise
+        ex_rows.sort()
+        arr = np.asarray(ex_rows, np.int64)
+        plan.ex_pos, plan.ex_site, plan.ex_slot = arr[:, 0], arr[:, 1].astype(np.int32), arr[:, 2].astype(np.int32)
+        plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
+        plan.gen_template_only = not plan.ex_pos[-1] >= n_prompt
+        plan.gen_group = _template_group(_EMPTY_I32, _EMPTY_I32)
+        return plan
+
     def _acquire(self, slots: SlotTable, key, make) -> int:
         slot = slots.acquire(key, make)
         self.held.append(slot)
@@ -318,6 +349,8 @@ _TEMPLATE_GROUPS: dict[bytes, int] = {}
 _CAPTURE_PLANS: dict[tuple, tuple] = {}
 #: whether capture-only plans share their tables (off: the general composition, for tests)
 SHARE_CAPTURE_PLANS = True
+#: whether patch-only plans take `RequestPlan._replaces_only` (off: the general composition, for tests)
+FAST_REPLACE_PLANS = True
 
 
 def _template_group(sites: np.ndarray, slots: np.ndarray) -> int:
