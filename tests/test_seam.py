@@ -167,3 +167,21 @@ def test_prepare_forward_finishes_the_step_left_open_once_and_before_vllms_own()
     ctl.prepare_forward(None, 8)
     assert calls == [("finish",), ("vllm", 7), ("vllm", 8)]
     assert "_cb_open" not in vars(ctl)
+
+
+def test_the_engine_core_gains_one_utility_and_the_replicated_send_is_the_checked_one():
+    """`install_core_utilities` adds `cb_add_requests` to vLLM's engine core (nothing else of it
+    changes), and the client method a batch replaces is the source causalboard checked."""
+    import hashlib
+    import textwrap
+
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    before = {k: v for k, v in vars(EngineCoreProc).items() if k != seam.ADD_REQUESTS_UTILITY}
+    seam.install()
+    seam.install_core_utilities()
+    assert getattr(EngineCoreProc, seam.ADD_REQUESTS_UTILITY) is seam._core_add_requests
+    assert {k: v for k, v in vars(EngineCoreProc).items() if k != seam.ADD_REQUESTS_UTILITY} == before
+    src = textwrap.dedent(inspect.getsource(SyncMPClient.add_request))
+    assert hashlib.sha256(src.encode()).hexdigest()[:16] == seam.SYNC_ADD_REQUEST_SHA

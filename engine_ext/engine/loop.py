@@ -18,6 +18,11 @@ Worker results (captures, voided status) of finished requests are fetched with o
 without waiting (`seam.start_collective_rpc`): the loop keeps stepping, and each finished
 request's final output goes to its sink together with its result once the reply is in (in the
 order the calls were sent). Its sink stays registered until then, so an engine death fails it.
+
+Submission: `submit_many` hands its requests to vLLM with one command; with a multiprocess engine
+core that answers causalboard's `cb_add_requests` utility they also reach the core in one
+message (`seam.add_requests_batched`) instead of one per request. A batch the core refuses fails
+its requests (aborted in vLLM's client, each sink told) and the loop serves on.
 """
 
 from __future__ import annotations
@@ -97,6 +102,9 @@ class EngineLoop:
         self.merge_results: Callable[[list[dict[str, dict]]], dict[str, dict]] = lambda per_rank: per_rank[0]
         #: the workers' capture rings (`engine_ext.capture_ring`), set by the facade where enabled
         self.rings: RingReaders | None = None
+        #: whether `submit_many` sends its requests to the engine core in one message
+        #: (`seam.batch_adds_available`; decided once the engine is built)
+        self._batch_adds = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
 
@@ -146,10 +154,59 @@ class EngineLoop:
         self._register([(r[0], r[3]) for r in requests])
 
         def add_all() -> None:
+            if self._batch_adds and len(requests) > 1:
+                self._add_batch(requests)
+                return
             for request_id, prompt, params, sink, collect_key in requests:
                 self._add(request_id, prompt, params, sink, collect_key)
 
         self._commands.put(add_all)
+
+    def _can_batch_adds(self) -> bool:
+        from engine_ext.worker.seam import batch_adds_available
+
+        try:
+            return batch_adds_available(self.engine)
+        except Exception:  # never a reason not to serve: one message per request then
+            logger.exception("could not check for batched request submission")
+            return False
+
+    def _add_batch(self, requests: list[tuple[str, Any, Any, Sink, str | None]]) -> None:
+        """On the loop thread: `_add` for several requests, sent to the engine core in one message
+        (`seam.add_requests_batched`). Should the core fail to add the batch, its requests are
+        aborted and fail with that error."""
+        from engine_ext.worker.seam import add_requests_batched
+
+        with self._lock:  # those aborted (or failed) before they were added are left out
+            live = [r for r in requests if self._sinks.get(r[0]) is r[3]]
+        if not live:
+            return
+        added: list[str] = []
+        errors = add_requests_batched(self.engine, [(r[0], r[1], r[2]) for r in live],
+                                      on_refused=lambda error: self._commands.put(lambda: self._fail_added(added, error)))
+        for (request_id, _, _, sink, collect_key), exc in zip(live, errors):
+            if exc is not None:  # refused by vLLM: only this request fails
+                with self._lock:
+                    gone = self._sinks.pop(request_id, None) is None
+                if not gone:
+                    sink.on_error(exc)
+                continue
+            added.append(request_id)
+            if collect_key is not None:
+                self._collect[request_id] = collect_key
+
+    def _fail_added(self, request_ids: list[str], error: BaseException) -> None:
+        """On the loop thread: requests the engine core did not take (a failed batch) leave vLLM's
+        client state, and their sinks get the error."""
+        logger.error("the engine core refused a batch of %d requests: %s", len(request_ids), error)
+        with self._lock:
+            sinks = [(r, self._sinks.pop(r)) for r in request_ids if r in self._sinks]
+        for r, _ in sinks:
+            self._collect.pop(r, None)
+        if sinks:
+            self.engine.abort_request([r for r, _ in sinks])
+        for _, sink in sinks:
+            sink.on_error(RuntimeError(f"the engine core did not add the request: {error}"))
 
     def _register(self, sinks: list[tuple[str, Sink]]) -> None:
         """Record sinks before their command is queued (so an engine death fails them too)."""
@@ -284,6 +341,9 @@ class EngineLoop:
             self._error = exc
             self._ready.set()
             return
+        self._batch_adds = self._can_batch_adds()
+        logger.info("batches of requests go to the engine core %s", "in one message each" if self._batch_adds
+                    else "one message per request")
         self._ready.set()
         try:
             while not self._stopping and self._error is None:

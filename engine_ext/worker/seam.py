@@ -75,6 +75,23 @@ Private vLLM API replicated (not patched), engine-client side
   resolves the Future, as for its blocking call; a dead engine core's pending Futures are failed by
   `EngineLoop`'s watchdog). Any other client (the in-process one) gets None: call
   `collective_rpc` directly.
+* `SyncMPClient.add_request` (source sha checked, `SYNC_ADD_REQUEST_SHA`): `add_requests_batched`
+  lets vLLM's `LLMEngine.add_request` process each request of a batch as usual but collects the
+  `EngineCoreRequest`s it would send one `ADD` message each (an instance attribute shadows the
+  client's `add_request` for the duration), encodes each with the client's own encoder and sends
+  them in one `UTILITY` message to `cb_add_requests` (below); a request with out-of-band buffers
+  goes its own way. Should the core refuse the batch, an empty `EngineCoreOutputs` put on the
+  client's `outputs_queue` wakes a loop thread waiting in `get_output`.
+
+Added to vLLM's engine core (a new method; no vLLM method changed)
+--------------------------------------------------------------------
+* `vllm.v1.engine.core.EngineCoreProc.cb_add_requests` (`install_core_utilities`, run by
+  `install()` and by `register_plugin`: with one rank the core's process builds the worker, with
+  several the plugin loads there): decodes each request with the decoder vLLM's input thread
+  uses for `ADD`, runs `preprocess_add_request` (its error output on failure, as the input thread
+  does) and dispatches it through `_handle_client_request(ADD, ...)`. The client uses it only
+  after the core answered it once (`batch_adds_available`: a core without the plugin keeps one
+  message per request).
 
 Registered: custom ops `vllm::causalboard_site` and `vllm::causalboard_embed_site`
 (`vllm.utils.torch_utils.direct_register_custom_op`).
@@ -182,6 +199,7 @@ def register_plugin() -> None:
     version = check_vllm_version()
     for patch in KV_SALT_PATCHES:
         _apply(patch)
+    install_core_utilities()
     logger.debug("causalboard plugin loaded (vLLM %s)", version)
 
 
@@ -610,20 +628,138 @@ def start_collective_rpc(engine: Any, method: str, args: tuple = ()) -> Any:
     waiting: returns a `concurrent.futures.Future` of the per-rank replies (what `collective_rpc`
     returns), or None when the engine's client is not vLLM 0.25.1's `SyncMPClient` (call
     `collective_rpc` then). See the module docstring."""
+    core = _sync_mp_client(engine)
+    return None if core is None else _start_utility(core, "collective_rpc", (method, None, args, None))
+
+
+def _sync_mp_client(engine: Any) -> Any:
+    """`engine.engine_core` when it is vLLM 0.25.1's `SyncMPClient` with the `call_utility`
+    causalboard checked, else None."""
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    core = getattr(engine, "engine_core", None)
+    return core if type(core) is SyncMPClient and _call_utility_checked(SyncMPClient) else None
+
+
+def _start_utility(core: Any, method: str, args: tuple) -> Any:
+    """`core.call_utility(method, *args)` without waiting for the reply (its Future)."""
     import uuid
     from concurrent.futures import Future
 
     from vllm.v1.engine import EngineCoreRequestType
-    from vllm.v1.engine.core_client import SyncMPClient
 
-    core = getattr(engine, "engine_core", None)
-    if type(core) is not SyncMPClient or not _call_utility_checked(SyncMPClient):
-        return None
     call_id = uuid.uuid1().int >> 64
     future: Future = Future()
     core.utility_results[call_id] = future
-    core._send_input(EngineCoreRequestType.UTILITY, (0, call_id, "collective_rpc", (method, None, args, None)))
+    core._send_input(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
     return future
+
+
+# ---- many requests in one message -------------------------------------------------------------
+#: the engine-core utility that adds a batch of requests (`_core_add_requests`)
+ADD_REQUESTS_UTILITY = "cb_add_requests"
+#: sha256[:16] of vLLM 0.25.1's `SyncMPClient.add_request` (what a batch replaces: one ADD
+#: message per request)
+SYNC_ADD_REQUEST_SHA = "f7a6c760106dd80e"
+
+
+def _core_add_requests(self, frames: list) -> int:
+    """`EngineCoreProc.cb_add_requests`, in the engine-core process: add the requests of one
+    utility message. Each frame is one `EngineCoreRequest` as vLLM's client encodes it for an ADD
+    message, and each is decoded, preprocessed and dispatched as vLLM's input thread and busy
+    loop do with an ADD message (`process_input_sockets`, `_handle_client_request`): a request
+    whose preprocessing fails gets vLLM's error output, the others are added, in order.
+    Returns the number added."""
+    from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    decoder = self.__dict__.get("_cb_add_decoder")
+    if decoder is None:
+        decoder = self._cb_add_decoder = MsgpackDecoder(EngineCoreRequest,
+                                                        oob_tensor_provider=getattr(self, "tensor_ipc_receiver", None))
+    added = 0
+    for frame in frames:
+        req = decoder.decode(frame)
+        try:
+            request = self.preprocess_add_request(req)
+        except Exception:
+            self._handle_request_preproc_error(req)
+            continue
+        self._handle_client_request(EngineCoreRequestType.ADD, request)
+        added += 1
+    return added
+
+
+def install_core_utilities() -> None:
+    """Give vLLM's `EngineCoreProc` the `cb_add_requests` utility (idempotent; a new method, no
+    vLLM method changed). Runs wherever the seam is installed or the plugin loads: one of the
+    two always runs in the engine core's process (its own worker with one rank, the plugin with
+    several)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if getattr(EngineCoreProc, ADD_REQUESTS_UTILITY, None) is not _core_add_requests:
+        setattr(EngineCoreProc, ADD_REQUESTS_UTILITY, _core_add_requests)
+
+
+def batch_adds_available(engine: Any) -> bool:
+    """Whether `add_requests_batched` can send to this engine's core in one message: a
+    `SyncMPClient` (no data parallelism) whose `add_request` is the one checked, and an engine core
+    that answers the `cb_add_requests` utility (asked once, with an empty batch)."""
+    core = _sync_mp_client(engine)
+    if core is None or core.is_dp:
+        return False
+    src = textwrap.dedent(inspect.getsource(type(core).add_request))
+    if hashlib.sha256(src.encode()).hexdigest()[:16] != SYNC_ADD_REQUEST_SHA:
+        logger.warning("SyncMPClient.add_request differs from the version causalboard checked; requests are sent "
+                       "one message each")
+        return False
+    try:
+        return core.call_utility(ADD_REQUESTS_UTILITY, []) == 0
+    except Exception as exc:  # an engine core without the utility (no plugin in its process)
+        logger.info("the engine core has no %s utility (%s); requests are sent one message each", ADD_REQUESTS_UTILITY, exc)
+        return False
+
+
+def add_requests_batched(engine: Any, items: list[tuple[str, Any, Any]],
+                         on_refused: Callable[[BaseException], None]) -> list[BaseException | None]:
+    """Add `items` — `(request_id, prompt, params)` — through vLLM's own `LLMEngine.add_request`
+    (input processing, the output processor's state: everything but the send), then send them to
+    the engine core in one `cb_add_requests` message instead of one ADD message each (only where
+    `batch_adds_available`). Returns, per item, None or the exception `add_request` raised for it
+    (nothing of that item was sent). Should the core not take the batch, `on_refused(error)` is
+    called (on vLLM's output thread) and then a thread waiting in `SyncMPClient.get_output` is
+    woken with an empty output (those requests would otherwise keep it waiting for ever)."""
+    core = engine.engine_core
+    requests: list = []
+    errors: list[BaseException | None] = []
+    core.add_request = requests.append  # an instance attribute: vLLM's method stays as it is
+    try:
+        for request_id, prompt, params in items:
+            try:
+                engine.add_request(request_id, prompt, params)
+                errors.append(None)
+            except Exception as exc:
+                errors.append(exc)
+    finally:
+        del core.add_request
+    frames = []
+    for req in requests:
+        bufs = core.encoder.encode(req)
+        if len(bufs) == 1:
+            frames.append(bufs[0])
+        else:  # out-of-band buffers (tensors in the request): its own ADD message
+            core.add_request(req)
+
+    def done(fut: Any) -> None:
+        from vllm.v1.engine import EngineCoreOutputs
+
+        error = fut.exception()
+        if error is not None:
+            on_refused(error)
+            core.outputs_queue.put_nowait(EngineCoreOutputs())
+
+    _start_utility(core, ADD_REQUESTS_UTILITY, (frames,)).add_done_callback(done)
+    return errors
 
 
 def is_patched(symbol: str) -> bool:
@@ -669,6 +805,7 @@ def install() -> None:
     _register_ops()
     for patch in PATCHES:
         _apply(patch)
+    install_core_utilities()
     _INSTALLED = True
 
 
