@@ -77,8 +77,15 @@ def _timed(kind: str, fn, count=lambda *a, **k: 0):
 
 def install_client(eng) -> None:
     """Time a started `engine_ext.Engine`'s loop steps (`step`: `LLMEngine.step`, which waits for the
-    core's next outputs), each `add_request` (`add`), each `cb_collect` delivery wait (`collect`)
-    and the API side's batch preparation (`prepare`, n = requests)."""
+    core's next outputs), each `add_request` (`add`: with batched submission vLLM's processing of
+    one request, without the send), each batch sent in one message (`batch`, n = requests: the
+    processing of all of them and the one send), each `cb_collect` delivery wait (`collect`) and
+    the API side's batch preparation (`prepare`, n = requests)."""
+    from engine_ext.worker import seam
+
+    if not getattr(seam.add_requests_batched, "_cb_timed", False):
+        seam.add_requests_batched = _timed("batch", seam.add_requests_batched, lambda engine, items, **k: len(items))
+        seam.add_requests_batched._cb_timed = True
     loop = eng._loop
     loop.engine.step = _timed("step", loop.engine.step)
     loop.engine.add_request = _timed("add", loop.engine.add_request)
