@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -39,26 +38,10 @@ def _plain(x):
 
 
 def _serve(engine):
-    import socket
+    from benchmarks.serve_api import serve_in_thread
 
-    import uvicorn
-
-    try:
-        import panel  # noqa: F401
-    except ImportError:  # the GPU host has no dashboard stack: serve the API only
-        import app.dashboard
-
-        app.dashboard.mount = lambda app_: None
-    from app.api.app import create_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server
+    url, server, _ = serve_in_thread(engine)
+    return url, server
 
 
 def _bodies(model: str, eng) -> dict:

@@ -150,26 +150,11 @@ def main():
                  reps_s=[round(x, 4) for x in ts])
 
     if "p1http" in tasks or "p1chttp" in tasks:
-        import socket
-        import threading
-
         import httpx
-        import uvicorn
-        try:
-            import panel  # noqa: F401
-        except ImportError:  # the GPU host has no dashboard stack: serve the API only
-            import app.dashboard
-            app.dashboard.mount = lambda app_: None
-        from app.api.app import create_app
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(eng), host="127.0.0.1", port=port, log_level="warning"))
-        threading.Thread(target=server.run, daemon=True).start()
-        while not server.started:
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{port}"
+        from benchmarks.serve_api import serve_in_thread
+
+        url, server, _ = serve_in_thread(eng)
         words = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731 (synthetic word-level tokenizer)
         corrupt = list(prompt)
         corrupt[3:6] = [9001, 9002, 9003]

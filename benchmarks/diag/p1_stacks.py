@@ -85,29 +85,15 @@ def cb_variants(args, prompt):
 def _http_sweep(eng, clean, corrupt, hooks):
     """`POST /v1/patch_sweep` of the same cells (`cb_bench.py p1http`'s body): the API served
     in-process (uvicorn in a thread). Returns (one sweep, stop the server)."""
-    import socket
-    import threading
-
     import httpx
-    import uvicorn
-    try:
-        import panel  # noqa: F401
-    except ImportError:  # the GPU host has no dashboard stack: serve the API only
-        import app.dashboard
-        app.dashboard.mount = lambda app_: None
-    from app.api.app import create_app
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(eng), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
+    from benchmarks.serve_api import serve_in_thread
+
+    url, server, _ = serve_in_thread(eng)
     words = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731 (the benchmark model's word-level tokenizer)
     body = {"prompt": words(corrupt), "clean_prompt": words(clean), "answer_token_id": A_ID, "foil_token_id": B_ID,
             "metric": "logprob", "hooks": list(hooks), "max_concurrency": 1024}
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+    client = httpx.Client(base_url=url, timeout=600)
 
     def sweep():
         r = client.post("/v1/patch_sweep", json=body)

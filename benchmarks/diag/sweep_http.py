@@ -44,10 +44,8 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
-import threading
 import time
 
 
@@ -98,7 +96,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import httpx
-    import uvicorn
 
     if args.switch_interval is not None:
         import sys
@@ -115,12 +112,7 @@ def main() -> None:
         core_timeline.install()  # an in-process engine core (CPU) runs here
 
     import engine_ext
-    try:
-        import panel  # noqa: F401
-    except ImportError:  # a GPU host without the dashboard stack: serve the API only
-        import app.dashboard
-        app.dashboard.mount = lambda app_: None
-    from app.api.app import create_app
+    from benchmarks.serve_api import serve_in_thread
     from engine_ext import BUNDLED_MODEL_PATH, Engine, GenerationParams
 
     t0 = time.perf_counter()
@@ -169,16 +161,9 @@ def main() -> None:
     if args.max_concurrency:
         body["max_concurrency"] = args.max_concurrency
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(eng), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    url, server, thread = serve_in_thread(eng)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as c:
+        with httpx.Client(base_url=url, timeout=600) as c:
             def sweep(reuse: bool | None) -> dict:
                 r = c.post("/v1/patch_sweep", json=body if reuse is None else {**body, "prefix_reuse": reuse})
                 r.raise_for_status()

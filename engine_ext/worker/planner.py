@@ -39,6 +39,7 @@ the copy done (planning never waits for it), or when results are collected (whic
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import weakref
 import zlib
@@ -223,7 +224,7 @@ class RequestPlan:
             rep_sites.setdefault(site, {})[pos] = rep
         p_sites, p_slots, g_sites, g_slots = [], [], [], []
         ex_rows: list[tuple[int, int, int]] = []
-        try:
+        with plan._composing(slots):
             for site in sorted(set(by_site) | set(rep_sites)):
                 entries = by_site.get(site, [])
                 for region, pick, sites_out, slots_out in (("prompt", 1, p_sites, p_slots), ("gen", 2, g_sites, g_slots)):
@@ -247,10 +248,6 @@ class RequestPlan:
                     slot = plan._acquire(slots, skey, lambda rep=rep, here=here, p=p: _slot_value(rep, here, p))
                     ex_rows.append((p, site, slot))
                     described.append(("at", p, site, skey))
-        except BaseException:
-            slots.release(plan.held)
-            plan.held = []
-            raise
         plan.prompt_sites, plan.prompt_slots = np.asarray(p_sites, np.int32), np.asarray(p_slots, np.int32)
         plan.gen_sites, plan.gen_slots = np.asarray(g_sites, np.int32), np.asarray(g_slots, np.int32)
         if ex_rows:
@@ -305,17 +302,13 @@ class RequestPlan:
         plan = cls(key=key, n_prompt=n_prompt, global_version=global_version)
         described: list[tuple] = []
         ex_rows: list[tuple[int, int, int]] = []
-        try:
+        with plan._composing(slots):
             for site, p in sorted(replaces):
                 rep = replaces[(site, p)]
                 skey = ("P", _rep_identity(rep)) if _is_pair(rep) else ("A", _rep_identity(rep), ())
                 slot = plan._acquire(slots, skey, lambda rep=rep, p=p: _slot_value(rep, [], p))
                 ex_rows.append((p, site, slot))
                 described.append(("at", p, site, skey))
-        except BaseException:
-            slots.release(plan.held)
-            plan.held = []
-            raise
         ex_rows.sort()
         arr = np.asarray(ex_rows, np.int64)
         plan.ex_pos, plan.ex_site, plan.ex_slot = arr[:, 0], arr[:, 1].astype(np.int32), arr[:, 2].astype(np.int32)
@@ -323,6 +316,16 @@ class RequestPlan:
         plan.gen_template_only = not plan.ex_pos[-1] >= n_prompt
         plan.gen_group = _template_group(_EMPTY_I32, _EMPTY_I32)
         return plan
+
+    @contextlib.contextmanager
+    def _composing(self, slots: SlotTable):
+        """Composition that fails (slots run out, ...) releases every slot the plan took."""
+        try:
+            yield
+        except BaseException:
+            slots.release(self.held)
+            self.held = []
+            raise
 
     def _acquire(self, slots: SlotTable, key, make) -> int:
         slot = slots.acquire(key, make)
