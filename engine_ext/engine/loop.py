@@ -185,11 +185,8 @@ class EngineLoop:
         errors = add_requests_batched(self.engine, [(r[0], r[1], r[2]) for r in live],
                                       on_refused=lambda error: self._commands.put(lambda: self._fail_added(added, error)))
         for (request_id, _, _, sink, collect_key), exc in zip(live, errors):
-            if exc is not None:  # refused by vLLM: only this request fails
-                with self._lock:
-                    gone = self._sinks.pop(request_id, None) is None
-                if not gone:
-                    sink.on_error(exc)
+            if exc is not None:
+                self._refused(request_id, sink, exc)
                 continue
             added.append(request_id)
             if collect_key is not None:
@@ -222,14 +219,18 @@ class EngineLoop:
                 return
         try:
             self.engine.add_request(request_id, prompt, params)
-        except Exception as exc:  # refused by vLLM: only this request fails
-            with self._lock:
-                gone = self._sinks.pop(request_id, None) is None
-            if not gone:
-                sink.on_error(exc)
+        except Exception as exc:
+            self._refused(request_id, sink, exc)
             return
         if collect_key is not None:
             self._collect[request_id] = collect_key
+
+    def _refused(self, request_id: str, sink: Sink, exc: Exception) -> None:
+        """vLLM refused to add a request: only this request fails (unless it was already gone)."""
+        with self._lock:
+            gone = self._sinks.pop(request_id, None) is None
+        if not gone:
+            sink.on_error(exc)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Its sink gets no further output."""

@@ -180,6 +180,12 @@ def installed_vllm_version() -> str:
     return vllm.__version__
 
 
+def source_sha(fn: Any) -> str:
+    """sha256[:16] of a function's dedented source: how the seam pins the vLLM code it relies on
+    (`LAYER_FORWARD_SHA`, `CALL_UTILITY_SHA`, `V2_EXECUTE_MODEL_SHA`, `SYNC_ADD_REQUEST_SHA`)."""
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
+
+
 def check_vllm_version() -> str:
     """Return the installed vLLM version, or raise `VllmVersionError` if it is not the checked one."""
     found = installed_vllm_version()
@@ -358,8 +364,7 @@ def _patch_layer_class(expected_sha: str, cls: Any, site_forward: Any = _site_fo
 
     if getattr(cls, "_cb_patched", False):
         return
-    src = textwrap.dedent(inspect.getsource(cls.forward))
-    sha = hashlib.sha256(src.encode()).hexdigest()[:16]
+    sha = source_sha(cls.forward)
     if sha != expected_sha:
         raise VllmVersionError(f"{cls.__module__}.{cls.__qualname__}.forward differs from the version causalboard's seam was "
                                f"checked against (sha {sha}); review engine_ext/worker/seam.py")
@@ -458,7 +463,7 @@ def _v2_defers(cls: Any) -> bool:
     if os.environ.get("CAUSALBOARD_DEFER_PLAN", "1") == "0":
         return False
     fn = getattr(cls.execute_model, "__wrapped__", cls.execute_model)
-    sha = hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
+    sha = source_sha(fn)
     if sha != V2_EXECUTE_MODEL_SHA:
         logger.warning("V2 GPUModelRunner.execute_model differs from the version causalboard checked; "
                        "dynamic steering plans each step at prepare_inputs")
@@ -615,8 +620,7 @@ PATCHED_SYMBOLS: tuple[str, ...] = tuple(sym for p in PATCHES for sym in p.symbo
 
 @functools.lru_cache(maxsize=None)
 def _call_utility_checked(cls: type) -> bool:
-    src = textwrap.dedent(inspect.getsource(cls.call_utility))
-    ok = hashlib.sha256(src.encode()).hexdigest()[:16] == CALL_UTILITY_SHA
+    ok = source_sha(cls.call_utility) == CALL_UTILITY_SHA
     if not ok:
         logger.warning("%s.call_utility differs from the version causalboard checked; worker results are "
                        "fetched with blocking calls", cls.__qualname__)
@@ -708,8 +712,7 @@ def batch_adds_available(engine: Any) -> bool:
     core = _sync_mp_client(engine)
     if core is None or core.is_dp:
         return False
-    src = textwrap.dedent(inspect.getsource(type(core).add_request))
-    if hashlib.sha256(src.encode()).hexdigest()[:16] != SYNC_ADD_REQUEST_SHA:
+    if source_sha(type(core).add_request) != SYNC_ADD_REQUEST_SHA:
         logger.warning("SyncMPClient.add_request differs from the version causalboard checked; requests are sent "
                        "one message each")
         return False

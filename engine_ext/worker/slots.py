@@ -227,6 +227,7 @@ class SlotTable:
             b.slot_px.index_copy_(0, at[1], x.index_select(0, at[0]).to(b.dtype))
             b.slot_pr.index_copy_(0, at[1], r.index_select(0, at[0]).to(b.dtype))
 
+
 def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without blocking the host (pinned staging for CUDA)."""
     if device.type != "cuda":
