@@ -32,6 +32,8 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="vLLM's asynchronous scheduling (a GPU engine's default) on any device")
     args = ap.parse_args()
 
     import numpy as np
@@ -43,6 +45,8 @@ def main():
 
     kw = {"model": args.model} if args.model else {}
     extra = {"enforce_eager": False} if args.device == "cuda" else {}  # the model's own context length
+    if args.async_scheduling:
+        extra["engine_kwargs"] = {"async_scheduling": True}
     eng = Engine(device=args.device, **kw, **extra).start()
     L, H = eng.info.num_layers, eng.info.hidden_size
     rng = np.random.default_rng(0)
@@ -116,19 +120,34 @@ def main():
         ref = modes["host"][0]
         for mode, (gens, steps) in modes.items():
             ok = all(g.intervention.status == "ok" for g in gens)
-            st_ok = []
-            for g in gens:
+            st_ok, first_bad = [], None
+            for i, g in enumerate(gens):
                 tr = g.intervention.dynamic["trace"][0]
                 st = PolicyState.start(pol)
                 want = [0.0] + [st.decide(e["score"]) for e in tr[:-1]]
-                st_ok.append([e["scale"] for e in tr] == want
-                             and g.intervention.dynamic["actions"] == sum(e["engaged"] for e in tr))
-            check(f"single[{name}][{mode}].rule", ok and all(st_ok), steps_repeated=steps)
+                got = [e["scale"] for e in tr]
+                acts = g.intervention.dynamic["actions"]
+                st_ok.append(got == want and acts == sum(e["engaged"] for e in tr))
+                if not st_ok[-1] and first_bad is None:
+                    t = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), None)
+                    first_bad = {"request": i, "token": t, "tokens": len(tr), "actions": acts,
+                                 "engaged": sum(e["engaged"] for e in tr),
+                                 "around": None if t is None else [tr[k] for k in range(max(t - 2, 0), min(t + 2, len(tr)))],
+                                 "want": None if t is None else want[max(t - 2, 0):t + 2]}
+            check(f"single[{name}][{mode}].rule", ok and all(st_ok), steps_repeated=steps,
+                  **({"first_mismatch": first_bad, "requests_bad": st_ok.count(False)} if first_bad else {}))
             if mode != "host":
-                check(f"single[{name}][{mode}].equals_host", all(
-                    a.token_ids == b.token_ids and a.intervention.dynamic["trace"] == b.intervention.dynamic["trace"]
-                    and a.intervention.dynamic["actions"] == b.intervention.dynamic["actions"] for a, b in zip(gens, ref)),
-                    steps_repeated=steps)
+                same = [a.token_ids == b.token_ids and a.intervention.dynamic["trace"] == b.intervention.dynamic["trace"]
+                        and a.intervention.dynamic["actions"] == b.intervention.dynamic["actions"] for a, b in zip(gens, ref)]
+                diff = {}
+                if not all(same):
+                    i = same.index(False)
+                    ta, tb = gens[i].intervention.dynamic["trace"][0], ref[i].intervention.dynamic["trace"][0]
+                    t = next((t for t, (a, b) in enumerate(zip(ta, tb)) if a != b), None)
+                    diff = {"first_difference": {"request": i, "token": t, "tokens_equal": gens[i].token_ids == ref[i].token_ids,
+                                                 "this": None if t is None else ta[t], "host": None if t is None else tb[t]},
+                            "requests_different": same.count(False)}
+                check(f"single[{name}][{mode}].equals_host", all(same), steps_repeated=steps, **diff)
     check("single.determinism", eng.dynamic_status()["determinism"].get("consistent") is True)
     # the reference fork's declarative gates (issue 16): a host-probe gate (rest_of_request) and a
     # soft this_token gate on one batch; replaying GateState over each trace's scores must give the

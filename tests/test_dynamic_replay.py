@@ -51,7 +51,11 @@ BATCH = ("hyst", "hold", "latch", "conv", "conv2", "static_only", "under_static"
 
 
 def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
-           batch: tuple[str, ...] = BATCH, device: bool = False) -> tuple[WorkerState, list, dict]:
+           batch: tuple[str, ...] = BATCH, device: bool = False,
+           empty_after: tuple[int, ...] = ()) -> tuple[WorkerState, list, dict]:
+    """The scripted run; `empty_after`: the steps followed by an empty one (the runner's
+    `execute_model` with no rows: no plan, its `after_forward`), as vLLM's asynchronous scheduling
+    runs when every request of the batch has reached its last token."""
     st = WorkerState(L, H, 256, torch.device("cpu"), torch.float32, WorkerConfig(max_capture_rows=64))
     st.dynamic.replay_enabled = replay
     st.dynamic.device_decisions = device
@@ -127,6 +131,8 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
             st.buffers.cap_x[idx] = torch.from_numpy(direction * np.float32(want / float(direction @ direction)))
             st.buffers.cap_r[idx] = 0.0
         st.after_forward()
+        if step in empty_after:
+            st.after_forward()
         if step == 8:
             st.dynamic.status()  # takes the pending decisions: the next step is planned the usual way
         for rid, n in zip(rids, lens):
@@ -225,6 +231,27 @@ def test_decisions_taken_on_the_device_equal_the_hosts(seed, defer, batch):
     assert r_dev == r_host
     assert c_dev["action_count"] == c_host["action_count"] > 0
     assert dev.dynamic.actions == host.dynamic.actions
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("batch", [THRESHOLD_BATCH, ("prop", "prop_clamped")], ids=["threshold", "proportional"])
+def test_an_empty_step_after_a_chain_keeps_each_trace_in_order(batch, device):
+    """An empty step (no rows: no plan, only `after_forward`; vLLM's asynchronous scheduling runs
+    one when every request of the batch has reached its last token) in a chain of repeated steps
+    and after the last one: the pending decisions it takes come after the chain's bookkeeping, so
+    every trace runs in position order and all of it equals planning request by request (on the
+    GPU this showed as the last position's entry written before the chain's)."""
+    empty = (10, 14, STEPS - 1)
+    fast, t_fast, r_fast = _drive(True, 7, False, batch=batch, device=device, empty_after=empty)
+    slow, t_slow, r_slow = _drive(False, 7, False, batch=batch, empty_after=empty)
+    assert fast.dynamic.replayed_steps >= 3
+    for rid, res in r_fast.items():
+        if isinstance(res, dict) and "trace" in res:
+            positions = [e["position"] for e in res["trace"][0]]
+            assert positions == sorted(positions), (rid, positions)
+    if device:
+        r_fast.pop("checksum"), r_slow.pop("checksum")
+    assert r_fast == r_slow
 
 
 def test_a_status_read_does_not_end_a_chain_decided_on_the_device():

@@ -752,10 +752,15 @@ class DynamicWorker(RepeatedSteps):
         taken ahead (`ahead`, from `_speculate`) is checked: if every policy holds, its bookkeeping
         is queued for `_settle`; else it is taken here (it overwrites the scales written ahead).
         With `record`, everything queued is settled too (the step's `finish` leaves that for later;
-        `chain=False`: a chain of repeated steps' bookkeeping stays queued, `_flush_chain`).
+        `chain=False`: a chain of repeated steps' bookkeeping stays queued, `_flush_chain`, unless
+        decisions are taken here: those always come after it).
         Returns the ids of the requests whose decision taken ahead did not hold."""
         flipped: set[int] = set()
-        if chain:  # a chain's bookkeeping comes before any decision taken request by request
+        # a chain's bookkeeping comes before any decision taken request by request: with
+        # `chain=False` it stays queued only while nothing is decided here (a step with no plan,
+        # as vLLM's asynchronous scheduling runs once a batch has reached its last tokens, takes
+        # a chain's last scores from `after_forward`)
+        if chain or self._pending is not None:
             self._flush_chain()
         if self._pending is not None:
             work, host, event = self._pending

@@ -28,6 +28,7 @@ its requests (aborted in vLLM's client, each sink told) and the loop serves on.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -163,8 +164,12 @@ class EngineLoop:
         self._commands.put(add_all)
 
     def _can_batch_adds(self) -> bool:
+        """`seam.batch_adds_available`, unless `CAUSALBOARD_BATCH_ADDS=0` asks for one message per
+        request (vLLM's own path)."""
         from engine_ext.worker.seam import batch_adds_available
 
+        if os.environ.get("CAUSALBOARD_BATCH_ADDS", "1").strip().lower() in ("0", "false", "off"):
+            return False
         try:
             return batch_adds_available(self.engine)
         except Exception:  # never a reason not to serve: one message per request then
