@@ -41,6 +41,7 @@ def _run(eng, batched: bool):
 def test_a_batch_in_one_message_gives_what_one_message_per_request_gives(mp_engine, engine):
     assert mp_engine._loop._batch_adds, "the engine core answers cb_add_requests"
     assert not engine._loop._batch_adds, "an in-process engine adds requests directly"
+    assert mp_engine._loop._wakeable and not engine._loop._wakeable, "only a waiting SyncMPClient is woken"
     for (plain_a, patched_a), (plain_b, patched_b) in [(_run(mp_engine, True), _run(mp_engine, False))]:
         assert [g.token_ids for g in plain_a] == [g.token_ids for g in plain_b]
         assert [g.scores for g in plain_a] == [g.scores for g in plain_b]

@@ -185,3 +185,38 @@ def test_the_engine_core_gains_one_utility_and_the_replicated_send_is_the_checke
     assert {k: v for k, v in vars(EngineCoreProc).items() if k != seam.ADD_REQUESTS_UTILITY} == before
     src = textwrap.dedent(inspect.getsource(SyncMPClient.add_request))
     assert hashlib.sha256(src.encode()).hexdigest()[:16] == seam.SYNC_ADD_REQUEST_SHA
+
+
+def test_the_output_wait_the_loop_wakes_is_the_checked_one():
+    """`wake_output_wait` relies on `SyncMPClient.get_output` waiting on `outputs_queue` alone
+    (the source causalboard checked), and vLLM's `LLMEngine.step` returns no outputs for the
+    empty `EngineCoreOutputs` it puts there."""
+    import hashlib
+    import queue
+    import textwrap
+    import types
+
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.engine.core_client import SyncMPClient
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    src = textwrap.dedent(inspect.getsource(SyncMPClient.get_output))
+    assert hashlib.sha256(src.encode()).hexdigest()[:16] == seam.SYNC_GET_OUTPUT_SHA
+    assert "self.outputs_queue.get()" in src
+    client = SyncMPClient.__new__(SyncMPClient)
+    client.outputs_queue = queue.Queue()
+    client.engines_running = True
+    engine = types.SimpleNamespace(engine_core=client)
+    seam.wake_output_wait(engine)
+    got = SyncMPClient.get_output(client)
+    assert isinstance(got, EngineCoreOutputs) and got.outputs == []
+    # vLLM's step over it: nothing processed, nothing returned, nothing sent
+    sent = []
+    client.abort_requests = lambda ids: sent.append(ids) if ids else None
+    processed = types.SimpleNamespace(request_outputs=[], reqs_to_abort=[])
+    fake = types.SimpleNamespace(
+        should_execute_dummy_batch=False, engine_core=client, log_stats=False, logger_manager=None,
+        output_processor=types.SimpleNamespace(process_outputs=lambda outs, **k: processed if outs == [] else None,
+                                               update_scheduler_stats=lambda stats: None))
+    seam.wake_output_wait(engine)
+    assert LLMEngine.step(fake) == [] and sent == []

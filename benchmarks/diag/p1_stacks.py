@@ -11,7 +11,9 @@ seed 0), scoring ids 1000 / 2000.
 tokenizer, `logprob_token_ids`), variant `stock`. `cb`: causalboard's `Engine`, variants `nospec`
 (no spec), `scored` (`score_token_ids` only) and `patched` (each cell patches one (layer, hook,
 position) of 16 x 3 x 16 from a stored clean run, as `cb_bench.py p1`), and with `--http` `sweep_http`
-(the same cells as one `POST /v1/patch_sweep`, as `cb_bench.py p1http`). Per variant: `--reps`
+(the same cells as one `POST /v1/patch_sweep`, as `cb_bench.py p1http`; `--wake-ab` adds
+`sweep_http_nowake`, the same with the engine loop's thread never woken for a command, and
+`--variants a,b` runs only those). Per variant: `--reps`
 timed calls (`p1` lines), then one sampled window of `--reps` calls (`p1_sampled` lines; reports
 OUT_DIR/client-<variant>.json, causalboard's with the client's `client_events`, and
 OUT_DIR/stack-<pid>-<variant>.json, the engine core's with its `core_events`; both timelines in
@@ -75,6 +77,16 @@ def cb_variants(args, prompt):
     if args.http:
         sweep, stop = _http_sweep(eng, prompt, corrupt, hooks)
         variants["sweep_http"] = sweep
+        if args.wake_ab:  # the same sweep with the loop thread never woken for a command
+
+            def sweep_nowake():
+                eng._loop._wakeable = False
+                try:
+                    sweep()
+                finally:
+                    eng._loop._wakeable = wakeable
+            wakeable = eng._loop._wakeable
+            variants["sweep_http_nowake"] = sweep_nowake
 
         def close():
             stop()
@@ -115,6 +127,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--http", action="store_true", help="cb: also the same cells as one sweep over HTTP (variant sweep_http)")
+    ap.add_argument("--wake-ab", action="store_true",
+                    help="cb --http: also the sweep with the engine loop never woken for a command (sweep_http_nowake)")
+    ap.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
     args = ap.parse_args()
     flag = os.path.join(args.dir, "sampling")
     arm_children(args.dir, flag)
@@ -125,6 +140,9 @@ def main():
     rng = random.Random(0)
     prompt = [rng.randrange(4, min(vocab - 1, 128000)) for _ in range(16)]
     variants, close, extra = (stock_variants if args.engine == "stock" else cb_variants)(args, prompt)
+    if args.variants:
+        keep = args.variants.split(",")
+        variants = {k: v for k, v in variants.items() if k in keep}
     for name, run in variants.items():
         run()  # warm-up
         for _ in range(args.reps):

@@ -23,6 +23,11 @@ Submission: `submit_many` hands its requests to vLLM with one command; with a mu
 core that answers causalboard's `cb_add_requests` utility they also reach the core in one
 message (`seam.add_requests_batched`) instead of one per request. A batch the core refuses fails
 its requests (aborted in vLLM's client, each sink told) and the loop serves on.
+
+Wake-ups: with a multiprocess engine core the loop thread spends most of a busy step waiting in
+`LLMEngine.step` for the core's outputs. A command queued meanwhile (requests, aborts, calls)
+wakes it (`seam.wake_output_wait`: one empty output, processed as nothing), so it reaches the
+core while the core works rather than after the step (`CAUSALBOARD_WAKE_LOOP=0`: not woken).
 """
 
 from __future__ import annotations
@@ -106,6 +111,11 @@ class EngineLoop:
         #: whether `submit_many` sends its requests to the engine core in one message
         #: (`seam.batch_adds_available`; decided once the engine is built)
         self._batch_adds = False
+        #: whether a command may wake the loop thread waiting for the core's outputs
+        #: (`seam.output_wait_wakeable`), whether it is waiting, whether it was woken in this wait
+        self._wakeable = False
+        self._waiting = self._woken = False
+        self._wake_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
 
@@ -139,6 +149,21 @@ class EngineLoop:
         return len(self._sinks)
 
     # ---- submission (any thread) -------------------------------------------------------------
+    def _queue(self, cmd: Callable[[], None]) -> None:
+        """Queue a command for the loop thread; if that thread is waiting in `LLMEngine.step` for
+        the engine core's outputs, wake it (`seam.wake_output_wait`, once per wait), so that the
+        command reaches the core while the core works instead of after its current step."""
+        self._commands.put(cmd)
+        if not self._wakeable:
+            return
+        with self._wake_lock:
+            if not self._waiting or self._woken:
+                return
+            self._woken = True
+        from engine_ext.worker.seam import wake_output_wait
+
+        wake_output_wait(self.engine)
+
     def submit(self, request_id: str, prompt: Any, params: Any, sink: Sink, collect_key: str | None = None) -> None:
         """Add a request. With `collect_key`, the workers' result for it (captures, voided
         status) is fetched when it finishes and handed to the sink with the final output."""
@@ -147,7 +172,7 @@ class EngineLoop:
         def add() -> None:
             self._add(request_id, prompt, params, sink, collect_key)
 
-        self._commands.put(add)
+        self._queue(add)
 
     def submit_many(self, requests: list[tuple[str, Any, Any, Sink, str | None]]) -> None:
         """Add several requests `(request_id, prompt, params, sink, collect_key)` with one command
@@ -161,7 +186,20 @@ class EngineLoop:
             for request_id, prompt, params, sink, collect_key in requests:
                 self._add(request_id, prompt, params, sink, collect_key)
 
-        self._commands.put(add_all)
+        self._queue(add_all)
+
+    def _can_wake(self) -> bool:
+        """`seam.output_wait_wakeable`, unless `CAUSALBOARD_WAKE_LOOP=0` (commands then wait for
+        the step the loop thread is waiting for, as before)."""
+        from engine_ext.worker.seam import output_wait_wakeable
+
+        if os.environ.get("CAUSALBOARD_WAKE_LOOP", "1").strip().lower() in ("0", "false", "off"):
+            return False
+        try:
+            return output_wait_wakeable(self.engine)
+        except Exception:
+            logger.exception("could not check whether the loop thread can be woken")
+            return False
 
     def _can_batch_adds(self) -> bool:
         """`seam.batch_adds_available`, unless `CAUSALBOARD_BATCH_ADDS=0` asks for one message per
@@ -256,7 +294,7 @@ class EngineLoop:
             if keys:  # drop the worker-side results nobody will read
                 self._collect_results(keys)
 
-        self._commands.put(abort)
+        self._queue(abort)
 
     def call(self, fn: Callable[[Any], Any]) -> Future:
         """Run `fn(engine)` on the loop thread between steps; the Future holds its result."""
@@ -280,7 +318,7 @@ class EngineLoop:
                 with self._lock:
                     self._calls.discard(fut)
 
-        self._commands.put(run)
+        self._queue(run)
         return fut
 
     def _resolve(self, fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -348,6 +386,7 @@ class EngineLoop:
             self._ready.set()
             return
         self._batch_adds = self._can_batch_adds()
+        self._wakeable = self._can_wake()
         logger.info("batches of requests go to the engine core %s", "in one message each" if self._batch_adds
                     else "one message per request")
         self._ready.set()
@@ -381,7 +420,18 @@ class EngineLoop:
                 return
 
     def _step(self) -> None:
-        outs = self.engine.step()
+        if self._wakeable:
+            with self._wake_lock:
+                self._waiting, self._woken = True, False
+            try:
+                if not self._commands.empty():  # queued since the drain (its wake-up would be lost)
+                    return
+                outs = self.engine.step()
+            finally:
+                with self._wake_lock:
+                    self._waiting = False
+        else:
+            outs = self.engine.step()
         keys = [self._collect[o.request_id] for o in outs if o.finished and o.request_id in self._collect]
         if keys:
             from engine_ext.worker.seam import start_collective_rpc

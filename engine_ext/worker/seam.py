@@ -80,8 +80,14 @@ Private vLLM API replicated (not patched), engine-client side
   `EngineCoreRequest`s it would send one `ADD` message each (an instance attribute shadows the
   client's `add_request` for the duration), encodes each with the client's own encoder and sends
   them in one `UTILITY` message to `cb_add_requests` (below); a request with out-of-band buffers
-  goes its own way. Should the core refuse the batch, an empty `EngineCoreOutputs` put on the
-  client's `outputs_queue` wakes a loop thread waiting in `get_output`.
+  goes its own way. Should the core refuse the batch, the loop thread is woken
+  (`wake_output_wait`, below).
+* `SyncMPClient.get_output` (source sha checked, `SYNC_GET_OUTPUT_SHA`): it waits on the client's
+  `outputs_queue` alone, so `wake_output_wait` wakes a thread waiting in `LLMEngine.step` by
+  putting an empty `EngineCoreOutputs` there (vLLM's step processes it as nothing and returns no
+  outputs). `EngineLoop` wakes its thread so when a command (requests to add, aborts, calls)
+  arrives while it waits for the core: a sweep's next group reaches the core while the core
+  works on the last one instead of after that step's outputs.
 
 Added to vLLM's engine core (a new method; no vLLM method changed)
 --------------------------------------------------------------------
@@ -182,7 +188,8 @@ def installed_vllm_version() -> str:
 
 def source_sha(fn: Any) -> str:
     """sha256[:16] of a function's dedented source: how the seam pins the vLLM code it relies on
-    (`LAYER_FORWARD_SHA`, `CALL_UTILITY_SHA`, `V2_EXECUTE_MODEL_SHA`, `SYNC_ADD_REQUEST_SHA`)."""
+    (`LAYER_FORWARD_SHA`, `CALL_UTILITY_SHA`, `V2_EXECUTE_MODEL_SHA`, `SYNC_ADD_REQUEST_SHA`,
+    `SYNC_GET_OUTPUT_SHA`)."""
     return hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
 
 
@@ -665,6 +672,9 @@ ADD_REQUESTS_UTILITY = "cb_add_requests"
 #: sha256[:16] of vLLM 0.25.1's `SyncMPClient.add_request` (what a batch replaces: one ADD
 #: message per request)
 SYNC_ADD_REQUEST_SHA = "f7a6c760106dd80e"
+#: `SyncMPClient.get_output` of vLLM 0.25.1 (`wake_output_wait` relies on it waiting on
+#: `outputs_queue` alone)
+SYNC_GET_OUTPUT_SHA = "148c908825aeaa3c"
 
 
 def _core_add_requests(self, frames: list) -> int:
@@ -703,6 +713,24 @@ def install_core_utilities() -> None:
 
     if getattr(EngineCoreProc, ADD_REQUESTS_UTILITY, None) is not _core_add_requests:
         setattr(EngineCoreProc, ADD_REQUESTS_UTILITY, _core_add_requests)
+
+
+def output_wait_wakeable(engine: Any) -> bool:
+    """Whether `wake_output_wait` can wake a thread waiting in this engine's `LLMEngine.step`: a
+    `SyncMPClient` whose `get_output` is the one checked (an in-process engine never waits: its
+    step runs the core)."""
+    core = _sync_mp_client(engine)
+    return core is not None and source_sha(type(core).get_output) == SYNC_GET_OUTPUT_SHA
+
+
+def wake_output_wait(engine: Any) -> None:
+    """Wake a thread waiting in `LLMEngine.step` for the engine core's next outputs (only where
+    `output_wait_wakeable`): an empty `EngineCoreOutputs` on the client's `outputs_queue`, which
+    that step processes as nothing and returns no outputs from (the core's real outputs stay
+    queued behind it for the next step)."""
+    from vllm.v1.engine import EngineCoreOutputs
+
+    engine.engine_core.outputs_queue.put_nowait(EngineCoreOutputs())
 
 
 def batch_adds_available(engine: Any) -> bool:
@@ -754,12 +782,10 @@ def add_requests_batched(engine: Any, items: list[tuple[str, Any, Any]],
             core.add_request(req)
 
     def done(fut: Any) -> None:
-        from vllm.v1.engine import EngineCoreOutputs
-
         error = fut.exception()
         if error is not None:
             on_refused(error)
-            core.outputs_queue.put_nowait(EngineCoreOutputs())
+            wake_output_wait(engine)
 
     _start_utility(core, ADD_REQUESTS_UTILITY, (frames,)).add_done_callback(done)
     return errors
