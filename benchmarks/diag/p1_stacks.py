@@ -12,8 +12,9 @@ tokenizer, `logprob_token_ids`), variant `stock`. `cb`: causalboard's `Engine`, 
 (no spec), `scored` (`score_token_ids` only) and `patched` (each cell patches one (layer, hook,
 position) of 16 x 3 x 16 from a stored clean run, as `cb_bench.py p1`), and with `--http` `sweep_http`
 (the same cells as one `POST /v1/patch_sweep`, as `cb_bench.py p1http`; `--wake-ab` adds
-`sweep_http_nowake`, the same with the engine loop's thread never woken for a command, and
-`--variants a,b` runs only those). Per variant: `--reps`
+`sweep_http_nowake`, the same with the engine loop's thread never woken for a command,
+`--sweep-groups 256,768` adds `sweep_http_g256`, ..., the sweep's fan-out in groups of that many
+cells, and `--variants a,b` runs only those). Per variant: `--reps`
 timed calls (`p1` lines), then one sampled window of `--reps` calls (`p1_sampled` lines; reports
 OUT_DIR/client-<variant>.json, causalboard's with the client's `client_events`, and
 OUT_DIR/stack-<pid>-<variant>.json, the engine core's with its `core_events`; both timelines in
@@ -87,6 +88,17 @@ def cb_variants(args, prompt):
                     eng._loop._wakeable = wakeable
             wakeable = eng._loop._wakeable
             variants["sweep_http_nowake"] = sweep_nowake
+        for g in (int(x) for x in args.sweep_groups.split(",") if x):
+            def sweep_grouped(g=g):  # the fan-out's groups of g cells (the service's constants, set for the call)
+                from app.sweep import service
+
+                saved = service.GROUP_MAX, service.GROUPS_PER_WINDOW
+                service.GROUP_MAX, service.GROUPS_PER_WINDOW = g, 1
+                try:
+                    sweep()
+                finally:
+                    service.GROUP_MAX, service.GROUPS_PER_WINDOW = saved
+            variants[f"sweep_http_g{g}"] = sweep_grouped
 
         def close():
             stop()
@@ -129,6 +141,8 @@ def main():
     ap.add_argument("--http", action="store_true", help="cb: also the same cells as one sweep over HTTP (variant sweep_http)")
     ap.add_argument("--wake-ab", action="store_true",
                     help="cb --http: also the sweep with the engine loop never woken for a command (sweep_http_nowake)")
+    ap.add_argument("--sweep-groups", default="",
+                    help="cb --http: also the sweep with the fan-out's groups of each of these sizes (sweep_http_gN)")
     ap.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
     args = ap.parse_args()
     flag = os.path.join(args.dir, "sampling")
