@@ -64,3 +64,69 @@ def test_a_batch_the_core_refuses_fails_its_requests_and_the_engine_serves_on(mp
     gens = mp_engine.generate(PROMPTS, GenerationParams(max_tokens=2))
     assert all(len(g.token_ids) == 2 for g in gens)
     assert not mp_engine._loop.engine.has_unfinished_requests(), "the refused requests left vLLM's client state"
+
+
+def test_a_large_batch_goes_in_several_messages_with_the_same_outputs(mp_engine, monkeypatch):
+    """A batch larger than the first message (`seam.BATCH_CHUNKS`) leaves in several messages, the
+    first as soon as its requests are processed: the outputs equal one message per request."""
+    from engine_ext.worker import seam
+
+    sent = []
+    start = seam._start_utility
+
+    def counting(core, method, args):
+        if method == seam.ADD_REQUESTS_UTILITY and args[0]:
+            sent.append(len(args[0]))
+        return start(core, method, args)
+
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(40)]
+    params = GenerationParams(max_tokens=2)
+    monkeypatch.setattr(seam, "_start_utility", counting)
+    monkeypatch.setattr(seam, "BATCH_CHUNKS", (4, 8, 16))
+    chunked = mp_engine.generate(prompts, params, Interventions(score_token_ids=(5, 9)))
+    assert sent == [4, 8, 16, 12]
+    mp_engine._loop._batch_adds = False
+    try:
+        single = mp_engine.generate(prompts, params, Interventions(score_token_ids=(5, 9)))
+    finally:
+        mp_engine._loop._batch_adds = True
+    assert [g.token_ids for g in chunked] == [g.token_ids for g in single]
+    assert [g.scores for g in chunked] == [g.scores for g in single]
+
+
+@pytest.mark.timeout(240)
+def test_a_refused_message_fails_only_its_own_requests(mp_engine, monkeypatch):
+    """The core refuses the second message of a batch: its requests fail with the error, those of
+    the other messages finish, and the engine serves on."""
+    from engine_ext.worker import seam
+
+    calls = []
+    start = seam._start_utility
+
+    def second_refused(core, method, args):
+        if method == seam.ADD_REQUESTS_UTILITY and args[0]:
+            calls.append(len(args[0]))
+            if len(calls) == 2:
+                return start(core, "cb_no_such_utility", args)
+        return start(core, method, args)
+
+    monkeypatch.setattr(seam, "_start_utility", second_refused)
+    monkeypatch.setattr(seam, "BATCH_CHUNKS", (2, 3))
+    import asyncio
+
+    async def run():
+        out = {}
+        async for i, res in mp_engine.agenerate_many(PROMPTS * 2, GenerationParams(max_tokens=2)):
+            out[i] = res
+        return out
+
+    results = asyncio.run(run())
+    assert calls == [2, 3, 3]
+    failed = sorted(i for i, r in results.items() if isinstance(r, Exception))
+    assert failed == [2, 3, 4], results
+    assert all("did not add the request" in str(results[i]) for i in failed)
+    assert all(len(results[i].token_ids) == 2 for i in results if i not in failed)
+    assert mp_engine._loop.in_flight == 0
+    monkeypatch.undo()
+    assert len(mp_engine.generate(PROMPTS[0], GenerationParams(max_tokens=2)).token_ids) == 2
+    assert not mp_engine._loop.engine.has_unfinished_requests()

@@ -13,7 +13,8 @@ tokenizer, `logprob_token_ids`), variant `stock`. `cb`: causalboard's `Engine`, 
 position) of 16 x 3 x 16 from a stored clean run, as `cb_bench.py p1`), and with `--http` `sweep_http`
 (the same cells as one `POST /v1/patch_sweep`, as `cb_bench.py p1http`; `--wake-ab` adds
 `sweep_http_nowake`, the same with the engine loop's thread never woken for a command,
-`--sweep-groups 256,768` adds `sweep_http_g256`, ..., the sweep's fan-out in groups of that many
+`--chunk-ab` adds `<variant>_onemsg`, each batch in one message to the core instead of
+`seam.BATCH_CHUNKS`, `--sweep-groups 256,768` adds `sweep_http_g256`, ..., the sweep's fan-out in groups of that many
 cells, and `--variants a,b` runs only those). Per variant: `--reps`
 timed calls (`p1` lines), then one sampled window of `--reps` calls (`p1_sampled` lines; reports
 OUT_DIR/client-<variant>.json, causalboard's with the client's `client_events`, and
@@ -74,6 +75,18 @@ def cb_variants(args, prompt):
     prompts = [corrupt] * len(cells)
     variants = {name: (lambda specs=specs: eng.generate(prompts, one, specs))
                 for name, specs in (("nospec", None), ("scored", scored), ("patched", patched))}
+    if args.chunk_ab:  # each variant also with every batch in one message (the eleventh session's submission)
+        def one_message(run):
+            def wrapped():
+                from engine_ext.worker import seam
+
+                saved, seam.BATCH_CHUNKS = seam.BATCH_CHUNKS, (1 << 30,)
+                try:
+                    run()
+                finally:
+                    seam.BATCH_CHUNKS = saved
+            return wrapped
+        variants.update({f"{k}_onemsg": one_message(v) for k, v in list(variants.items())})
     close = eng.close
     if args.http:
         sweep, stop = _http_sweep(eng, prompt, corrupt, hooks)
@@ -99,6 +112,8 @@ def cb_variants(args, prompt):
                 finally:
                     service.GROUP_MAX, service.GROUPS_PER_WINDOW = saved
             variants[f"sweep_http_g{g}"] = sweep_grouped
+        if args.chunk_ab:
+            variants["sweep_http_onemsg"] = one_message(sweep)
 
         def close():
             stop()
@@ -141,6 +156,8 @@ def main():
     ap.add_argument("--http", action="store_true", help="cb: also the same cells as one sweep over HTTP (variant sweep_http)")
     ap.add_argument("--wake-ab", action="store_true",
                     help="cb --http: also the sweep with the engine loop never woken for a command (sweep_http_nowake)")
+    ap.add_argument("--chunk-ab", action="store_true",
+                    help="cb: also each variant with every batch sent to the core in one message (<variant>_onemsg)")
     ap.add_argument("--sweep-groups", default="",
                     help="cb --http: also the sweep with the fan-out's groups of each of these sizes (sweep_http_gN)")
     ap.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")

@@ -20,9 +20,10 @@ request's final output goes to its sink together with its result once the reply 
 order the calls were sent). Its sink stays registered until then, so an engine death fails it.
 
 Submission: `submit_many` hands its requests to vLLM with one command; with a multiprocess engine
-core that answers causalboard's `cb_add_requests` utility they also reach the core in one
-message (`seam.add_requests_batched`) instead of one per request. A batch the core refuses fails
-its requests (aborted in vLLM's client, each sink told) and the loop serves on.
+core that answers causalboard's `cb_add_requests` utility they also reach the core in a few
+messages (`seam.add_requests_batched`: the first of 32 requests, so the core starts while the
+rest are processed, then larger ones) instead of one per request. A message the core refuses
+fails its requests (aborted in vLLM's client, each sink told) and the loop serves on.
 
 Wake-ups: with a multiprocess engine core the loop thread spends most of a busy step waiting in
 `LLMEngine.step` for the core's outputs. A command queued meanwhile (requests, aborts, calls)
@@ -108,7 +109,7 @@ class EngineLoop:
         self.merge_results: Callable[[list[dict[str, dict]]], dict[str, dict]] = lambda per_rank: per_rank[0]
         #: the workers' capture rings (`engine_ext.capture_ring`), set by the facade where enabled
         self.rings: RingReaders | None = None
-        #: whether `submit_many` sends its requests to the engine core in one message
+        #: whether `submit_many` sends its requests to the engine core in a few messages (`cb_add_requests`)
         #: (`seam.batch_adds_available`; decided once the engine is built)
         self._batch_adds = False
         #: whether a command may wake the loop thread waiting for the core's outputs
@@ -215,23 +216,21 @@ class EngineLoop:
             return False
 
     def _add_batch(self, requests: list[tuple[str, Any, Any, Sink, str | None]]) -> None:
-        """On the loop thread: `_add` for several requests, sent to the engine core in one message
-        (`seam.add_requests_batched`). Should the core fail to add the batch, its requests are
-        aborted and fail with that error."""
+        """On the loop thread: `_add` for several requests, sent to the engine core in a few
+        messages (`seam.add_requests_batched`). Should the core fail to add a message's requests,
+        they are aborted and fail with that error."""
         from engine_ext.worker.seam import add_requests_batched
 
         with self._lock:  # those aborted (or failed) before they were added are left out
             live = [r for r in requests if self._sinks.get(r[0]) is r[3]]
         if not live:
             return
-        added: list[str] = []
         errors = add_requests_batched(self.engine, [(r[0], r[1], r[2]) for r in live],
-                                      on_refused=lambda error: self._commands.put(lambda: self._fail_added(added, error)))
+                                      on_refused=lambda error, ids: self._commands.put(lambda: self._fail_added(ids, error)))
         for (request_id, _, _, sink, collect_key), exc in zip(live, errors):
             if exc is not None:
                 self._refused(request_id, sink, exc)
                 continue
-            added.append(request_id)
             if collect_key is not None:
                 self._collect[request_id] = collect_key
 
@@ -387,7 +386,7 @@ class EngineLoop:
             return
         self._batch_adds = self._can_batch_adds()
         self._wakeable = self._can_wake()
-        logger.info("batches of requests go to the engine core %s", "in one message each" if self._batch_adds
+        logger.info("batches of requests go to the engine core %s", "in a few messages each" if self._batch_adds
                     else "one message per request")
         self._ready.set()
         try:

@@ -79,8 +79,9 @@ Private vLLM API replicated (not patched), engine-client side
   lets vLLM's `LLMEngine.add_request` process each request of a batch as usual but collects the
   `EngineCoreRequest`s it would send one `ADD` message each (an instance attribute shadows the
   client's `add_request` for the duration), encodes each with the client's own encoder and sends
-  them in one `UTILITY` message to `cb_add_requests` (below); a request with out-of-band buffers
-  goes its own way. Should the core refuse the batch, the loop thread is woken
+  them in `UTILITY` messages to `cb_add_requests` (below), a message as soon as `BATCH_CHUNKS`
+  requests are processed (the first small: the core starts while the client processes the rest);
+  a request with out-of-band buffers goes its own way. Should the core refuse the batch, the loop thread is woken
   (`wake_output_wait`, below).
 * `SyncMPClient.get_output` (source sha checked, `SYNC_GET_OUTPUT_SHA`): it waits on the client's
   `outputs_queue` alone, so `wake_output_wait` wakes a thread waiting in `LLMEngine.step` by
@@ -751,18 +752,50 @@ def batch_adds_available(engine: Any) -> bool:
         return False
 
 
+#: requests per `cb_add_requests` message, in order (then the last size again): the first message
+#: small, so the engine core starts on it while the client processes the rest of the batch; later
+#: ones larger (fewer messages; the core's steps stay large)
+BATCH_CHUNKS = (32, 64, 128, 256)
+
+
 def add_requests_batched(engine: Any, items: list[tuple[str, Any, Any]],
-                         on_refused: Callable[[BaseException], None]) -> list[BaseException | None]:
+                         on_refused: Callable[[BaseException, list[str]], None]) -> list[BaseException | None]:
     """Add `items` — `(request_id, prompt, params)` — through vLLM's own `LLMEngine.add_request`
-    (input processing, the output processor's state: everything but the send), then send them to
-    the engine core in one `cb_add_requests` message instead of one ADD message each (only where
-    `batch_adds_available`). Returns, per item, None or the exception `add_request` raised for it
-    (nothing of that item was sent). Should the core not take the batch, `on_refused(error)` is
-    called (on vLLM's output thread) and then a thread waiting in `SyncMPClient.get_output` is
-    woken with an empty output (those requests would otherwise keep it waiting for ever)."""
+    (input processing, the output processor's state: everything but the send), and send them to
+    the engine core in `cb_add_requests` messages of `BATCH_CHUNKS` requests instead of one ADD
+    message each (only where `batch_adds_available`); each message leaves as soon as its requests
+    are processed. Returns, per item, None or the exception `add_request` raised for it (nothing
+    of that item was sent). Should the core not take a message, `on_refused(error, request_ids)`
+    is called (on vLLM's output thread) with the ids of that message's items, and then a thread
+    waiting in `SyncMPClient.get_output` is woken (those requests would otherwise keep it waiting
+    for ever)."""
     core = engine.engine_core
     requests: list = []
     errors: list[BaseException | None] = []
+    sizes = iter(BATCH_CHUNKS)
+    limit = next(sizes)
+    chunk_ids: list[str] = []  # the items whose requests are in `requests`
+
+    def done(ids: list[str], fut: Any) -> None:
+        error = fut.exception()
+        if error is not None:
+            on_refused(error, ids)
+            wake_output_wait(engine)
+
+    def send() -> None:
+        frames = []
+        for req in requests:
+            bufs = core.encoder.encode(req)
+            if len(bufs) == 1:
+                frames.append(bufs[0])
+            else:  # out-of-band buffers (tensors in the request): its own ADD message
+                type(core).add_request(core, req)
+        ids = list(chunk_ids)
+        requests.clear()
+        chunk_ids.clear()
+        if frames:
+            _start_utility(core, ADD_REQUESTS_UTILITY, (frames,)).add_done_callback(functools.partial(done, ids))
+
     core.add_request = requests.append  # an instance attribute: vLLM's method stays as it is
     try:
         for request_id, prompt, params in items:
@@ -771,23 +804,15 @@ def add_requests_batched(engine: Any, items: list[tuple[str, Any, Any]],
                 errors.append(None)
             except Exception as exc:
                 errors.append(exc)
+                continue
+            chunk_ids.append(request_id)
+            if len(requests) >= limit:
+                send()
+                limit = next(sizes, BATCH_CHUNKS[-1])
     finally:
         del core.add_request
-    frames = []
-    for req in requests:
-        bufs = core.encoder.encode(req)
-        if len(bufs) == 1:
-            frames.append(bufs[0])
-        else:  # out-of-band buffers (tensors in the request): its own ADD message
-            core.add_request(req)
-
-    def done(fut: Any) -> None:
-        error = fut.exception()
-        if error is not None:
-            on_refused(error)
-            wake_output_wait(engine)
-
-    _start_utility(core, ADD_REQUESTS_UTILITY, (frames,)).add_done_callback(done)
+    if requests:
+        send()
     return errors
 
 
