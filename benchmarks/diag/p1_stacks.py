@@ -15,7 +15,8 @@ position) of 16 x 3 x 16 from a stored clean run, as `cb_bench.py p1`), and with
 `sweep_http_nowake`, the same with the engine loop's thread never woken for a command,
 `--chunk-ab` adds `<variant>_onemsg`, each batch in one message to the core instead of
 `seam.BATCH_CHUNKS`, `--sweep-groups 256,768` adds `sweep_http_g256`, ..., the sweep's fan-out in groups of that many
-cells, and `--variants a,b` runs only those). Per variant: `--reps`
+cells, `--variants a,b` runs only those, and `--interleave` times them round-robin, one repetition of
+each in turn, for A/B comparisons on a noisy machine). Per variant: `--reps`
 timed calls (`p1` lines), then one sampled window of `--reps` calls (`p1_sampled` lines; reports
 OUT_DIR/client-<variant>.json, causalboard's with the client's `client_events`, and
 OUT_DIR/stack-<pid>-<variant>.json, the engine core's with its `core_events`; both timelines in
@@ -160,6 +161,8 @@ def main():
                     help="cb: also each variant with every batch sent to the core in one message (<variant>_onemsg)")
     ap.add_argument("--sweep-groups", default="",
                     help="cb --http: also the sweep with the fan-out's groups of each of these sizes (sweep_http_gN)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="timed repetitions round-robin over the variants (then the sampled windows)")
     ap.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
     args = ap.parse_args()
     flag = os.path.join(args.dir, "sampling")
@@ -174,14 +177,26 @@ def main():
     if args.variants:
         keep = args.variants.split(",")
         variants = {k: v for k, v in variants.items() if k in keep}
-    for name, run in variants.items():
-        run()  # warm-up
+    def timed(name, run):
+        t = time.perf_counter()
+        run()
+        print(json.dumps({"bench": "p1", "engine": args.engine, "variant": name,
+                          "seconds": round(time.perf_counter() - t, 4)}), flush=True)
+
+    if args.interleave:  # A/B comparisons: the machine's slow phases hit every variant alike
+        for run in variants.values():
+            run()  # warm-up
         for _ in range(args.reps):
-            t = time.perf_counter()
-            run()
-            print(json.dumps({"bench": "p1", "engine": args.engine, "variant": name,
-                              "seconds": round(time.perf_counter() - t, 4)}), flush=True)
-        sampled_window(args.dir, flag, name, run, args.reps, "p1_sampled", extra)
+            for name, run in variants.items():
+                timed(name, run)
+        for name, run in variants.items():
+            sampled_window(args.dir, flag, name, run, args.reps, "p1_sampled", extra)
+    else:
+        for name, run in variants.items():
+            run()  # warm-up
+            for _ in range(args.reps):
+                timed(name, run)
+            sampled_window(args.dir, flag, name, run, args.reps, "p1_sampled", extra)
     close()
     sys.stdout.flush()
     os._exit(0)  # stock's LLM: no slow interpreter shutdown
