@@ -106,7 +106,8 @@ def main():
                     return_values=False)
         corrupt = list(prompt)
         corrupt[3:6] = [rng.randrange(lo, hi) for _ in range(3)]
-        one = GenerationParams(max_tokens=1)
+        # like stock's P1 (`vllm_bench.py`: `detokenize=False`): scores read, no text decoded
+        one = GenerationParams(max_tokens=1, detokenize=False)
         score = (A_ID, B_ID)
         patched = [Interventions(patch=(Patch.make(f"L{l}.{h}", [p], RunSource("clean", (p,))),), score_token_ids=score)
                    for l, h, p in cells]

@@ -68,7 +68,7 @@ def cb_variants(args, prompt):
                 return_values=False)
     corrupt = list(prompt)
     corrupt[3:6] = [9001 % eng.info.vocab_size, 9002 % eng.info.vocab_size, 9003 % eng.info.vocab_size]
-    one = GenerationParams(max_tokens=1)
+    one = GenerationParams(max_tokens=1, detokenize=False)  # like stock's (no text, no token strings decoded)
     score = (A_ID, B_ID)
     patched = [Interventions(patch=(Patch.make(f"L{layer}.{h}", [p], RunSource("clean", (p,))),), score_token_ids=score)
                for layer, h, p in cells]
