@@ -15,7 +15,8 @@ position) of 16 x 3 x 16 from a stored clean run, as `cb_bench.py p1`), and with
 `sweep_http_nowake`, the same with the engine loop's thread never woken for a command,
 `--chunk-ab` adds `<variant>_onemsg`, each batch in one message to the core instead of
 `seam.BATCH_CHUNKS`, `--sweep-groups 256,768` adds `sweep_http_g256`, ..., the sweep's fan-out in groups of that many
-cells, `--variants a,b` runs only those, and `--interleave` times them round-robin, one repetition of
+cells, `--compilation-config JSON` passes vLLM's `compilation_config` to either engine (CUDA-graph
+sizes for the large prefill steps of P1), `--variants a,b` runs only those, and `--interleave` times them round-robin, one repetition of
 each in turn, for A/B comparisons on a noisy machine). Per variant: `--reps`
 timed calls (`p1` lines), then one sampled window of `--reps` calls (`p1_sampled` lines; reports
 OUT_DIR/client-<variant>.json, causalboard's with the client's `client_events`, and
@@ -45,6 +46,8 @@ def stock_variants(args, prompt):
     kw = dict(model=args.model, load_format="dummy", dtype="bfloat16" if gpu else "float32", skip_tokenizer_init=True,
               attention_backend="TRITON_ATTN" if gpu else "CPU_ATTN", enforce_eager=not gpu, enable_prefix_caching=True,
               seed=0, **({"gpu_memory_utilization": 0.8} if gpu else {}))
+    if args.compilation_config:
+        kw["compilation_config"] = json.loads(args.compilation_config)
     llm = LLM(**kw)
     reqs = [{"prompt_token_ids": list(prompt)} for _ in range(768)]
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[A_ID, B_ID], detokenize=False)
@@ -57,6 +60,8 @@ def cb_variants(args, prompt):
 
     kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8, batch_invariant=False) \
         if args.device == "cuda" else {}
+    if args.compilation_config:
+        kw["engine_kwargs"] = {"compilation_config": json.loads(args.compilation_config)}
     eng = Engine(model=args.model, device=args.device, **kw).start()
     from benchmarks.diag import core_timeline
 
@@ -163,6 +168,9 @@ def main():
                     help="cb --http: also the sweep with the fan-out's groups of each of these sizes (sweep_http_gN)")
     ap.add_argument("--interleave", action="store_true",
                     help="timed repetitions round-robin over the variants (then the sampled windows)")
+    ap.add_argument("--compilation-config", default="",
+                    help="JSON: vLLM's compilation_config for either engine (e.g. more CUDA-graph sizes: "
+                         '\'{"cudagraph_capture_sizes": [1, 2, 4, 8, ..., 4096, 8192]}\')')
     ap.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
     args = ap.parse_args()
     flag = os.path.join(args.dir, "sampling")
