@@ -21,10 +21,50 @@ post-edit value must fail (the term has a large component along the probe), so t
 the two apart. Prints one JSON line per check and exits 1 on a failure.
 
     PYTHONPATH=. python3 benchmarks/dynamic_gpu_check.py --device cpu --tokens 12   # the script on CPU
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 ... --device cpu --empty-steps   # + empty steps
+
+`--empty-steps` (an in-process engine) runs, after every 5th step, what the seam does for an empty
+step: vLLM's asynchronous scheduling (a GPU engine's default, off on the CPU platform) runs one
+whenever every request of the batch has reached its last token, and such a step once took a chain
+of repeated steps' pending decisions before the chain's bookkeeping (docs/validation.md).
 """
 import argparse
 import json
 import sys
+
+
+#: `--empty-steps`: an empty step after every this many steps (after every one, no chain of
+#: repeated steps could form: each empty step takes the pending decisions)
+EMPTY_EVERY = 5
+
+
+def _empty_steps(eng) -> None:
+    """After every `EMPTY_EVERY`-th `execute_model` of the in-process engine's runner, what the seam
+    does for an empty step (asynchronous scheduling's, once every request of a batch has reached
+    its last token): the schedule's registration and results (nothing in it) and `after_forward`.
+    Inside chains of repeated steps and at their ends, as on a GPU."""
+    from types import SimpleNamespace
+
+    from engine_ext.worker import seam
+
+    runner = eng._loop.engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    cls = type(runner)
+    if not getattr(cls.execute_model, "_cb_wrapped", False):
+        raise SystemExit("--empty-steps: the runner's execute_model is not causalboard's (an in-process engine is needed)")
+    wrapped = cls.execute_model
+    empty = SimpleNamespace(finished_req_ids=(), scheduled_new_reqs=())
+    steps = [0]
+
+    def execute_model(self, scheduler_output, *a, **k):
+        out = wrapped(self, scheduler_output, *a, **k)
+        steps[0] += 1
+        state = seam.runner_state(self)
+        if state is not None and steps[0] % EMPTY_EVERY == 0:
+            state.on_schedule(empty)
+            state.after_forward()
+        return out
+
+    runner.execute_model = execute_model.__get__(runner)
 
 
 def main():
@@ -32,8 +72,10 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="vLLM's asynchronous scheduling (a GPU engine's default) on any device")
+    ap.add_argument("--empty-steps", action="store_true",
+                    help="in-process engine only: after every 5th step, an empty one (no rows: no plan, its "
+                         "after_forward), as vLLM's asynchronous scheduling (a GPU engine's default; the CPU "
+                         "platform turns it off) runs once a batch reaches its last tokens")
     args = ap.parse_args()
 
     import numpy as np
@@ -45,9 +87,9 @@ def main():
 
     kw = {"model": args.model} if args.model else {}
     extra = {"enforce_eager": False} if args.device == "cuda" else {}  # the model's own context length
-    if args.async_scheduling:
-        extra["engine_kwargs"] = {"async_scheduling": True}
     eng = Engine(device=args.device, **kw, **extra).start()
+    if args.empty_steps:
+        _empty_steps(eng)
     L, H = eng.info.num_layers, eng.info.hidden_size
     rng = np.random.default_rng(0)
     d = rng.standard_normal(H).astype(np.float32)
