@@ -81,6 +81,11 @@ def wake_blocked_calls(engine: Any, error: BaseException) -> None:
             logger.debug("could not fail a utility future", exc_info=True)
 
 
+def _switched_off(variable: str) -> bool:
+    """Whether an on-by-default switch of the environment is set to 0 / false / off."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "off")
+
+
 class Sink(Protocol):
     """Receives one request's outputs on the loop thread."""
 
@@ -194,7 +199,7 @@ class EngineLoop:
         the step the loop thread is waiting for, as before)."""
         from engine_ext.worker.seam import output_wait_wakeable
 
-        if os.environ.get("CAUSALBOARD_WAKE_LOOP", "1").strip().lower() in ("0", "false", "off"):
+        if _switched_off("CAUSALBOARD_WAKE_LOOP"):
             return False
         try:
             return output_wait_wakeable(self.engine)
@@ -207,7 +212,7 @@ class EngineLoop:
         request (vLLM's own path)."""
         from engine_ext.worker.seam import batch_adds_available
 
-        if os.environ.get("CAUSALBOARD_BATCH_ADDS", "1").strip().lower() in ("0", "false", "off"):
+        if _switched_off("CAUSALBOARD_BATCH_ADDS"):
             return False
         try:
             return batch_adds_available(self.engine)

@@ -81,12 +81,12 @@ Private vLLM API replicated (not patched), engine-client side
   client's `add_request` for the duration), encodes each with the client's own encoder and sends
   them in `UTILITY` messages to `cb_add_requests` (below), a message as soon as `BATCH_CHUNKS`
   requests are processed (the first small: the core starts while the client processes the rest);
-  a request with out-of-band buffers goes its own way. Should the core refuse the batch, the loop thread is woken
-  (`wake_output_wait`, below).
+  a request with out-of-band buffers goes its own way. Should the core refuse a message, its
+  requests fail and the loop thread is woken (`wake_output_wait`, below).
 * `SyncMPClient.get_output` (source sha checked, `SYNC_GET_OUTPUT_SHA`): it waits on the client's
   `outputs_queue` alone, so `wake_output_wait` wakes a thread waiting in `LLMEngine.step` by
   putting an empty `EngineCoreOutputs` there (vLLM's step processes it as nothing and returns no
-  outputs). `EngineLoop` wakes its thread so when a command (requests to add, aborts, calls)
+  outputs). `EngineLoop` wakes its thread this way when a command (requests to add, aborts, calls)
   arrives while it waits for the core: a sweep's next group reaches the core while the core
   works on the last one instead of after that step's outputs.
 
@@ -735,7 +735,7 @@ def wake_output_wait(engine: Any) -> None:
 
 
 def batch_adds_available(engine: Any) -> bool:
-    """Whether `add_requests_batched` can send to this engine's core in one message: a
+    """Whether `add_requests_batched` can send to this engine's core in batched messages: a
     `SyncMPClient` (no data parallelism) whose `add_request` is the one checked, and an engine core
     that answers the `cb_add_requests` utility (asked once, with an empty batch)."""
     core = _sync_mp_client(engine)
