@@ -50,7 +50,10 @@ row of `cap_x` / `cap_r`.
 Two implementations with the same arithmetic (fp32, no fused multiply-add):
 
 * CUDA: one Triton kernel launch per site call, one program per row; a row with neither a slot
-  nor a capture returns after two scalar loads, so an idle site costs one tiny launch.
+  nor a capture returns after two scalar loads, so an idle site costs one tiny launch. With
+  merged sites (`sites_op`, `CAUSALBOARD_MERGED_SITES=1`) one launch serves `mlp_out`,
+  `post_block` and the next layer's `pre_attn` (both kernels run the same per-site code,
+  `site_edit`).
 * CPU (and any non-CUDA device): torch ops on the active rows only; the planner's per-step
   `active` flags let an idle site return at once (CPU runs eagerly: no graph is captured).
 
@@ -212,87 +215,15 @@ def _apply_torch(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: 
 _KERNEL = None
 
 
-def _triton_kernel():
+def _triton_kernels():
+    """(one site's kernel, the merged kernel of `sites_op`) from `site_kernels` (imported on
+    first use: Triton is needed only on CUDA)."""
     global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
-    import triton
-    import triton.language as tl
+    if _KERNEL is None:
+        from engine_ext.worker import site_kernels
 
-    @triton.jit
-    def site_kernel(x_ptr, r_ptr, row_slot_ptr, cap_dst_ptr, mode_ptr, a_ptr, adim_ptr, dima_ptr, c_ptr, px_ptr, pr_ptr,
-                    capx_ptr, capr_ptr, sclamp_ptr, cdir_ptr, clo_ptr, chi_ptr, cst_ptr,
-                    sgate_ptr, gprobe_ptr, gparams_ptr, gterm_ptr, gout_ptr,
-                    site, num_sites, hidden, stride_x, stride_r,
-                    HAS_R: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr, KC: tl.constexpr):
-        row = tl.program_id(0)
-        slot = tl.load(row_slot_ptr + row * num_sites + site)
-        cap = tl.load(cap_dst_ptr + row * num_sites + site)
-        if (slot < 0) & (cap < 0):
-            return
-        offs = tl.arange(0, BLOCK)
-        m = offs < hidden
-        x = tl.load(x_ptr + row * stride_x + offs, mask=m)
-        if HAS_R:
-            r = tl.load(r_ptr + row * stride_r + offs, mask=m)
-        else:
-            r = tl.zeros_like(x)
-        x_new = x
-        r_new = r
-        if slot >= 0:
-            mode = tl.load(mode_ptr + slot)
-            if mode == PAIR:
-                x_new = tl.load(px_ptr + slot * hidden + offs, mask=m)
-                if HAS_R:
-                    r_new = tl.load(pr_ptr + slot * hidden + offs, mask=m)
-            else:
-                a = tl.load(a_ptr + slot)
-                adim = tl.load(adim_ptr + slot)
-                a_row = tl.load(dima_ptr + tl.maximum(adim, 0) * hidden + offs, mask=m & (adim >= 0), other=0.0)
-                a = tl.where(adim >= 0, a_row, a)
-                c = tl.load(c_ptr + slot * hidden + offs, mask=m)
-                if HAS_R:
-                    s = x.to(tl.float32) + r.to(tl.float32)
-                else:
-                    s = x.to(tl.float32)
-                new = tl.where(a == 0.0, c, a * s + c)
-                gq = tl.load(sgate_ptr + slot)
-                if gq >= 0:  # row gate: g from the pre-edit value, scaling the gated term
-                    pr = tl.load(gprobe_ptr + gq * hidden + offs, mask=m, other=0.0)
-                    score = tl.sum(tl.where(m, s, 0.0) * pr, axis=0)
-                    thr = tl.load(gparams_ptr + gq * 2)
-                    sharp = tl.load(gparams_ptr + gq * 2 + 1)
-                    g = 1.0 / (1.0 + tl.exp(-(sharp * (score - thr))))
-                    term = tl.load(gterm_ptr + gq * hidden + offs, mask=m, other=0.0)
-                    new = new + (g - 1.0) * term
-                    tl.store(gout_ptr + row * 2, score)
-                    tl.store(gout_ptr + row * 2 + 1, g)
-                cl = tl.load(sclamp_ptr + slot)
-                if cl >= 0:  # directional clamps: every projection from the same `new`, then one correction
-                    live = tl.where(m, new, 0.0)
-                    corr = tl.zeros_like(live)
-                    for k in tl.static_range(KC):
-                        d = tl.load(cdir_ptr + (cl * KC + k) * hidden + offs, mask=m, other=0.0)
-                        p = tl.sum(live * d, axis=0)
-                        lo = tl.load(clo_ptr + cl * KC + k)
-                        hi = tl.load(chi_ptr + cl * KC + k)
-                        st = tl.load(cst_ptr + cl * KC + k)
-                        corr += (st * (tl.minimum(tl.maximum(p, lo), hi) - p)) * d
-                    new = new + corr
-                if HAS_R:
-                    r_new = new.to(r.dtype)
-                    x_new = (new - r_new.to(tl.float32)).to(x.dtype)
-                else:
-                    x_new = new.to(x.dtype)
-            tl.store(x_ptr + row * stride_x + offs, x_new, mask=m)
-            if HAS_R:
-                tl.store(r_ptr + row * stride_r + offs, r_new, mask=m)
-        if cap >= 0:
-            tl.store(capx_ptr + cap * hidden + offs, x_new, mask=m)
-            tl.store(capr_ptr + cap * hidden + offs, r_new, mask=m)
-
-    _KERNEL = site_kernel
-    return site_kernel
+        _KERNEL = (site_kernels.site_kernel, site_kernels.sites_kernel)
+    return _KERNEL
 
 
 def _apply_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
@@ -304,14 +235,42 @@ def _apply_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site:
     if x.stride(-1) != 1 or (r is not None and r.stride(-1) != 1):
         _apply_torch_cuda(b, x, r, site)
         return
-    kernel = _triton_kernel()
+    kernel = _triton_kernels()[0]
     block = triton.next_power_of_2(b.hidden)
-    kernel[(n,)](x, r if r is not None else x, b.row_slot, b.cap_dst, b.slot_mode, b.slot_a, b.slot_adim, b.dim_a,
-                 b.slot_c, b.slot_px, b.slot_pr, b.cap_x, b.cap_r, b.slot_clamp, b.clamp_dir, b.clamp_lo, b.clamp_hi,
-                 b.clamp_st, b.slot_gate, b.gate_probe, b.gate_params, b.gate_term, b.gate_out, site, b.num_sites, b.hidden, x.stride(0),
+    kernel[(n,)](x, r if r is not None else x, *_tables(b), site, b.num_sites, b.hidden, x.stride(0),
                  r.stride(0) if r is not None else 0, HAS_R=r is not None, BLOCK=block, PAIR=int(SlotMode.PAIR),
                  KC=b.max_clamp_dirs,
                  num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
+
+
+def _tables(b: SiteBuffers) -> tuple[torch.Tensor, ...]:
+    """The buffers both kernels read, in their argument order."""
+    return (b.row_slot, b.cap_dst, b.slot_mode, b.slot_a, b.slot_adim, b.dim_a, b.slot_c, b.slot_px, b.slot_pr,
+            b.cap_x, b.cap_r, b.slot_clamp, b.clamp_dir, b.clamp_lo, b.clamp_hi, b.clamp_st, b.slot_gate,
+            b.gate_probe, b.gate_params, b.gate_term, b.gate_out)
+
+
+def _apply_sites_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor, site_b: int, site_p: int, site_n: int) -> None:
+    n = x.shape[0]
+    if n == 0:
+        return
+    import triton
+
+    if x.stride(-1) != 1 or r.stride(-1) != 1:
+        _apply_sites_in_turn(b, x, r, site_b, site_p, site_n)
+        return
+    block = triton.next_power_of_2(b.hidden)
+    _triton_kernels()[1][(n,)](x, r, *_tables(b), site_b, site_p, max(site_n, 0), b.num_sites, b.hidden, x.stride(0),
+                               r.stride(0), HAS_N=site_n >= 0, BLOCK=block, PAIR=int(SlotMode.PAIR),
+                               KC=b.max_clamp_dirs, num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
+
+
+def _apply_sites_in_turn(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor, site_b: int, site_p: int, site_n: int) -> None:
+    """`sites_op` as three site calls (what the merged kernel must equal)."""
+    _apply(b, x, None, site_b)
+    _apply(b, x, r, site_p)
+    if site_n >= 0:
+        _apply(b, x, r, site_n)
 
 
 def _apply_torch_cuda(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site: int) -> None:
@@ -365,6 +324,24 @@ def site_op(x: torch.Tensor, r: torch.Tensor, state_id: int, site: int) -> None:
     b = BUFFERS.get(state_id)
     if b is not None:
         _apply(b, x, r, site)
+
+
+def sites_op(x: torch.Tensor, r: torch.Tensor, state_id: int, site_b: int, site_p: int, site_n: int) -> None:
+    """Three sites at one point of the stream, in one call (one kernel launch on CUDA): the MLP
+    branch's site `site_b` on x alone (`mlp_out`), then the pair site `site_p` on (x, r)
+    (`post_block`), then, unless `site_n` is -1, the pair site `site_n` (the next layer's
+    `pre_attn`, the same point of the stream) — exactly what the three calls in turn do."""
+    b = BUFFERS.get(state_id)
+    if b is None:
+        return
+    if b.use_triton:
+        _apply_sites_triton(b, x, r, site_b, site_p, site_n)
+    else:
+        _apply_sites_in_turn(b, x, r, site_b, site_p, site_n)
+
+
+def sites_op_fake(x: torch.Tensor, r: torch.Tensor, state_id: int, site_b: int, site_p: int, site_n: int) -> None:
+    return None
 
 
 def embed_site_op(x: torch.Tensor, state_id: int, site: int) -> None:

@@ -30,7 +30,12 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   persistent buffers allocated before any capture, and per step only the buffer contents
   change (`intervention_op.py`). Under tensor parallelism both MLP-branch tensors are
   replicated on every rank (the norm output before the column-parallel up projection; the
-  down projection's all-reduced output), like the residual pair.
+  down projection's all-reduced output), like the residual pair. With merged sites
+  (`CAUSALBOARD_MERGED_SITES=1`, opt-in until validated on a GPU) one
+  `vllm::causalboard_sites` call does `mlp_out`, `post_block` and — when the next layer runs on
+  this rank — that layer's `pre_attn` (the same point of the stream: nothing runs between one
+  layer's return and the next layer's input norm), and that layer skips its own: 3 launches per
+  layer instead of 5 (`intervention_op.sites_op`: the same as the three calls in turn).
 * `GPUModelRunner.execute_model` of the V1 runner (also the CPU runner's) and of the V2 runner:
   before — register new requests' programs and retire finished ones from the `SchedulerOutput`;
   after — score dynamic steering's monitored rows and start copying captured rows to the host
@@ -100,8 +105,8 @@ Added to vLLM's engine core (a new method; no vLLM method changed)
   after the core answered it once (`batch_adds_available`: a core without the plugin keeps one
   message per request).
 
-Registered: custom ops `vllm::causalboard_site` and `vllm::causalboard_embed_site`
-(`vllm.utils.torch_utils.direct_register_custom_op`).
+Registered: custom ops `vllm::causalboard_site`, `vllm::causalboard_embed_site` and
+`vllm::causalboard_sites` (`vllm.utils.torch_utils.direct_register_custom_op`).
 
 Worker state: one `WorkerState` per causalboard engine in the process, created when its model's
 first decoder layer is built (keyed by the `VllmConfig` being built, checked by identity) and
@@ -162,8 +167,11 @@ HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 #: architectures whose vLLM module is patched only where it imports (`unavailable_architecture`)
 OPTIONAL_ARCHITECTURE_MODULES = {"Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next"}
 
+#: whether a layer's `mlp_out`, `post_block` and the next layer's `pre_attn` share one op call
+#: (`CAUSALBOARD_MERGED_SITES=1`; read at import, before any model is built)
+MERGED_SITES = os.environ.get("CAUSALBOARD_MERGED_SITES", "0").strip().lower() in ("1", "true", "on")
 #: Bump when the patches change: part of the compile-cache key (additional_config).
-SEAM_FINGERPRINT = "causalboard-seam-5"
+SEAM_FINGERPRINT = "causalboard-seam-5" + ("-merged" if MERGED_SITES else "")
 
 logger = logging.getLogger("causalboard.seam")
 
@@ -247,6 +255,7 @@ def _register_ops() -> None:
         return
     direct_register_custom_op("causalboard_site", op.site_op, mutates_args=["x", "r"], fake_impl=op.site_op_fake)
     direct_register_custom_op("causalboard_embed_site", op.embed_site_op, mutates_args=["x"], fake_impl=op.embed_site_op_fake)
+    direct_register_custom_op("causalboard_sites", op.sites_op, mutates_args=["x", "r"], fake_impl=op.sites_op_fake)
 
 
 # ---- worker states ------------------------------------------------------------------------------
@@ -301,8 +310,21 @@ def _pre_attn_sites(layer, hidden_states, residual):
     if residual is None:
         torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _PRE_ATTN)
         return layer.input_layernorm(hidden_states), hidden_states
-    torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _PRE_ATTN)
+    if not _merged_into_previous(layer):
+        torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _PRE_ATTN)
     return layer.input_layernorm(hidden_states, residual)
+
+
+def _owns_layer(layer, index: int) -> bool:
+    """Does this rank run decoder layer `index` of `layer`'s engine (decided when the model is
+    built: a constant by the time any forward is traced)?"""
+    state = _STATES.get(layer._cb_state)
+    return state is not None and index in state.own_layers
+
+
+def _merged_into_previous(layer) -> bool:
+    """Did the previous layer's merged call (`MERGED_SITES`) already do this layer's `pre_attn`?"""
+    return MERGED_SITES and _owns_layer(layer, layer._cb_layer - 1)
 
 
 def _post_attn_sites(layer, attn_out, residual, mlp_scale=None):
@@ -318,6 +340,11 @@ def _post_attn_sites(layer, attn_out, residual, mlp_scale=None):
     hidden_states = layer.mlp(hidden_states)
     if mlp_scale is not None:
         hidden_states = _times_layer_scale(hidden_states, mlp_scale)
+    if MERGED_SITES:  # mlp_out, post_block and the next layer's pre_attn in one call
+        nxt = layer._cb_layer + 1
+        site_n = nxt * SITES_PER_LAYER + _PRE_ATTN if _owns_layer(layer, nxt) else -1
+        torch.ops.vllm.causalboard_sites(hidden_states, residual, sid, base + _MLP_OUT, base + _POST_BLOCK, site_n)
+        return hidden_states, residual
     torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _MLP_OUT)
     torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _POST_BLOCK)
     return hidden_states, residual
