@@ -2,6 +2,7 @@
 # Run on the GPU host from the repo root: the validation matrix and the foundation check.
 #   source .vbundle/gpu_env.sh && bash benchmarks/gpu_matrix.sh [bundled|llama-1b] [checks|foundation|throughput]
 # CB_PARALLEL=1: the four check configurations run at once (fixed KV caches)
+# CB_LABEL=x: result names end in -x (two matrices in one call, e.g. CAUSALBOARD_MERGED_SITES=1 CB_LABEL=merged)
 # Results: $OUT/<name>.json, logs $OUT/<name>.log
 set -uo pipefail
 MODEL="${1:-bundled}"; WHAT="${2:-checks}"
@@ -18,12 +19,12 @@ case "$WHAT" in
   checks)
     if [ -n "${CB_PARALLEL:-}" ]; then  # the four configurations at once, each with a fixed 4 GiB KV cache
       for mode in eager graphs; do for runner in v2 v1; do
-        run "val-$MODEL-$mode-$runner" benchmarks/gpu_validate.py --model "$MODEL" --mode $mode --runner $runner --kv-gib 4 &
+        run "val-$MODEL-$mode-$runner${CB_LABEL:+-$CB_LABEL}" benchmarks/gpu_validate.py --model "$MODEL" --mode $mode --runner $runner --kv-gib 4 &
         sleep 10
       done; done; wait
     else
       for mode in eager graphs; do for runner in v2 v1; do
-        run "val-$MODEL-$mode-$runner" benchmarks/gpu_validate.py --model "$MODEL" --mode $mode --runner $runner
+        run "val-$MODEL-$mode-$runner${CB_LABEL:+-$CB_LABEL}" benchmarks/gpu_validate.py --model "$MODEL" --mode $mode --runner $runner
       done; done
     fi ;;
   foundation)

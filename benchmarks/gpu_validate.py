@@ -101,6 +101,9 @@ def run_checks(args, eng=None) -> dict:
                      max_model_len=None if args.model == "bundled" else 512, **mem).start()
     res["startup_s"] = round(time.perf_counter() - t0, 1)
     res["runner_class"] = eng.info.runner
+    from engine_ext.worker import seam
+
+    res["merged_sites"] = seam.MERGED_SITES  # CAUSALBOARD_MERGED_SITES: one op call for three sites
     values = res["values"] = {}  # raw outputs, for comparing configurations (benchmarks/gpu_multirank.py)
     P = _prompts(args.model)
     ids = P["prompt"] if isinstance(P["prompt"], list) else eng.tokenize(P["prompt"])
