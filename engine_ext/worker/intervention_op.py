@@ -123,12 +123,17 @@ class SiteBuffers:
         #: (read by the CPU implementation only; CUDA graphs cannot branch on it)
         self.active: list[bool] = [False] * num_sites
         self.use_triton = device.type == "cuda"
+        self._tensors: tuple[torch.Tensor, ...] | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.row_slot, self.cap_dst, self.slot_mode, self.slot_a, self.slot_adim, self.dim_a, self.slot_c,
-                self.slot_px, self.slot_pr, self.cap_x, self.cap_r, self.slot_clamp, self.clamp_dir, self.clamp_lo,
-                self.clamp_hi, self.clamp_st, self.slot_gate, self.gate_probe, self.gate_params, self.gate_term,
-                self.gate_out)
+        """Every buffer, in the site kernels' argument order (the same tensors for the engine's
+        life: the tuple is built once)."""
+        if self._tensors is None:
+            self._tensors = (self.row_slot, self.cap_dst, self.slot_mode, self.slot_a, self.slot_adim, self.dim_a,
+                             self.slot_c, self.slot_px, self.slot_pr, self.cap_x, self.cap_r, self.slot_clamp,
+                             self.clamp_dir, self.clamp_lo, self.clamp_hi, self.clamp_st, self.slot_gate,
+                             self.gate_probe, self.gate_params, self.gate_term, self.gate_out)
+        return self._tensors
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -237,17 +242,10 @@ def _apply_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor | None, site:
         return
     kernel = _triton_kernels()[0]
     block = triton.next_power_of_2(b.hidden)
-    kernel[(n,)](x, r if r is not None else x, *_tables(b), site, b.num_sites, b.hidden, x.stride(0),
+    kernel[(n,)](x, r if r is not None else x, *b.tensors(), site, b.num_sites, b.hidden, x.stride(0),
                  r.stride(0) if r is not None else 0, HAS_R=r is not None, BLOCK=block, PAIR=int(SlotMode.PAIR),
                  KC=b.max_clamp_dirs,
                  num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
-
-
-def _tables(b: SiteBuffers) -> tuple[torch.Tensor, ...]:
-    """The buffers both kernels read, in their argument order."""
-    return (b.row_slot, b.cap_dst, b.slot_mode, b.slot_a, b.slot_adim, b.dim_a, b.slot_c, b.slot_px, b.slot_pr,
-            b.cap_x, b.cap_r, b.slot_clamp, b.clamp_dir, b.clamp_lo, b.clamp_hi, b.clamp_st, b.slot_gate,
-            b.gate_probe, b.gate_params, b.gate_term, b.gate_out)
 
 
 def _apply_sites_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor, site_b: int, site_p: int, site_n: int) -> None:
@@ -260,7 +258,7 @@ def _apply_sites_triton(b: SiteBuffers, x: torch.Tensor, r: torch.Tensor, site_b
         _apply_sites_in_turn(b, x, r, site_b, site_p, site_n)
         return
     block = triton.next_power_of_2(b.hidden)
-    _triton_kernels()[1][(n,)](x, r, *_tables(b), site_b, site_p, max(site_n, 0), b.num_sites, b.hidden, x.stride(0),
+    _triton_kernels()[1][(n,)](x, r, *b.tensors(), site_b, site_p, max(site_n, 0), b.num_sites, b.hidden, x.stride(0),
                                r.stride(0), HAS_N=site_n >= 0, BLOCK=block, PAIR=int(SlotMode.PAIR),
                                KC=b.max_clamp_dirs, num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
 
