@@ -217,6 +217,9 @@ class LabNotebook:
         client.load_connection_file()
         client.start_channels()
         try:
+            # a new subscriber misses what the kernel publishes before its IOPub socket is joined
+            # (zmq's slow joiner): the stream output of the code would be lost, the reply still "ok"
+            client.wait_for_ready(timeout=timeout)
             out: list[str] = []
             reply = client.execute_interactive(code, timeout=timeout, store_history=False,
                                                output_hook=lambda msg: out.append(msg["content"].get("text", ""))
