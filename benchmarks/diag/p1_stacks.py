@@ -82,49 +82,41 @@ def cb_variants(args, prompt):
     variants = {name: (lambda specs=specs: eng.generate(prompts, one, specs))
                 for name, specs in (("nospec", None), ("scored", scored), ("patched", patched))}
     if args.chunk_ab:  # each variant also with every batch in one message (the eleventh session's submission)
-        def one_message(run):
-            def wrapped():
-                from engine_ext.worker import seam
+        from engine_ext.worker import seam
 
-                saved, seam.BATCH_CHUNKS = seam.BATCH_CHUNKS, (1 << 30,)
-                try:
-                    run()
-                finally:
-                    seam.BATCH_CHUNKS = saved
-            return wrapped
-        variants.update({f"{k}_onemsg": one_message(v) for k, v in list(variants.items())})
+        variants.update({f"{k}_onemsg": _with_attributes(v, seam, BATCH_CHUNKS=(1 << 30,)) for k, v in list(variants.items())})
     close = eng.close
     if args.http:
         sweep, stop = _http_sweep(eng, prompt, corrupt, hooks)
         variants["sweep_http"] = sweep
         if args.wake_ab:  # the same sweep with the loop thread never woken for a command
+            variants["sweep_http_nowake"] = _with_attributes(sweep, eng._loop, _wakeable=False)
+        if args.sweep_groups:  # the fan-out's groups of g cells (the service's constants, set for the call)
+            from app.sweep import service
 
-            def sweep_nowake():
-                eng._loop._wakeable = False
-                try:
-                    sweep()
-                finally:
-                    eng._loop._wakeable = wakeable
-            wakeable = eng._loop._wakeable
-            variants["sweep_http_nowake"] = sweep_nowake
-        for g in (int(x) for x in args.sweep_groups.split(",") if x):
-            def sweep_grouped(g=g):  # the fan-out's groups of g cells (the service's constants, set for the call)
-                from app.sweep import service
-
-                saved = service.GROUP_MAX, service.GROUPS_PER_WINDOW
-                service.GROUP_MAX, service.GROUPS_PER_WINDOW = g, 1
-                try:
-                    sweep()
-                finally:
-                    service.GROUP_MAX, service.GROUPS_PER_WINDOW = saved
-            variants[f"sweep_http_g{g}"] = sweep_grouped
+            for g in (int(x) for x in args.sweep_groups.split(",") if x):
+                variants[f"sweep_http_g{g}"] = _with_attributes(sweep, service, GROUP_MAX=g, GROUPS_PER_WINDOW=1)
         if args.chunk_ab:
-            variants["sweep_http_onemsg"] = one_message(sweep)
+            variants["sweep_http_onemsg"] = _with_attributes(sweep, seam, BATCH_CHUNKS=(1 << 30,))
 
         def close():
             stop()
             eng.close()
     return variants, close, lambda since: {"client_events": core_timeline.client_events(since)}
+
+
+def _with_attributes(run, owner, **values):
+    """`run` with `owner`'s attributes set to `values` for each call (restored after it)."""
+    def wrapped():
+        saved = {name: getattr(owner, name) for name in values}
+        for name, value in values.items():
+            setattr(owner, name, value)
+        try:
+            run()
+        finally:
+            for name, value in saved.items():
+                setattr(owner, name, value)
+    return wrapped
 
 
 def _http_sweep(eng, clean, corrupt, hooks):
