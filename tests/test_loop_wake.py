@@ -148,3 +148,16 @@ def test_the_engine_setting_is_read_from_the_environment(monkeypatch):
     assert EngineLoop._can_wake(lp) is True
     monkeypatch.setenv("CAUSALBOARD_WAKE_LOOP", "0")
     assert EngineLoop._can_wake(lp) is False
+
+
+def test_engine_switches_read_one_way(monkeypatch):
+    """`switches.env_switch`, what every engine switch of the environment goes through."""
+    from engine_ext.switches import env_switch
+
+    for value, default, want in [("1", False, True), (" ON ", False, True), ("true", False, True),
+                                 ("0", True, False), ("Off", True, False), ("FALSE", True, False),
+                                 ("", True, True), ("", False, False), ("maybe", True, True), ("maybe", False, False)]:
+        monkeypatch.setenv("CB_TEST_SWITCH", value)
+        assert env_switch("CB_TEST_SWITCH", default) is want, (value, default)
+    monkeypatch.delenv("CB_TEST_SWITCH")
+    assert env_switch("CB_TEST_SWITCH", True) is True and env_switch("CB_TEST_SWITCH", False) is False

@@ -34,7 +34,6 @@ core while the core works rather than after the step (`CAUSALBOARD_WAKE_LOOP=0`:
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -44,6 +43,7 @@ from typing import Any, Protocol
 
 from engine_ext.capture_ring import RingReaders
 from engine_ext.errors import EngineDeadError
+from engine_ext.switches import env_switch
 
 logger = logging.getLogger("causalboard.engine")
 
@@ -79,11 +79,6 @@ def wake_blocked_calls(engine: Any, error: BaseException) -> None:
                 fut.set_exception(error)
         except Exception:
             logger.debug("could not fail a utility future", exc_info=True)
-
-
-def _switched_off(variable: str) -> bool:
-    """Whether an on-by-default switch of the environment is set to 0 / false / off."""
-    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "off")
 
 
 class Sink(Protocol):
@@ -199,7 +194,7 @@ class EngineLoop:
         the step the loop thread is waiting for, as before)."""
         from engine_ext.worker.seam import output_wait_wakeable
 
-        if _switched_off("CAUSALBOARD_WAKE_LOOP"):
+        if not env_switch("CAUSALBOARD_WAKE_LOOP", True):
             return False
         try:
             return output_wait_wakeable(self.engine)
@@ -212,7 +207,7 @@ class EngineLoop:
         request (vLLM's own path)."""
         from engine_ext.worker.seam import batch_adds_available
 
-        if _switched_off("CAUSALBOARD_BATCH_ADDS"):
+        if not env_switch("CAUSALBOARD_BATCH_ADDS", True):
             return False
         try:
             return batch_adds_available(self.engine)
@@ -240,9 +235,9 @@ class EngineLoop:
                 self._collect[request_id] = collect_key
 
     def _fail_added(self, request_ids: list[str], error: BaseException) -> None:
-        """On the loop thread: requests the engine core did not take (a failed batch) leave vLLM's
-        client state, and their sinks get the error."""
-        logger.error("the engine core refused a batch of %d requests: %s", len(request_ids), error)
+        """On the loop thread: requests the engine core did not take (a refused message) leave
+        vLLM's client state, and their sinks get the error."""
+        logger.error("the engine core refused a message of %d requests: %s", len(request_ids), error)
         with self._lock:
             sinks = [(r, self._sinks.pop(r)) for r in request_ids if r in self._sinks]
         for r, _ in sinks:

@@ -141,6 +141,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_ext.sites import HOOK_INDEX, SITES_PER_LAYER
+from engine_ext.switches import env_switch
 
 VLLM_VERSION_CHECKED = "0.25.1"
 
@@ -169,7 +170,7 @@ OPTIONAL_ARCHITECTURE_MODULES = {"Qwen3NextForCausalLM": "vllm.model_executor.mo
 
 #: whether a layer's `mlp_out`, `post_block` and the next layer's `pre_attn` share one op call
 #: (`CAUSALBOARD_MERGED_SITES=1`; read at import, before any model is built)
-MERGED_SITES = os.environ.get("CAUSALBOARD_MERGED_SITES", "0").strip().lower() in ("1", "true", "on")
+MERGED_SITES = env_switch("CAUSALBOARD_MERGED_SITES", False)
 #: Bump when the patches change: part of the compile-cache key (additional_config).
 SEAM_FINGERPRINT = "causalboard-seam-5" + ("-merged" if MERGED_SITES else "")
 
