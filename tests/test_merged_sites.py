@@ -1,5 +1,5 @@
-"""Merged sites (`CAUSALBOARD_MERGED_SITES=1`: one op call for a layer's `mlp_out`, `post_block`
-and the next layer's `pre_attn`) give exactly what the five calls per layer give, on the real CPU
+"""Merged sites (the default, one op call for a layer's `mlp_out`, `post_block` and the next
+layer's `pre_attn`; `CAUSALBOARD_MERGED_SITES=0` turns them off) give exactly what the five calls per layer give, on the real CPU
 engine: steering at every hook of the first, a middle and the last layer, captures of every site
 at every prompt position, patches from a stored run at `post_block` and at the next layer's
 `pre_attn` (the merged call's pair sites), and a mean-ablation at `mlp_out` — tokens, scores and

@@ -30,8 +30,8 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   persistent buffers allocated before any capture, and per step only the buffer contents
   change (`intervention_op.py`). Under tensor parallelism both MLP-branch tensors are
   replicated on every rank (the norm output before the column-parallel up projection; the
-  down projection's all-reduced output), like the residual pair. With merged sites
-  (`CAUSALBOARD_MERGED_SITES=1`, opt-in until validated on a GPU) one
+  down projection's all-reduced output), like the residual pair. With merged sites (the
+  default since 2026-11-27; `CAUSALBOARD_MERGED_SITES=0` turns them off) one
   `vllm::causalboard_sites` call does `mlp_out`, `post_block` and — when the next layer runs on
   this rank — that layer's `pre_attn` (the same point of the stream: nothing runs between one
   layer's return and the next layer's input norm), and that layer skips its own: 3 launches per
@@ -169,10 +169,11 @@ HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 OPTIONAL_ARCHITECTURE_MODULES = {"Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next"}
 
 #: whether a layer's `mlp_out`, `post_block` and the next layer's `pre_attn` share one op call
-#: (`CAUSALBOARD_MERGED_SITES=1`; read at import, before any model is built)
-MERGED_SITES = env_switch("CAUSALBOARD_MERGED_SITES", False)
+#: (on unless `CAUSALBOARD_MERGED_SITES=0`; read at import, before any model is built; the GPU
+#: matrix gives the same raw values both ways, docs/validation.md)
+MERGED_SITES = env_switch("CAUSALBOARD_MERGED_SITES", True)
 #: Bump when the patches change: part of the compile-cache key (additional_config).
-SEAM_FINGERPRINT = "causalboard-seam-5" + ("-merged" if MERGED_SITES else "")
+SEAM_FINGERPRINT = "causalboard-seam-6" + ("" if MERGED_SITES else "-separate")
 
 logger = logging.getLogger("causalboard.seam")
 
