@@ -105,3 +105,26 @@ def test_p1_profile_bench_runs_and_reports(tmp_path):
         report = json.load(f)
     kinds = {e[0] for e in report["client_events"]}
     assert {"prepare", "add", "step"} <= kinds, kinds
+
+
+def test_p1_profile_bench_records_the_cores_steps_and_their_tokens(tmp_path):
+    """With `--multiprocess` the engine core runs in its own process (as on a GPU): its stack report
+    holds the step timeline, and the tokens its steps scheduled add up to the cells' prompts (every
+    patched cell computes its whole 16-token prompt: nothing counted twice, nothing missing)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "p1_stacks.py"), "--engine", "cb",
+                           "--multiprocess", "--variants", "patched", "--model", str(model_path()), "--device", "cpu",
+                           "--reps", "1", "--dir", str(tmp_path / "p1")],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    stacks = list((tmp_path / "p1").glob("stack-*-patched.json"))
+    assert len(stacks) == 1, list((tmp_path / "p1").iterdir())
+    with open(stacks[0]) as f:
+        report = json.load(f)
+    with open(model_path() / "config.json") as f:
+        layers = json.load(f)["num_hidden_layers"]
+    cells = layers * 3 * 16  # 16-token prompt: every layer x 3 hooks x 16 positions, one sampled call
+    steps = [e for e in report["core_events"] if e[0] == "step"]
+    assert steps and all(len(e) == 5 for e in steps)
+    assert report["core_timeline"]["scheduled_tokens"] == sum(e[4] for e in steps) == 16 * cells, report["core_timeline"]

@@ -16,7 +16,8 @@ position) of 16 x 3 x 16 from a stored clean run, as `cb_bench.py p1`), and with
 `--chunk-ab` adds `<variant>_onemsg`, each batch in one message to the core instead of
 `seam.BATCH_CHUNKS`, `--sweep-groups 256,768` adds `sweep_http_g256`, ..., the sweep's fan-out in groups of that many
 cells, `--compilation-config JSON` passes vLLM's `compilation_config` to either engine (CUDA-graph
-sizes for the large prefill steps of P1), `--variants a,b` runs only those, and `--interleave` times them round-robin, one repetition of
+sizes for the large prefill steps of P1), `--multiprocess` (cb on the CPU) runs vLLM's engine core in its own
+process as on a GPU, so its stacks and step timeline are recorded there too, `--variants a,b` runs only those, and `--interleave` times them round-robin, one repetition of
 each in turn, for A/B comparisons on a noisy machine). Per variant: `--reps`
 timed calls (`p1` lines), then one sampled window of `--reps` calls (`p1_sampled` lines; reports
 OUT_DIR/client-<variant>.json, causalboard's with the client's `client_events`, and
@@ -60,6 +61,8 @@ def cb_variants(args, prompt):
 
     kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8, batch_invariant=False) \
         if args.device == "cuda" else {}
+    if args.multiprocess:
+        kw["multiprocess"] = True
     if args.compilation_config:
         kw["engine_kwargs"] = {"compilation_config": json.loads(args.compilation_config)}
     eng = Engine(model=args.model, device=args.device, **kw).start()
@@ -151,6 +154,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", required=True)
+    ap.add_argument("--multiprocess", action="store_true",
+                    help="cb on the CPU: vLLM's engine core in its own process, as on a GPU (its stacks and step timeline)")
     ap.add_argument("--http", action="store_true", help="cb: also the same cells as one sweep over HTTP (variant sweep_http)")
     ap.add_argument("--wake-ab", action="store_true",
                     help="cb --http: also the sweep with the engine loop never woken for a command (sweep_http_nowake)")

@@ -123,8 +123,9 @@ def _watch_flag(out_dir: str, flag: str, interval_s: float, timeline: bool) -> N
 
                 report["core_timeline"] = core_timeline.report(since, time.time())
                 report["core_timeline"]["since"] = since
-                report["core_events"] = [[k, round(a - since, 5), round(b - a, 5), n] for k, a, b, n in core_timeline.EVENTS
-                                         if b >= since]
+                # [kind, start, seconds, requests held, tokens scheduled]
+                report["core_events"] = [[k, round(a - since, 5), round(b - a, 5), n, tok]
+                                         for k, a, b, n, tok in core_timeline.EVENTS if b >= since]
             path = os.path.join(out_dir, f"stack-{os.getpid()}.json")
             with open(path, "w") as f:
                 json.dump(report, f)
