@@ -1,34 +1,63 @@
-"""Plot causalboard / stock vLLM ratios before and after, from the harness's JSON lines.
+"""Plot causalboard / stock vLLM ratios of several device calls, from their JSON lines.
 
-    .venv/bin/python benchmarks/compare/plot.py --before docs/performance/h100-2026-11-24-baseline-call1.jsonl \\
-        --after docs/performance/h100-2026-11-25-S-CB.jsonl --out docs/img/performance-ratios.png
+    .venv/bin/python benchmarks/compare/plot.py \\
+        --call "2026-11-24, H100=docs/performance/h100-2026-11-24-baseline-call1.jsonl" \\
+        --call "2026-11-25, H100=docs/performance/h100-2026-11-25-S-CB.jsonl" \\
+        --call "2026-11-27, H200=docs/performance/gpu-2026-11-27-13th-p1-decode.jsonl@CBmerged" \\
+        --out docs/img/performance-ratios.png
 
-Each ratio is taken within one file (one device call): causalboard's figure over stock vLLM's
-figure measured in the same call. Workloads without a stock figure in a call are left out."""
+(`--before FILE --after FILE` is the same with two calls.) Each ratio is taken within one file (one
+device call): causalboard's figure over stock vLLM's figure measured in the same call. Workloads
+without a stock figure in a call are left out of that call's bars. A file may hold several
+causalboard runs of the decode benchmark under different tags (`CB`, `CBmerged`, ...): `FILE@TAG`
+picks one (default: the last `CB*` line of each workload).
+
+Two line formats are read: the harness's (`run_compare.sh`: `S_stock` and `CB*_p1/_p2/_p1http`
+lines, `vllm_bench.py`'s `S` lines) and `benchmarks/diag/p1_stacks.py`'s (`{"bench": "p1",
+"engine": ..., "variant": ..., "seconds": ...}` per repetition; its workload is 768 requests, and
+the figure is 768 over the median of the timed repetitions)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
+#: p1_stacks.py's workload: 768 one-token requests / cells
+P1_CELLS = 768
+#: p1_stacks.py's variant -> the harness's key
+P1_STACKS_KEYS = {("stock", "stock"): "stock P1", ("cb", "nospec"): "cb P1 engine_nospec_768",
+                  ("cb", "scored"): "cb P1 engine_scored_only_768", ("cb", "patched"): "cb P1 engine_patched_768",
+                  ("cb", "sweep_http"): "cb P1 http"}
 
-def figures(path: Path) -> dict[str, float]:
-    """Throughput per workload (tok/s, cells/s, req/s) from one call's JSON lines."""
+
+def figures(path: Path, cb_tag: str | None = None) -> dict[str, float]:
+    """Throughput per workload (tok/s, cells/s, req/s) from one call's JSON lines (`cb_tag`: the
+    causalboard decode runs to read, e.g. `CBmerged`; None: any `CB*`, the last one winning)."""
     out: dict[str, float] = {}
+    p1_runs: dict[str, list[float]] = {}
     for line in path.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
         d = json.loads(line)
         b = d.get("bench", "")
-        if b.startswith("S_stock") and d.get("task") == "p2":
+        if b == "p1" and "engine" in d:  # p1_stacks.py, one line per timed repetition
+            key = P1_STACKS_KEYS.get((d["engine"], d["variant"]))
+            if key:
+                p1_runs.setdefault(key, []).append(d["seconds"])
+        elif b.startswith("S") and d.get("task") == "p2" and "out_tok_per_s" in d:
             out[f"stock P2 b{d['batch']}"] = d["out_tok_per_s"]
-        elif b.startswith("S_stock") and d.get("task") == "p1":
+        elif b.startswith("S") and d.get("task") == "p1" and "req_per_s" in d:
             out["stock P1"] = d["req_per_s"]
-        elif b.endswith("_p2") and b.startswith("CB"):
+        elif b.endswith("_p2") and (b == f"{cb_tag}_p2" if cb_tag else b.startswith("CB")):
             out[f"cb P2 b{d['batch']} {d['variant']}"] = d["tok_s"]
         elif b.endswith("_p1") and b.startswith("CB"):
             out[f"cb P1 {d['variant']}"] = d["cells_per_s"]
         elif b.endswith("_p1http") and b.startswith("CB"):
             out["cb P1 http"] = d["cells_per_s"]
+    for key, seconds in p1_runs.items():
+        out[key] = P1_CELLS / statistics.median(seconds)
     return out
 
 
@@ -40,37 +69,59 @@ RATIOS = [
     ("P2 decode b1", "cb P2 b1 vanilla", "stock P2 b1"),
     ("P2 decode b1, steered 16 layers", "cb P2 b1 steer_all_layers", "stock P2 b1"),
     ("P1 768 requests, no spec", "cb P1 engine_nospec_768", "stock P1"),
+    ("P1 768 requests, scored", "cb P1 engine_scored_only_768", "stock P1"),
     ("P1 768 patched cells (engine)", "cb P1 engine_patched_768", "stock P1"),
     ("P1 768-cell sweep over HTTP", "cb P1 http", "stock P1"),
 ]
 
+COLORS = ("#bbbbbb", "#92c5de", "#2166ac", "#053061")
+
+
+def ratios(fig: dict[str, float]) -> list[float]:
+    """Per row of `RATIOS`: causalboard / stock within `fig`, or 0 where either is missing."""
+    return [fig[cb] / fig[st] if st in fig and cb in fig else 0.0 for _, cb, st in RATIOS]
+
+
+def parse_call(spec: str) -> tuple[str, Path, str | None]:
+    """`LABEL=FILE[@TAG]` -> (label, file, tag)."""
+    label, sep, rest = spec.partition("=")
+    if not sep or not rest:
+        raise SystemExit(f"--call wants LABEL=FILE[@TAG], got {spec!r}")
+    file, _, tag = rest.partition("@")
+    return label, Path(file), tag or None
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--before", type=Path, required=True)
-    ap.add_argument("--after", type=Path, required=True)
+    ap.add_argument("--call", action="append", default=[], help="LABEL=FILE[@TAG], in order (up to 4)")
+    ap.add_argument("--before", type=Path)
+    ap.add_argument("--after", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    calls = [parse_call(c) for c in args.call]
+    if args.before and args.after:
+        calls = [("before (2026-11-24)", args.before, None), ("after (2026-11-25)", args.after, None)] + calls
+    if not calls or len(calls) > len(COLORS):
+        raise SystemExit(f"give 1 to {len(COLORS)} calls (--call LABEL=FILE[@TAG], or --before/--after)")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    calls = {"before (2026-11-24)": figures(args.before), "after (2026-11-25)": figures(args.after)}
     labels = [r[0] for r in RATIOS]
-    fig, ax = plt.subplots(figsize=(7.0, 3.6))
-    width = 0.38
-    for k, (name, fig_) in enumerate(calls.items()):
-        vals = [fig_.get(cb, 0) / fig_[st] if st in fig_ and cb in fig_ else 0 for _, cb, st in RATIOS]
-        ys = [i + (k - 0.5) * width for i in range(len(labels))]
-        ax.barh(ys, vals, height=width, label=name, color=("#bbbbbb", "#2166ac")[k])
+    fig, ax = plt.subplots(figsize=(7.0, 0.55 * len(labels) + 0.35 * len(calls)))
+    width = 0.8 / len(calls)
+    for k, (name, path, tag) in enumerate(calls):
+        vals = ratios(figures(path, tag))
+        ys = [i + (k - (len(calls) - 1) / 2) * width for i in range(len(labels))]
+        ax.barh(ys, vals, height=width, label=name, color=COLORS[k])
         for y, v in zip(ys, vals):
             if v:
-                ax.text(v + 0.01, y, f"{v:.2f}x", va="center", fontsize=7)
+                ax.text(v + 0.01, y, f"{v:.2f}x", va="center", fontsize=6)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("causalboard / stock vLLM 0.25.1 (same device call, H100)", fontsize=8)
+    ax.set_xlabel("causalboard / stock vLLM 0.25.1 (each call's ratio within that call)", fontsize=8)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
