@@ -3,6 +3,7 @@ the stack sampler (`stack_sampler.py`) on every thread of this process and of th
 process while capture repetitions run, plus the per-repetition times with and without capture.
 
     python3 benchmarks/diag/p3_stacks.py --model DIR [--device cuda] [--n 1000] [--reps 3] --dir OUT_DIR
+    python3 benchmarks/diag/p3_stacks.py --model DIR --device cpu --multiprocess ...   # the core in its own process on a CPU
 
 Samples one window of repetitions per variant (no capture, then capture): writes
 OUT_DIR/stack-<pid>-<variant>.json (engine core) and OUT_DIR/client-<variant>.json; prints JSON lines.
@@ -28,6 +29,8 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", required=True)
+    ap.add_argument("--multiprocess", action="store_true",
+                    help="on the CPU: vLLM's engine core in its own process, as on a GPU")
     args = ap.parse_args()
     flag = os.path.join(args.dir, "sampling")
     arm_children(args.dir, flag)
@@ -36,6 +39,8 @@ def main():
 
     kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8, batch_invariant=False) \
         if args.device == "cuda" else {}
+    if args.multiprocess:
+        kw["multiprocess"] = True
     eng = Engine(model=args.model, device=args.device, **kw).start()
     L = eng.info.num_layers
     hi = min(eng.info.vocab_size - 1, 128000)
