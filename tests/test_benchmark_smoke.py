@@ -128,3 +128,28 @@ def test_p1_profile_bench_records_the_cores_steps_and_their_tokens(tmp_path):
     steps = [e for e in report["core_events"] if e[0] == "step"]
     assert steps and all(len(e) == 5 for e in steps)
     assert report["core_timeline"]["scheduled_tokens"] == sum(e[4] for e in steps) == 16 * cells, report["core_timeline"]
+
+
+def test_dynamic_gaps_runs_and_reports_every_variant():
+    """`benchmarks/diag/dynamic_gaps.py` (the device's idle time per decode step under dynamic
+    steering): on the CPU no CUDA kernel is recorded, so each variant reports `kernels: 0`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "dynamic_gaps.py"), "--device", "cpu",
+                           "--batch", "2", "--tokens", "4", "--variants", "vanilla,monitor_only", "--ab-device"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
+    assert [ln["variant"] for ln in lines] == ["vanilla", "monitor_only", "monitor_only@device", "monitor_only@host"]
+    assert all(ln["kernels"] == 0 and ln["tok_s_profiled"] > 0 for ln in lines), lines
+
+
+def test_dynamic_gaps_idle_report_merges_overlapping_kernels():
+    from benchmarks.diag.dynamic_gaps import idle_report, merge
+
+    assert merge([(5, 7), (0, 2), (1, 3), (6, 6.5)]) == [(0, 3), (5, 7)]
+    # two "forwards" of 100 µs with a 60 µs wait and a 10 µs gap inside the first
+    r = idle_report([(0, 40), (50, 100), (30, 45), (160, 260)], steps=2)
+    assert r["kernels"] == 4 and r["window_ms"] == 0.26
+    assert r["busy_frac"] == round(195 / 260, 4)
+    assert r["idle_us_per_step"] == 32.5 and r["big_gaps"] == 1 and r["big_gap_us_per_step"] == 30.0
+    assert idle_report([], steps=3) == {"kernels": 0}

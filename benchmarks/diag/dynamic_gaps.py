@@ -1,0 +1,127 @@
+"""Where the GPU waits in a dynamic-steering decode (issue 15): the device's timeline, not the
+host's. For each variant of `benchmarks/dynamic_variants.py` (and static steering as the control),
+one batch-32 decode runs under `torch.profiler` (CUDA activity only) in an IN-PROCESS engine (the
+forward runs in this process, so its kernels are recorded); the kernels' execution intervals are
+merged, and the time the GPU ran nothing between the first and the last kernel is reported per
+decode step, with the gaps of 50 µs or more (those between two forwards: a step waiting for the
+host) counted and summed.
+
+    PYTHONPATH=. python3 benchmarks/diag/dynamic_gaps.py --model DIR [--tokens 64] [--device cuda]
+        [--variants vanilla,static_steer,monitor_only,threshold_on,proportional] [--ab-device]
+
+`--ab-device` adds each dynamic variant with decisions on the device (`variant@device`,
+`cb_set_dyn_device`) and on the host (`variant@host`). The profiler adds host work of its own, so
+tokens/s here are lower than `dynamic_bench.py`'s; compare the variants' idle time per step with
+each other. On a CPU there are no CUDA kernels: the lines report `kernels: 0` (the test suite runs
+it that way so that it cannot rot).
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+import numpy as np
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the forward runs in this process
+
+#: a gap between kernels at least this long counts as the GPU waiting between two forwards
+BIG_GAP_US = 50.0
+
+
+def emit(tag: str, **kw) -> None:
+    print(json.dumps({"bench": tag, **kw}), flush=True)
+
+
+def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping union of `(start, end)` intervals."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def idle_report(intervals: list[tuple[float, float]], steps: int) -> dict:
+    """What the merged kernel intervals (µs) say: busy and idle time over the window from the
+    first kernel's start to the last one's end, per decode step, and the big gaps."""
+    if not intervals:
+        return {"kernels": 0}
+    busy = merge(intervals)
+    window = busy[-1][1] - busy[0][0]
+    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+    big = [g for g in gaps if g >= BIG_GAP_US]
+    busy_us = sum(b - a for a, b in busy)
+    return {"kernels": len(intervals), "window_ms": round(window / 1e3, 2), "busy_frac": round(busy_us / window, 4),
+            "idle_us_per_step": round((window - busy_us) / steps, 1), "big_gaps": len(big),
+            "big_gap_us_per_step": round(sum(big) / steps, 1),
+            "big_gap_us_median": round(statistics.median(big), 1) if big else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--variants", default="vanilla,static_steer,monitor_only,threshold_on,proportional")
+    ap.add_argument("--ab-device", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.dynamic_variants import PROBE, probe_site, steer_sites
+    from benchmarks.dynamic_variants import variants as dynamic_variants
+    from engine_ext import Engine, GenerationParams
+    from engine_ext.dynamic.specs import Probe
+    from engine_ext.specs import Interventions, Steer
+
+    kw = {"model": args.model} if args.model else {}
+    if args.device == "cuda":
+        kw.update(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8)
+    eng = Engine(device=args.device, multiprocess=False, **kw).start()
+    L, H = eng.info.num_layers, eng.info.hidden_size
+    rng = np.random.default_rng(0)
+    eng.register_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)))
+    v = (rng.standard_normal(H) * 0.01).astype(np.float32)
+    dyn = dynamic_variants(L, v)
+    prng = random.Random(100 + args.batch)
+    lo, hi = (1000, min(eng.info.vocab_size - 1, 128000)) if eng.info.vocab_size > 2000 else (4, eng.info.vocab_size - 1)
+    prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(args.batch)]
+    params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
+    runs: dict[str, dict] = {}
+    for name in args.variants.split(","):
+        if name == "static_steer":
+            runs[name] = {"interventions": Interventions(steer=(Steer.make(steer_sites(L), v, phase="decode"),))}
+        elif name in dyn:
+            runs[name] = {"dynamic": dyn[name]}
+            if args.ab_device and dyn[name] is not None:
+                runs[f"{name}@device"] = {"dynamic": dyn[name], "device": True}
+                runs[f"{name}@host"] = {"dynamic": dyn[name], "device": False}
+        else:
+            raise SystemExit(f"unknown variant {name!r}")
+    activities = [ProfilerActivity.CUDA] if args.device == "cuda" and torch.cuda.is_available() else [ProfilerActivity.CPU]
+    for name, run in runs.items():
+        eng._rpc("cb_set_dyn_device", run.get("device", "auto"))
+        gen_kw = {k: x for k, x in run.items() if k != "device"}
+        eng.generate(prompts, GenerationParams(max_tokens=8, ignore_eos=True), **gen_kw)  # warm-up
+        with profile(activities=activities) as prof:
+            t = time.perf_counter()
+            gens = eng.generate(prompts, params, **gen_kw)
+            seconds = time.perf_counter() - t
+        assert sum(len(g.token_ids) for g in gens) == args.batch * args.tokens
+        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        emit("dyn_gaps", variant=name, batch=args.batch, tokens=args.tokens,
+             tok_s_profiled=round(args.batch * args.tokens / seconds, 1), **idle_report(kernels, args.tokens))
+    eng._rpc("cb_set_dyn_device", "auto")
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()
