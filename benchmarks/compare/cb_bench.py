@@ -8,7 +8,7 @@ Run by run_compare.sh (see docs/performance.md) with the project's root first on
 
 p2  decode: batch 1 and 32, distinct random 16-token prompts (seed 100+batch), 256 tokens,
     ignore_eos; vanilla (no spec), every request steered at L8.post_block, every request steered
-    at all 16 layers' post_block. Interleaved per repetition; 1 warm-up + 3 timed.
+    at all 16 layers' post_block. Interleaved per repetition; 1 warm-up + 3 timed (`--p2-reps N`: N).
 p1  the P1 sweep workload through the engine API (no HTTP): the same 16-token prompt
     (random ids, seed 0) as vllm_bench p1; clean run captured once; 768 one-token requests, each
     patching one (layer, hook, position) of 16 x 3 x 16 from the clean run, scoring ids 1000/2000;
@@ -17,7 +17,7 @@ p1  the P1 sweep workload through the engine API (no HTTP): the same 16-token pr
 p1http  the same sweep through POST /v1/patch_sweep (uvicorn in-process), layers 0-15,
     positions all_prompt, hooks pre_attn/post_attn/post_block, metric logprob: cells/s.
 p3  capture all 16 layers post_block at last_prompt for 1000 distinct 16-token prompts
-    (max_tokens 1) vs the same 1000 prompts with no spec. 1 warm-up + 3 timed, interleaved.
+    (max_tokens 1) vs the same 1000 prompts with no spec. 1 warm-up + 3 timed (`--p2-reps N`: N), interleaved.
 """
 import argparse
 import json
@@ -50,6 +50,8 @@ def main():
     ap.add_argument("--tag", default="cb")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--p2-reps", type=int, default=None,
+                    help="timed repetitions of p2 and p3 (default: 3 on the anchor model, --reps on a smoke model)")
     args = ap.parse_args()
 
     import numpy as np
@@ -68,7 +70,7 @@ def main():
     tasks = args.tasks.split(",")
     global A_ID, B_ID
     big = info.vocab_size > 128000  # the anchor model; a small vocab only for a CPU smoke run
-    reps3 = 3 if big else args.reps  # the fixed 3 timed repetitions, shortened for a smoke run
+    reps3 = args.p2_reps or (3 if big else args.reps)  # 3 timed repetitions unless asked, shortened for a smoke run
     lo, hi = (1000, 128000) if big else (4, info.vocab_size - 1)
     if not big:
         A_ID, B_ID = 10, 20
