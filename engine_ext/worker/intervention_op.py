@@ -51,9 +51,9 @@ Two implementations with the same arithmetic (fp32, no fused multiply-add):
 
 * CUDA: one Triton kernel launch per site call, one program per row; a row with neither a slot
   nor a capture returns after two scalar loads, so an idle site costs one tiny launch. With
-  merged sites (`sites_op`, the default; `CAUSALBOARD_MERGED_SITES=0`: one call per site) one launch serves `mlp_out`,
-  `post_block` and the next layer's `pre_attn` (both kernels run the same per-site code,
-  `site_edit`).
+  merged sites (`sites_op`, the default; `CAUSALBOARD_MERGED_SITES=0`: one call per site) one
+  launch serves `mlp_out`, `post_block` and the next layer's `pre_attn` (both kernels run the
+  same per-site code, `site_edit`).
 * CPU (and any non-CUDA device): torch ops on the active rows only; the planner's per-step
   `active` flags let an idle site return at once (CPU runs eagerly: no graph is captured).
 
