@@ -153,3 +153,19 @@ def test_dynamic_gaps_idle_report_merges_overlapping_kernels():
     assert r["busy_frac"] == round(195 / 260, 4)
     assert r["idle_us_per_step"] == 32.5 and r["big_gaps"] == 1 and r["big_gap_us_per_step"] == 30.0
     assert idle_report([], steps=3) == {"kernels": 0}
+
+
+@pytest.mark.parametrize("server", ["stock", "cb"])
+def test_http_bench_serves_and_reports(server):
+    """`benchmarks/compare/http_bench.py`: stock vLLM's OpenAI server and `causalboard serve`
+    started as subprocesses and driven by the same `/v1/completions` client (tiny sizes)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(BENCH / "http_bench.py"), "--server", server, "--model", str(model_path()),
+                           "--device", "cpu", "--p1-requests", "16", "--tokens", "4", "--reps", "1", "--start-timeout", "300"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
+    got = {(ln.get("task"), ln.get("batch")) for ln in lines if "task" in ln}
+    assert got == {("p1", None), ("p2", 32), ("p2", 1)}, lines
+    assert all(ln["bench"] == f"http_{server}" for ln in lines)
+    assert [ln for ln in lines if ln.get("task") == "p1"][0]["req_per_s"] > 0

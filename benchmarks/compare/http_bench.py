@@ -1,0 +1,160 @@
+"""P1 and P2 over HTTP, like for like: stock vLLM's OpenAI server (`vllm serve`) against
+`causalboard serve`, the same client, the same `/v1/completions` requests, no interventions
+(issue 13: "causalboard's engine and `causalboard serve` over HTTP ≥ 0.95x stock vLLM").
+
+    python3 benchmarks/compare/http_bench.py --server stock --model DIR [--device cuda] [--tasks p1,p2] [--reps 5]
+    python3 benchmarks/compare/http_bench.py --server cb --model DIR [--device cuda] ...
+
+One server per process of this script (started as a subprocess on a free port, stopped at the
+end); run both in the same device call and compare. On a GPU both serve with CUDA graphs, bf16,
+prefix caching, the TRITON_ATTN attention backend and no batch invariance (vLLM's default;
+`causalboard serve --no-batch-invariant`); neither logs requests.
+
+p1  768 one-token completions (`max_tokens` 1, greedy) of one 16-token prompt of random ids (seed 0),
+    all sent at once: requests/s over the burst (`--p1-requests N` for another count).
+p2  decode: batch 32 and batch 1, distinct random 16-token prompts (seed 100+batch), 256 tokens
+    (`--tokens`), `ignore_eos`: generated tokens/s over the batch.
+
+Each task: one warm-up, then `--reps` timed repetitions; one JSON line per task and batch with
+the median and every repetition. Responses are checked (one choice each, the token count).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def emit(tag: str, **kw) -> None:
+    print(json.dumps({"bench": tag, **kw}), flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, model: str, device: str, port: int) -> list[str]:
+    """The command line that serves `model` on `port` (`kind`: stock or cb)."""
+    if kind == "stock":
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--seed", "0", "--enable-prefix-caching", "--disable-uvicorn-access-log",
+               "--disable-log-stats"]
+        if device == "cuda":
+            cmd += ["--dtype", "bfloat16", "--attention-backend", "TRITON_ATTN", "--gpu-memory-utilization", "0.8",
+                    "--max-model-len", "4096"]
+        return cmd
+    cmd = [sys.executable, "-m", "app.cli.main", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning"]
+    if device == "cuda":
+        cmd += ["--device", "cuda", "--compiled", "--no-batch-invariant", "--max-model-len", "4096"]
+    else:
+        cmd += ["--device", "cpu"]
+    return cmd
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> str:
+    """Poll `/health` until the server answers 200; return the served model's name."""
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server was not ready after {timeout:.0f} s")
+
+
+async def burst(client, name: str, prompts: list[list[int]], max_tokens: int) -> float:
+    """All `prompts` as concurrent completions; seconds until the last one is back."""
+    async def one(p):
+        r = await client.post("/v1/completions", json={"model": name, "prompt": p, "max_tokens": max_tokens,
+                                                        "temperature": 0.0, "ignore_eos": True})
+        r.raise_for_status()
+        choices = r.json()["choices"]
+        assert len(choices) == 1, r.text[:300]
+        return r.json().get("usage", {}).get("completion_tokens")
+
+    t = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    seconds = time.perf_counter() - t
+    assert all(c in (None, max_tokens) for c in counts), counts[:8]
+    return seconds
+
+
+async def run_tasks(url: str, name: str, args) -> None:
+    import httpx
+
+    limits = httpx.Limits(max_connections=args.p1_requests + 8, max_keepalive_connections=args.p1_requests + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        tasks = args.tasks.split(",")
+        hi = args.vocab_hi
+        if "p1" in tasks:
+            rng = random.Random(0)
+            prompt = [rng.randrange(4, hi) for _ in range(16)]
+            prompts = [prompt] * args.p1_requests
+            await burst(client, name, prompts, 1)  # warm-up
+            ts = [await burst(client, name, prompts, 1) for _ in range(args.reps)]
+            m = statistics.median(ts)
+            emit(f"http_{args.server}", task="p1", requests=len(prompts), req_per_s=round(len(prompts) / m, 1),
+                 median_s=round(m, 4), reps_s=[round(x, 4) for x in ts])
+        if "p2" in tasks:
+            for batch in (32, 1):
+                rng = random.Random(100 + batch)
+                prompts = [[rng.randrange(4, hi) for _ in range(16)] for _ in range(batch)]
+                await burst(client, name, prompts, 8)  # warm-up
+                ts = [await burst(client, name, prompts, args.tokens) for _ in range(args.reps)]
+                m = statistics.median(ts)
+                emit(f"http_{args.server}", task="p2", batch=batch, tokens=args.tokens,
+                     out_tok_per_s=round(batch * args.tokens / m, 1), median_s=round(m, 4), reps_s=[round(x, 4) for x in ts])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", choices=["stock", "cb"], required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tasks", default="p1,p2")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--p1-requests", type=int, default=768)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--start-timeout", type=float, default=600)
+    args = ap.parse_args()
+    with open(Path(args.model) / "config.json") as f:
+        args.vocab_hi = min(int(json.load(f)["vocab_size"]) - 1, 128000)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(server_command(args.server, args.model, args.device, port), env=env, cwd=REPO)
+    try:
+        name = wait_ready(url, proc, args.start_timeout)
+        emit(f"http_{args.server}", step="ready", seconds=round(time.perf_counter() - t0, 1), model=name)
+        asyncio.run(run_tasks(url, name, args))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
