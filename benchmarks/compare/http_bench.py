@@ -6,7 +6,9 @@
     python3 benchmarks/compare/http_bench.py --server cb --model DIR [--device cuda] ...
 
 One server per process of this script (started as a subprocess on a free port, stopped at the
-end); run both in the same device call and compare. On a GPU both serve with CUDA graphs, bf16,
+end); run both in the same device call and compare. The offline GPU host's bundle has what offline
+generation imports, not all of what vLLM's server does: `--fallback-wheels .gpu_server` (made here
+by `scripts/gpu/server_extra.sh`, carried) fills the gaps without shadowing the host's packages. On a GPU both serve with CUDA graphs, bf16,
 prefix caching, the TRITON_ATTN attention backend and no batch invariance (vLLM's default;
 `causalboard serve --no-batch-invariant`); neither logs requests.
 
@@ -45,10 +47,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(kind: str, model: str, device: str, port: int) -> list[str]:
-    """The command line that serves `model` on `port` (`kind`: stock or cb)."""
+#: runs vLLM's OpenAI server module with `sys.argv[1]` appended to `sys.path` AFTER site-packages
+STOCK_WITH_FALLBACK = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); "
+                       "sys.argv[0] = 'vllm.entrypoints.openai.api_server'; "
+                       "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)")
+
+
+def unpack_fallback(wheels: str) -> str:
+    """Unpack the wheels in `wheels` (scripts/gpu/server_extra.sh) once into a folder under /tmp
+    named by their file names; returns it."""
+    import hashlib
+    import zipfile
+
+    files = sorted(Path(wheels).glob("*.whl"))
+    if not files:
+        raise SystemExit(f"--fallback-wheels: no wheels in {wheels} (scripts/gpu/server_extra.sh makes them)")
+    out = Path("/tmp") / ("cb-server-fallback-" + hashlib.sha256("|".join(f.name for f in files).encode()).hexdigest()[:12])
+    if not (out / ".done").exists():
+        for f in files:
+            with zipfile.ZipFile(f) as z:
+                z.extractall(out)
+        (out / ".done").touch()
+    return str(out)
+
+
+def server_command(kind: str, model: str, device: str, port: int, fallback: str | None = None) -> list[str]:
+    """The command line that serves `model` on `port` (`kind`: stock or cb). `fallback`: a folder
+    of packages the stock server may import from when the interpreter lacks them."""
     if kind == "stock":
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+        head = [sys.executable, "-c", STOCK_WITH_FALLBACK, fallback] if fallback else \
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        cmd = head + ["--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--seed", "0", "--enable-prefix-caching", "--disable-uvicorn-access-log",
                "--disable-log-stats"]
         if device == "cuda":
@@ -135,6 +164,9 @@ def main() -> None:
     ap.add_argument("--p1-requests", type=int, default=768)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--fallback-wheels", default=None,
+                    help="stock: wheels (scripts/gpu/server_extra.sh) of packages vLLM's server imports that this "
+                         "interpreter may lack; unpacked under /tmp and searched after site-packages")
     args = ap.parse_args()
     with open(Path(args.model) / "config.json") as f:
         args.vocab_hi = min(int(json.load(f)["vocab_size"]) - 1, 128000)
@@ -142,7 +174,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(server_command(args.server, args.model, args.device, port), env=env, cwd=REPO)
+    fallback = unpack_fallback(args.fallback_wheels) if args.fallback_wheels and args.server == "stock" else None
+    proc = subprocess.Popen(server_command(args.server, args.model, args.device, port, fallback), env=env, cwd=REPO)
     try:
         name = wait_ready(url, proc, args.start_timeout)
         emit(f"http_{args.server}", step="ready", seconds=round(time.perf_counter() - t0, 1), model=name)
