@@ -35,3 +35,33 @@ def variants(num_layers: int, vector: np.ndarray) -> dict[str, DynamicRequest | 
                                                          target=0.0, gain=1e-3, min_scale=-5.0, max_scale=5.0,
                                                          initial_scale=0.5)]),
     }
+
+
+def in_process_engine(model: str | None, device: str):
+    """A started engine whose forward runs in this process (the diagnostics time or profile it
+    there): the bundled model unless `model`; on a GPU with CUDA graphs, as `dynamic_bench.py`."""
+    from engine_ext import Engine
+
+    kw = {"model": model} if model else {}
+    if device == "cuda":
+        kw.update(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8)
+    return Engine(device=device, multiprocess=False, **kw).start()
+
+
+def workload(eng, batch: int, prompt_seed: int) -> tuple[dict[str, DynamicRequest | None], np.ndarray, list[list[int]]]:
+    """Register the probe (`PROBE`, a random direction at `probe_site`) on `eng` and return the
+    variants, their steering vector and `batch` distinct random 16-token prompts (`prompt_seed`)."""
+    import random
+
+    from engine_ext.dynamic.specs import Probe
+
+    L, H = eng.info.num_layers, eng.info.hidden_size
+    rng = np.random.default_rng(0)
+    eng.register_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)))
+    v = (rng.standard_normal(H) * 0.01).astype(np.float32)
+    prng = random.Random(prompt_seed)
+    vocab = eng.info.vocab_size
+    lo, hi = (1000, min(vocab - 1, 128000)) if vocab > 2000 else (4, vocab - 1)
+    prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(batch)]
+    return variants(L, v), v, prompts
+

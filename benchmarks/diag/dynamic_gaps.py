@@ -18,11 +18,8 @@ it that way so that it cannot rot).
 import argparse
 import json
 import os
-import random
 import statistics
 import time
-
-import numpy as np
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the forward runs in this process
 
@@ -75,24 +72,13 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.dynamic_variants import PROBE, probe_site, steer_sites
-    from benchmarks.dynamic_variants import variants as dynamic_variants
-    from engine_ext import Engine, GenerationParams
-    from engine_ext.dynamic.specs import Probe
+    from benchmarks.dynamic_variants import in_process_engine, steer_sites, workload
+    from engine_ext import GenerationParams
     from engine_ext.specs import Interventions, Steer
 
-    kw = {"model": args.model} if args.model else {}
-    if args.device == "cuda":
-        kw.update(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8)
-    eng = Engine(device=args.device, multiprocess=False, **kw).start()
-    L, H = eng.info.num_layers, eng.info.hidden_size
-    rng = np.random.default_rng(0)
-    eng.register_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)))
-    v = (rng.standard_normal(H) * 0.01).astype(np.float32)
-    dyn = dynamic_variants(L, v)
-    prng = random.Random(100 + args.batch)
-    lo, hi = (1000, min(eng.info.vocab_size - 1, 128000)) if eng.info.vocab_size > 2000 else (4, eng.info.vocab_size - 1)
-    prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(args.batch)]
+    eng = in_process_engine(args.model, args.device)
+    L = eng.info.num_layers
+    dyn, v, prompts = workload(eng, args.batch, 100 + args.batch)
     params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
     runs: dict[str, dict] = {}
     for name in args.variants.split(","):

@@ -13,9 +13,7 @@ import cProfile
 import json
 import os
 import pstats
-import random
 
-import numpy as np
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # profile the worker in this process
 
@@ -29,22 +27,11 @@ def main() -> None:
     ap.add_argument("--variants", default="vanilla,threshold_on,proportional")
     args = ap.parse_args()
 
-    from benchmarks.dynamic_variants import PROBE, probe_site
-    from benchmarks.dynamic_variants import variants as dynamic_variants
-    from engine_ext import Engine, GenerationParams
-    from engine_ext.dynamic.specs import Probe
+    from benchmarks.dynamic_variants import in_process_engine, workload
+    from engine_ext import GenerationParams
 
-    kw = {"model": args.model} if args.model else {}
-    if args.device == "cuda":
-        kw.update(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8)
-    eng = Engine(device=args.device, multiprocess=False, **kw).start()
-    L, H = eng.info.num_layers, eng.info.hidden_size
-    rng = np.random.default_rng(0)
-    eng.register_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)))
-    variants = dynamic_variants(L, (rng.standard_normal(H) * 0.01).astype(np.float32))
-    prng = random.Random(132)
-    lo, hi = (1000, min(eng.info.vocab_size - 1, 128000)) if eng.info.vocab_size > 2000 else (4, eng.info.vocab_size - 1)
-    prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(32)]
+    eng = in_process_engine(args.model, args.device)
+    variants, _, prompts = workload(eng, 32, 132)
     params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
     for name in args.variants.split(","):
         dyn = variants[name]
