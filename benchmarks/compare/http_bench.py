@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,16 +34,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # app.client.notebook.free_port, when run without the project on PYTHONPATH
 
 
 def emit(tag: str, **kw) -> None:
     print(json.dumps({"bench": tag, **kw}), flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 #: runs vLLM's OpenAI server module with `sys.argv[1]` appended to `sys.path` AFTER site-packages
@@ -170,6 +164,8 @@ def main() -> None:
     args = ap.parse_args()
     with open(Path(args.model) / "config.json") as f:
         args.vocab_hi = min(int(json.load(f)["vocab_size"]) - 1, 128000)
+    from app.client.notebook import free_port
+
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
