@@ -23,7 +23,6 @@ Goal (issue 15): ratio_vs_vanilla >= 0.95 for threshold_on on the GPU.
 """
 import argparse
 import json
-import random
 import statistics
 import time
 
@@ -52,13 +51,8 @@ def main():
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
 
-    import numpy as np
-
+    from benchmarks.dynamic_variants import static_steer, workload
     from engine_ext import Engine, GenerationParams
-    from benchmarks.dynamic_variants import PROBE, probe_site, steer_sites
-    from benchmarks.dynamic_variants import variants as dynamic_variants
-    from engine_ext.dynamic.specs import Probe
-    from engine_ext.specs import Interventions, Steer
 
     t0 = time.perf_counter()
     kw = {"model": args.model} if args.model else {}
@@ -68,17 +62,9 @@ def main():
         eng = Engine(device=args.device, **kw).start()
     info = eng.info
     emit("dyn_start", seconds=round(time.perf_counter() - t0, 1), info=str(info))
-    L, H = info.num_layers, info.hidden_size
-    rng = np.random.default_rng(0)
-    eng.register_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)))
-    v = (rng.standard_normal(H) * 0.01).astype(np.float32)
-    steer = steer_sites(L)
-    variants = dynamic_variants(L, v)
-    prng = random.Random(100 + args.batch)
-    lo, hi = (1000, min(info.vocab_size - 1, 128000)) if info.vocab_size > 2000 else (4, info.vocab_size - 1)
-    prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(args.batch)]
+    variants, v, prompts = workload(eng, args.batch, 100 + args.batch)
     params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
-    static = {"static_steer": Interventions(steer=(Steer.make(steer, v, phase="decode"),))}
+    static = {"static_steer": static_steer(info.num_layers, v)}
     if args.variants:
         keep = set(args.variants.split(",")) | {"vanilla"}
         variants = {k: v for k, v in variants.items() if k in keep}

@@ -37,6 +37,14 @@ def variants(num_layers: int, vector: np.ndarray) -> dict[str, DynamicRequest | 
     }
 
 
+def static_steer(num_layers: int, vector: np.ndarray):
+    """The control: `vector` added statically at `steer_sites` on every generated token (what an
+    engaged policy applies), no dynamic steering."""
+    from engine_ext.specs import Interventions, Steer
+
+    return Interventions(steer=(Steer.make(steer_sites(num_layers), vector, phase="decode"),))
+
+
 def in_process_engine(model: str | None, device: str):
     """A started engine whose forward runs in this process (the diagnostics time or profile it
     there): the bundled model unless `model`; on a GPU with CUDA graphs, as `dynamic_bench.py`."""
@@ -64,4 +72,3 @@ def workload(eng, batch: int, prompt_seed: int) -> tuple[dict[str, DynamicReques
     lo, hi = (1000, min(vocab - 1, 128000)) if vocab > 2000 else (4, vocab - 1)
     prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(batch)]
     return variants(L, v), v, prompts
-

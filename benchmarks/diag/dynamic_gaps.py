@@ -72,18 +72,16 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.dynamic_variants import in_process_engine, steer_sites, workload
+    from benchmarks.dynamic_variants import in_process_engine, static_steer, workload
     from engine_ext import GenerationParams
-    from engine_ext.specs import Interventions, Steer
 
     eng = in_process_engine(args.model, args.device)
-    L = eng.info.num_layers
     dyn, v, prompts = workload(eng, args.batch, 100 + args.batch)
     params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
     runs: dict[str, dict] = {}
     for name in args.variants.split(","):
         if name == "static_steer":
-            runs[name] = {"interventions": Interventions(steer=(Steer.make(steer_sites(L), v, phase="decode"),))}
+            runs[name] = {"interventions": static_steer(eng.info.num_layers, v)}
         elif name in dyn:
             runs[name] = {"dynamic": dyn[name]}
             if args.ab_device and dyn[name] is not None:

@@ -18,11 +18,9 @@ call of each timed function, the wall time of the batch, the number of planned s
 import argparse
 import json
 import os
-import random
 import statistics
 import time
 
-import numpy as np
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker's calls are timed in this process
 
@@ -112,23 +110,11 @@ def main() -> None:
         _timed(cls, name)
     _time_after_wait()
 
-    from engine_ext import Engine, GenerationParams
-    from benchmarks.dynamic_variants import PROBE, probe_site
-    from benchmarks.dynamic_variants import variants as dynamic_variants
-    from engine_ext.dynamic.specs import Probe
+    from benchmarks.dynamic_variants import in_process_engine, workload
+    from engine_ext import GenerationParams
 
-    kw = {"model": args.model} if args.model else {}
-    if args.device == "cuda":
-        kw.update(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8)
-    eng = Engine(device=args.device, multiprocess=False, **kw).start()
-    info = eng.info
-    L, H = info.num_layers, info.hidden_size
-    rng = np.random.default_rng(0)
-    eng.register_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)))
-    variants = dynamic_variants(L, (rng.standard_normal(H) * 0.01).astype(np.float32))
-    prng = random.Random(132)
-    lo, hi = (1000, min(info.vocab_size - 1, 128000)) if info.vocab_size > 2000 else (4, info.vocab_size - 1)
-    prompts = [[prng.randrange(lo, hi) for _ in range(16)] for _ in range(32)]
+    eng = in_process_engine(args.model, args.device)
+    variants, _, prompts = workload(eng, 32, 132)
     params = GenerationParams(max_tokens=args.tokens, ignore_eos=True)
     for dyn in variants.values():  # warm-up
         eng.generate(prompts, GenerationParams(max_tokens=4, ignore_eos=True), dynamic=dyn)
