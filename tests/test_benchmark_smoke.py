@@ -143,18 +143,6 @@ def test_dynamic_gaps_runs_and_reports_every_variant():
     assert all(ln["kernels"] == 0 and ln["tok_s_profiled"] > 0 for ln in lines), lines
 
 
-def test_dynamic_gaps_idle_report_merges_overlapping_kernels():
-    from benchmarks.diag.dynamic_gaps import idle_report, merge
-
-    assert merge([(5, 7), (0, 2), (1, 3), (6, 6.5)]) == [(0, 3), (5, 7)]
-    # two "forwards" of 100 µs with a 60 µs wait and a 10 µs gap inside the first
-    r = idle_report([(0, 40), (50, 100), (30, 45), (160, 260)], steps=2)
-    assert r["kernels"] == 4 and r["window_ms"] == 0.26
-    assert r["busy_frac"] == round(195 / 260, 4)
-    assert r["idle_us_per_step"] == 32.5 and r["big_gaps"] == 1 and r["big_gap_us_per_step"] == 30.0
-    assert idle_report([], steps=3) == {"kernels": 0}
-
-
 @pytest.mark.parametrize("server", ["stock", "cb"])
 def test_http_bench_serves_and_reports(server):
     """`benchmarks/compare/http_bench.py`: stock vLLM's OpenAI server and `causalboard serve`
