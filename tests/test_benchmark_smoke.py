@@ -135,12 +135,17 @@ def test_dynamic_gaps_runs_and_reports_every_variant():
     steering): on the CPU no CUDA kernel is recorded, so each variant reports `kernels: 0`."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "dynamic_gaps.py"), "--device", "cpu",
-                           "--batch", "2", "--tokens", "4", "--variants", "vanilla,monitor_only", "--ab-device"],
+                           "--batch", "2", "--tokens", "4", "--variants", "vanilla,monitor_only", "--ab-device",
+                           "--attribute"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
-    assert [ln["variant"] for ln in lines] == ["vanilla", "monitor_only", "monitor_only@device", "monitor_only@host"]
-    assert all(ln["kernels"] == 0 and ln["tok_s_profiled"] > 0 for ln in lines), lines
+    gaps = [ln for ln in lines if ln["bench"] == "dyn_gaps"]
+    assert [ln["variant"] for ln in gaps] == ["vanilla", "monitor_only", "monitor_only@device", "monitor_only@host"]
+    assert all(ln["kernels"] == 0 and ln["tok_s_profiled"] > 0 for ln in gaps), gaps
+    # --attribute: one gap_host line per variant (no device activity on the CPU: no gaps), no error
+    host = [ln for ln in lines if ln["bench"] == "gap_host"]
+    assert [(ln["variant"], ln.get("gaps")) for ln in host] == [(ln["variant"], 0) for ln in gaps], host
 
 
 @pytest.mark.parametrize("server", ["stock", "cb"])

@@ -334,3 +334,35 @@ def test_page_asks_for_the_api_key_before_building_the_views():
     assert page.tracing.client._http.headers["authorization"] == "Bearer s3cret"
     assert page.steering.client._http.headers["authorization"] == "Bearer s3cret"
     assert "unreachable" in page.header.object  # the status request failed (nothing listens on port 9)
+
+
+def test_create_app_without_the_dashboard_never_imports_panel():
+    """`create_app(dashboard=False)` (`causalboard serve --no-dashboard`): the API alone, for an
+    environment without Panel (a GPU host's engine-only bundle). Run in a fresh interpreter where
+    importing `panel` fails, as it does there; with the dashboard that import is needed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['panel'] = None\n"  # `import panel` raises ImportError from here on
+            "from app.api.app import create_app\n"
+            "app = create_app(dashboard=False)\n"
+            "paths = {getattr(r, 'path', '') for r in app.routes}\n"
+            "assert '/v1/status' in paths and not any(p.startswith('/dashboard') for p in paths), sorted(paths)\n"
+            "try:\n"
+            "    create_app()\n"
+            "except ImportError as exc:\n"
+            "    print('needs panel:', exc)\n")
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo,
+                          env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "needs panel:" in proc.stdout, proc.stdout
+
+
+def test_cli_serve_has_no_dashboard_flag():
+    from app.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "--no-dashboard"])
+    assert args.dashboard is False
+    assert build_parser().parse_args(["serve"]).dashboard is True

@@ -49,13 +49,15 @@ ROUTERS = (status.router, tokens.router, openai_compat.router, generation.router
 
 
 def create_app(engine: Engine | None = None, config: EngineConfig | None = None, api_key: str | None = None,
-               capture_dir: str | None = None, capture_log: str | dict | None = None) -> FastAPI:
+               capture_dir: str | None = None, capture_log: str | dict | None = None, dashboard: bool = True) -> FastAPI:
     """The API app on `engine` (already started; the caller closes it), or on a new engine
     built from `config` (default: the bundled model) that the lifespan starts and closes.
     `capture_dir` (else the `CAUSALBOARD_CAPTURE_DIR` environment variable) enables the fork's
     `filesystem` capture consumer, writing under that directory; `capture_log` (else
     `CAUSALBOARD_CAPTURE_LOG`), the fork's server-wide `logging` consumer's params as JSON
-    (`app/api/compat/capture_log.py`)."""
+    (`app/api/compat/capture_log.py`). `dashboard`: mount the Panel dashboard at `/dashboard`
+    (False: the API alone, without importing Panel — `causalboard serve --no-dashboard`, e.g. on a
+    GPU host whose environment was made for the engine only)."""
     owns_engine = engine is None
     app = FastAPI(
         title="causalboard",
@@ -71,9 +73,10 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None,
     install_body_limit(app, settings.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
-    from app.dashboard import mount as mount_dashboard
+    if dashboard:
+        from app.dashboard import mount as mount_dashboard
 
-    mount_dashboard(app)
+        mount_dashboard(app)
     return app
 
 

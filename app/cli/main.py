@@ -75,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.api.app import create_app
 
     app = create_app(config=_engine_config(args), api_key=args.api_key, capture_dir=args.capture_dir,
-                     capture_log=args.capture_log)
+                     capture_log=args.capture_log, dashboard=args.dashboard)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
     # Bind the port before the engine starts (seconds to minutes): a port in use fails at once,
     # `--port 0` gets a free port that is announced, and nothing else on the host — vLLM's own
@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="enable the reference fork's server-wide logging capture consumer: one log line per "
                             "capture key of every completion; JSON {\"hooks\": {hook: [layers] | \"all\"}, "
                             "\"positions\"?, \"level\"?} (env CAUSALBOARD_CAPTURE_LOG)")
+    serve.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                       help="serve the API only: no dashboard at /dashboard, Panel not imported")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -63,8 +63,10 @@ PROGRESS_EVERY_S = 0.5
 MIN_EFFECT = 1e-6
 #: the fan-out submits its jobs in groups (one `Engine.agenerate_many` batch each) of at most this
 #: many, and of at most a quarter of the in-flight limit, so the engine starts on the first group
-#: while the next ones are prepared
-GROUP_MAX = 128
+#: while the next ones are prepared (256 since 2026-11-27: on an H200 the 768-cell sweep took a
+#: median 0.30 s in groups of 256 against 0.36 s in groups of 128 and 0.35 s in one group;
+#: docs/performance.md, "Fourteenth session")
+GROUP_MAX = 256
 GROUPS_PER_WINDOW = 4
 #: every request of a sweep (clean capture, baselines, cells): one token whose scores are read; its
 #: text is never used, so none is decoded

@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def server_command(kind: str, model: str, device: str, port: int, fallback: str 
                     "--max-model-len", "4096"]
         return cmd
     cmd = [sys.executable, "-m", "app.cli.main", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning"]
+           "--log-level", "warning", "--no-dashboard"]  # stock serves no dashboard either
     if device == "cuda":
         cmd += ["--device", "cuda", "--compiled", "--no-batch-invariant", "--max-model-len", "4096"]
     else:
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--p1-requests", type=int, default=768)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--server-args", default="",
+                    help="extra arguments for the server's command line, one string (e.g. '--multiprocess' for cb)")
     ap.add_argument("--fallback-wheels", default=None,
                     help="stock: wheels (scripts/gpu/server_extra.sh) of packages vLLM's server imports that this "
                          "interpreter may lack; unpacked under /tmp and searched after site-packages")
@@ -171,7 +174,8 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     fallback = unpack_fallback(args.fallback_wheels) if args.fallback_wheels and args.server == "stock" else None
-    proc = subprocess.Popen(server_command(args.server, args.model, args.device, port, fallback), env=env, cwd=REPO)
+    cmd = server_command(args.server, args.model, args.device, port, fallback) + shlex.split(args.server_args)
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
     try:
         name = wait_ready(url, proc, args.start_timeout)
         emit(f"http_{args.server}", step="ready", seconds=round(time.perf_counter() - t0, 1), model=name)
