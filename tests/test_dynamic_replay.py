@@ -196,6 +196,22 @@ def test_proportional_policies_repeat_exactly_and_a_scale_of_zero_falls_back():
     assert any(e["scale"] == 0.0 for e in r_fast["prop_to_zero"]["trace"][0])
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["request-by-request", "repeated"])
+def test_proportional_chains_leave_no_slot_behind(replay):
+    """A chain's proportional windows hold slots of their own while it repeats (rewritten in
+    place, `SlotTable.rewrite_c`); once every request has finished and an empty step has run, no
+    slot is in use, with or without a fall-back (a scale clamped to 0) in the run."""
+    for batch in (("prop", "prop_clamped"), ("prop", "prop_clamped", "prop_to_zero")):
+        st, _, _ = _drive(replay, 5, False, batch=batch)
+        assert len(st.slots) > 0
+        for rid in list(st.dynamic.requests):
+            st.finish(rid)
+        if st.plan_step([], np.zeros(1, np.int32), np.zeros(0, np.int32)):
+            st.finish_step()
+        st.after_forward()
+        assert len(st.slots) == 0, batch
+
+
 def test_a_flip_during_a_repeated_step_falls_back_exactly():
     """Over the three seeds, some repeated step meets a decision that flips: it is undone and
     planned the usual way (the test above checks the result equals)."""

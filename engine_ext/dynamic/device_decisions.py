@@ -46,7 +46,7 @@ import torch
 
 from engine_ext.dynamic import device_kernels
 from engine_ext.dynamic.device_rule import PolicyTable
-from engine_ext.dynamic.replay import proportional_action_crc, proportional_scales, threshold_flip_points
+from engine_ext.dynamic.replay import ProportionalCrcs, proportional_action_crc, proportional_scales, threshold_flip_points
 from engine_ext.worker.intervention_op import SlotMode
 from engine_ext.worker.slots import SlotValue
 
@@ -150,6 +150,9 @@ class DeviceDecisions:
             self.held = []
             raise
         slots.flush()  # new on-slots: uploaded before any forward reads them
+        #: the proportional windows (window indices, ascending) and their actions' crcs in bulk
+        self.prop_idx = np.asarray(sorted(self.prop), np.int64)
+        self.prop_crcs = ProportionalCrcs([(rp.drs[i].key, self.prop[i][1], self.prop[i][0]) for i in self.prop_idx.tolist()])
         dev = self.device
         self.h_rows, self.h_sites = np.asarray(rows, np.int64), np.asarray(sites, np.int64)
         self.h_on, self.h_off = np.asarray(on, np.int32), np.asarray(off, np.int32)
@@ -301,9 +304,10 @@ class DeviceDecisions:
         if self.any_prop:
             self.cur[self.is_prop] = d[self.is_prop]
             crcs = crcs.copy()
-            for i in np.flatnonzero(acting & self.is_prop).tolist():
-                vcrc, tags = self.prop[i]
-                crcs[i] = proportional_action_crc(rp.drs[i].key, tags, vcrc, np.float32(d[i]).astype("<f4").tobytes())
+            pi = self.prop_idx
+            sel = np.flatnonzero(acting[pi])  # the acting proportional windows (positions in `pi`)
+            if sel.size:
+                crcs[pi[sel]] = self.prop_crcs.crcs(d[pi], only=sel.tolist())
         pos = r.positions
         w._log_chain(rp, pos, x.copy(), d[rp.p_j].copy() if self.any_prop else None, acting)
         acts = np.empty((int(acting.sum()), 3), np.int64)

@@ -10,18 +10,23 @@ request."""
 
 from __future__ import annotations
 
-import zlib
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from engine_ext.dynamic.replay import Replay, proportional_action_crc, proportional_scales
+from engine_ext.dynamic.replay import Replay, proportional_scales
 from engine_ext.worker.intervention_op import SlotMode
 from engine_ext.worker.slots import SlotCapacityError, SlotValue
 
 if TYPE_CHECKING:  # the worker imports this module
     from engine_ext.dynamic.worker import DynRequest  # noqa: F401
+
+
+#: tags of the slot keys a chain's proportional windows own (`_replay_proportional`): unique for the
+#: process's lifetime, so no two chains — nor any other request — ever name the same slot
+_OWN_SLOT_TAGS = itertools.count()
 
 
 class RepeatedSteps:
@@ -126,7 +131,7 @@ class RepeatedSteps:
         prop = rp.prop
         acquired: list[int] = []
         if not flips.any() and prop:
-            new, acquired, crcs = self._replay_proportional(rp, scores)
+            new, acquired, crcs, fresh = self._replay_proportional(rp, scores)
             if new is None:
                 flips = True
         if np.any(flips):  # undo, and finish the step the usual way
@@ -148,8 +153,9 @@ class RepeatedSteps:
         act_crcs = rp.act_crcs
         if prop:
             hs[rp.p_rows, rp.p_sites] = acquired
-            self.st.slots.release(rp.prop_held)
-            rp.prop_held = acquired
+            if fresh:  # the chain's own slots from now on: the last step's content-named ones go
+                self.st.slots.release(rp.prop_held)
+                rp.prop_held = acquired
             self._held = rp.static_held + acquired
             rp.p_cur = new  # decided; the states get it with the rest of the bookkeeping
             act_crcs = act_crcs.copy()
@@ -166,32 +172,42 @@ class RepeatedSteps:
     def _replay_proportional(self, rp: "Replay", scores: np.ndarray):
         """The proportional windows of a repeated step: their new scales (`PolicyState.decide`:
         `min(max_scale, max(min_scale, scale + gain * (target - score)))` in float64, Python's
-        min/max order), the slots of `vector * f32(scale)` at their sites (the keys and values
-        `_action_plan` gives them: no base under them) and each action's crc. (None, [], None)
-        when a scale is 0 (no action) or a slot cannot be had (nothing is left acquired)."""
+        min/max order), the slots of `vector * f32(scale)` at their sites (no base under them)
+        and each action's crc (the name `_action_plan` gives it). The chain's first repeat takes
+        one slot of its own per window (a key no other request can name), held through the chain
+        (`rp.p_own`); every later repeat rewrites those slots' `c` in place
+        (`SlotTable.rewrite_c`) instead of acquiring a content-named slot per new scale and
+        releasing the last. Returns (scales, the slot per window and site, crcs, whether the slots
+        are new this step); (None, [], None, False) when a scale is 0 (no action) or no slot is
+        left (nothing is left acquired)."""
         prop = rp.prop
         x = scores[rp.p_j].astype(np.float64)
         new = proportional_scales(rp.p_cur, rp.p_gain, rp.p_target, x, rp.p_min, rp.p_max)
         if not new.all():
-            return None, [], None
+            return None, [], None, False
         s32 = new.astype(np.float32)
         c = np.multiply(rp.p_vec, s32[:, None], dtype=np.float32)
-        b32 = s32.astype("<f4").tobytes()
         slots = self.st.slots
+        if rp.p_own is not None:
+            slots.rewrite_c(rp.p_own_unique, c, backing=rp.p_own_c)
+            return new, rp.p_own, rp.p_crcs.crcs(s32), False
+        tag = next(_OWN_SLOT_TAGS)
         acquire = slots.acquire
         acquired: list[int] = []
-        crcs = []
+        unique: list[int] = []
+        own_c = c.copy()  # the slots' host values: its rows (`rewrite_c` writes into it)
         try:
-            for k, (dr, _, vcrc, sites) in enumerate(prop):
-                key = ("dyn", None, (zlib.crc32(b32[4 * k: 4 * k + 4], vcrc),), None)
-                row = c[k]
+            for k, (_, _, _, sites) in enumerate(prop):
+                key = ("dyn-own", tag, k)
+                row = own_c[k]
                 for _ in sites:
                     acquired.append(acquire(key, lambda row=row: SlotValue(SlotMode.AFFINE, a=1.0, c=row)))
-                crcs.append(proportional_action_crc(dr.key, sites, vcrc, b32[4 * k: 4 * k + 4]))
+                unique.append(acquired[-1])
         except SlotCapacityError:
             slots.release(acquired)
-            return None, [], None
-        return new, acquired, crcs
+            return None, [], None, False
+        rp.p_own, rp.p_own_unique, rp.p_own_c = acquired, unique, own_c
+        return new, acquired, rp.p_crcs.crcs(s32), True
 
     def _log_chain(self, rp: "Replay", positions: np.ndarray, scores: np.ndarray, prop_scales: np.ndarray | None,
                    acting: np.ndarray) -> None:

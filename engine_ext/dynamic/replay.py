@@ -29,6 +29,52 @@ def proportional_action_crc(key: str, site_tags: list[str], vcrc: int, s32_bytes
     return zlib.crc32("|".join([key] + [tag + tail for tag in site_tags]).encode())
 
 
+class ProportionalCrcs:
+    """`proportional_action_crc` for a fixed list of proportional windows, all at once per step:
+    `crcs(s32)` gives window k's crc for the scale `s32[k]` (float32), equal to
+    `proportional_action_crc(key_k, site_tags_k, vcrc_k, s32[k]'s 4 little-endian bytes)`
+    (`tests/test_dynamic_crc_bulk.py`). The constant part of each window's text (`key|tag`) is
+    folded into a crc once, here; per step only the 4 payload bytes, their 8 hex digits and the
+    rest of the text are fed to zlib (a crc continues over concatenated data), instead of building
+    and encoding each window's string and converting each scale on its own."""
+
+    __slots__ = ("_windows",)
+
+    def __init__(self, windows: list[tuple[str, list[str], int]]):
+        """`windows`: `(request key, ["site:" in site order], vector crc)` per window."""
+        out = []
+        for key, tags, vcrc in windows:
+            if tags:
+                head = zlib.crc32(f"{key}|{tags[0]}".encode())
+                rest = [f"|{t}".encode() for t in tags[1:]]
+            else:
+                head, rest = zlib.crc32(key.encode()), None
+            out.append((head, rest, vcrc))
+        self._windows = out
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    def crcs(self, s32: np.ndarray, only=None) -> list[int]:
+        """The crcs for the scales `s32` (one per window, cast to float32 as `np.float32(x)` would);
+        `only`: the window indices to compute (in that order; default: all)."""
+        b = np.asarray(s32).astype("<f4").tobytes()
+        crc32 = zlib.crc32
+        w = self._windows
+        out = []
+        for k in (range(len(w)) if only is None else only):
+            head, rest, vcrc = w[k]
+            if rest is None:  # no site: the key's crc alone
+                out.append(head)
+                continue
+            tail = b"%08x" % crc32(b[4 * k: 4 * k + 4], vcrc)
+            c = crc32(tail, head)
+            for r in rest:
+                c = crc32(tail, crc32(r, c))
+            out.append(c)
+        return out
+
+
 def proportional_scales(cur: np.ndarray, gain: np.ndarray, target: np.ndarray, score: np.ndarray,
                         min_scale: np.ndarray, max_scale: np.ndarray) -> np.ndarray:
     """`PolicyState.decide` of proportional policies on float64 arrays, bit for bit:
@@ -155,6 +201,10 @@ class Replay:
         rp.max_row = int(rp.w0.max()) + 1
         # proportional windows: their scale moves every step (`_replay_finish` composes their slots)
         rp.prop = prop
+        rp.p_crcs = ProportionalCrcs([(dr.key, tags, vcrc) for dr, _, vcrc, tags in prop])
+        #: the chain's own slots for its proportional windows (per window and site; one per window),
+        #: taken at its first repeat (`repeat_steps.RepeatedSteps._replay_proportional`)
+        rp.p_own, rp.p_own_unique, rp.p_own_c = None, [], None
         rp.p_j = np.asarray([j for j, pol in enumerate(drs) if pol.states[0].policy.mode == "proportional"], np.int64)
         rp.p_rows, rp.p_sites = np.asarray(p_rows, np.int64), np.asarray(p_sites, np.int64)
         if prop:
