@@ -189,24 +189,27 @@ class RepeatedSteps:
         c = np.multiply(rp.p_vec, s32[:, None], dtype=np.float32)
         slots = self.st.slots
         if rp.p_own is not None:
-            slots.rewrite_c(rp.p_own_unique, c, backing=rp.p_own_c)
+            rows = rp.p_own_rows
+            slots.rewrite_c(rp.p_own_unique, c if rows is None else c[rows], backing=rp.p_own_c)
             return new, rp.p_own, rp.p_crcs.crcs(s32), False
         tag = next(_OWN_SLOT_TAGS)
         acquire = slots.acquire
         acquired: list[int] = []
         unique: list[int] = []
-        own_c = c.copy()  # the slots' host values: its rows (`rewrite_c` writes into it)
+        with_sites = [k for k, (_, _, _, sites) in enumerate(prop) if sites]  # (every window, in practice)
+        rows = None if len(with_sites) == len(prop) else np.asarray(with_sites, np.int64)
+        own_c = c.copy() if rows is None else c[rows]  # the slots' host values: its rows (`rewrite_c` writes them)
         try:
-            for k, (_, _, _, sites) in enumerate(prop):
+            for i, k in enumerate(with_sites):
                 key = ("dyn-own", tag, k)
-                row = own_c[k]
-                for _ in sites:
+                row = own_c[i]
+                for _ in prop[k][3]:
                     acquired.append(acquire(key, lambda row=row: SlotValue(SlotMode.AFFINE, a=1.0, c=row)))
                 unique.append(acquired[-1])
         except SlotCapacityError:
             slots.release(acquired)
             return None, [], None, False
-        rp.p_own, rp.p_own_unique, rp.p_own_c = acquired, unique, own_c
+        rp.p_own, rp.p_own_unique, rp.p_own_c, rp.p_own_rows = acquired, unique, own_c, rows
         return new, acquired, rp.p_crcs.crcs(s32), True
 
     def _log_chain(self, rp: "Replay", positions: np.ndarray, scores: np.ndarray, prop_scales: np.ndarray | None,
