@@ -33,6 +33,11 @@ def test_the_stock_server_searches_the_fallback_after_site_packages(tmp_path):
     assert server_command("stock", "/m", "cpu", 1)[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     cb = server_command("cb", "/m", "cuda", 1)
     assert cb[1:4] == ["-m", "app.cli.main", "serve"] and "--no-batch-invariant" in cb and "--compiled" in cb
+    assert "--no-dashboard" in cb  # like stock: no dashboard (and no Panel needed on an engine-only host)
+    from app.cli.main import build_parser
+
+    parsed = build_parser().parse_args(cb[3:])  # the cb command line is one `causalboard serve` accepts
+    assert parsed.dashboard is False and parsed.batch_invariant is False and parsed.eager is False
 
 
 def test_no_wheels_is_a_clear_error(tmp_path):

@@ -4,13 +4,15 @@
 
     python3 benchmarks/compare/http_bench.py --server stock --model DIR [--device cuda] [--tasks p1,p2] [--reps 5]
     python3 benchmarks/compare/http_bench.py --server cb --model DIR [--device cuda] ...
+        [--server-args '--multiprocess']   # extra flags for the server's command line
 
 One server per process of this script (started as a subprocess on a free port, stopped at the
 end); run both in the same device call and compare. The offline GPU host's bundle has what offline
 generation imports, not all of what vLLM's server does: `--fallback-wheels .gpu_server` (made here
 by `scripts/gpu/server_extra.sh`, carried) fills the gaps without shadowing the host's packages. On a GPU both serve with CUDA graphs, bf16,
 prefix caching, the TRITON_ATTN attention backend and no batch invariance (vLLM's default;
-`causalboard serve --no-batch-invariant`); neither logs requests.
+`causalboard serve --no-batch-invariant`); neither logs requests; causalboard serves no dashboard
+(`--no-dashboard`: stock has none, and the GPU bundle has no Panel).
 
 p1  768 one-token completions (`max_tokens` 1, greedy) of one 16-token prompt of random ids (seed 0),
     all sent at once: requests/s over the burst (`--p1-requests N` for another count).
