@@ -340,6 +340,7 @@ def test_create_app_without_the_dashboard_never_imports_panel():
     """`create_app(dashboard=False)` (`causalboard serve --no-dashboard`): the API alone, for an
     environment without Panel (a GPU host's engine-only bundle). Run in a fresh interpreter where
     importing `panel` fails, as it does there; with the dashboard that import is needed."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -355,7 +356,7 @@ def test_create_app_without_the_dashboard_never_imports_panel():
             "    print('needs panel:', exc)\n")
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo,
-                          env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+                          env={**os.environ, "PYTHONPATH": str(repo)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "needs panel:" in proc.stdout, proc.stdout
 

@@ -190,7 +190,7 @@ class RepeatedSteps:
         slots = self.st.slots
         if rp.p_own is not None:
             rows = rp.p_own_rows
-            slots.rewrite_c(rp.p_own_unique, c if rows is None else c[rows], backing=rp.p_own_c)
+            slots.rewrite_c(rp.p_own_unique, c if rows is None else c[rows], rp.p_own_c)
             return new, rp.p_own, rp.p_crcs.crcs(s32), False
         tag = next(_OWN_SLOT_TAGS)
         acquire = slots.acquire

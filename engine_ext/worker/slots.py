@@ -146,20 +146,15 @@ class SlotTable:
                 self._gates.release(int(self._gate_of_slot[slot]))
                 self._gate_of_slot[slot] = -1
 
-    def rewrite_c(self, slots: list[int], c: np.ndarray, backing: np.ndarray | None = None) -> None:
+    def rewrite_c(self, slots: list[int], c: np.ndarray, host_rows: np.ndarray) -> None:
         """Give AFFINE slots new `c` rows (`c[i]` for `slots[i]`), on the host and on the device
         (uploaded now, on the current stream: before the forward that reads them). Only for slots
         their one holder acquired under a key of its own, never shared and already uploaded
         (dynamic steering's proportional windows during a chain of repeated steps:
         `repeat_steps.RepeatedSteps._replay_proportional`): nobody else reads them, so their key
-        may keep naming the first value. `backing`: a matrix whose row i the host value of
-        `slots[i]` holds as its `c` (made so by the caller), written in one assignment; without
-        it each slot's host copy is written in turn."""
-        if backing is not None:
-            backing[...] = c
-        else:
-            for slot, row in zip(slots, c):
-                self._value_of[slot].c[...] = row
+        may keep naming the first value. `host_rows`: the matrix whose row i the host value of
+        `slots[i]` holds as its `c` (the holder made the values so), written in one assignment."""
+        host_rows[...] = c
         b = self.b
         idx = to_device_async(torch.tensor(slots, dtype=torch.long), b.device)
         b.slot_c.index_copy_(0, idx, to_device_async(torch.from_numpy(np.ascontiguousarray(c, np.float32)), b.device))
