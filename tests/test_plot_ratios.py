@@ -49,3 +49,31 @@ def test_harness_lines_and_the_call_argument(tmp_path):
     assert parse_call(f"x={f}") == ("x", f, None)
     with pytest.raises(SystemExit, match="LABEL=FILE"):
         parse_call(str(f))
+
+
+def test_absolute_figures_read_stock_both_causalboard_tags_and_hf_and_draw(tmp_path):
+    """`--absolute`: one call's throughputs by workload — stock, causalboard with batch invariance
+    off and on (their run_compare.sh tags), HF hooks' variants — and the figure is written."""
+    from benchmarks.compare.plot import ABSOLUTE, absolute_figures, plot_absolute
+
+    f = _write(tmp_path / "call.jsonl", [
+        {"bench": "S_stock", "task": "p1", "req_per_s": 3000.0},
+        {"bench": "S_stock", "task": "p2", "batch": 1, "out_tok_per_s": 500.0},
+        {"bench": "CB_bi_off_p1", "variant": "engine_patched_768", "cells_per_s": 2500.0},
+        {"bench": "CB_bi_off_p1http", "cells": 768, "cells_per_s": 2100.0},
+        {"bench": "CB_bi_on_p1http", "cells": 768, "cells_per_s": 1800.0},
+        {"bench": "CB_bi_on_p2", "batch": 1, "variant": "vanilla", "tok_s": 200.0},
+        {"bench": "HF", "step": "variant", "variant": "batched_256", "cells_per_s": 9700.0},
+        {"bench": "HF", "step": "check", "variant": "batched_256", "max_abs_diff_vs_loop": 0.05},
+        {"bench": "driver", "step": "HF", "rc": 0},
+    ])
+    fig = absolute_figures(f)
+    assert fig == {"stock P1": 3000.0, "stock P2 b1": 500.0, "CB_bi_off P1 engine_patched_768": 2500.0,
+                   "CB_bi_off P1 http": 2100.0, "CB_bi_on P1 http": 1800.0, "CB_bi_on P2 b1 vanilla": 200.0,
+                   "HF batched_256": 9700.0}
+    assert set(fig) <= {k for _, _, k in ABSOLUTE}  # every figure read has its bar
+    out = tmp_path / "abs.png"
+    plot_absolute(f, out, "test")
+    assert out.stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="none of the figures"):
+        plot_absolute(_write(tmp_path / "empty.jsonl", [{"bench": "driver"}]), tmp_path / "x.png", "")

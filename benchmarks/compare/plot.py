@@ -6,7 +6,10 @@
         --call "2026-11-27, H200=docs/performance/gpu-2026-11-27-13th-p1-decode.jsonl@CBmerged" \\
         --out docs/img/performance-ratios.png
 
-(`--before FILE --after FILE` is the same with two calls.) Each ratio is taken within one file (one
+(`--before FILE --after FILE` is the same with two calls.) `--absolute FILE --absolute-out PNG`
+draws one call's throughputs side by side instead (`absolute_figures`): cells/s of P1 for stock
+vLLM, causalboard (batch invariance off and on) and Hugging Face hooks, and decode tok/s — the
+harness's line format, one call with the parts S, CB, CBBI and HF. Each ratio is taken within one file (one
 device call): causalboard's figure over stock vLLM's figure measured in the same call. Workloads
 without a stock figure in a call are left out of that call's bars. A file may hold several
 causalboard runs of the decode benchmark under different tags (`CB`, `CBmerged`, ...): `FILE@TAG`
@@ -82,6 +85,85 @@ def ratios(fig: dict[str, float]) -> list[float]:
     return [fig[cb] / fig[st] if st in fig and cb in fig else 0.0 for _, cb, st in RATIOS]
 
 
+#: (panel, label, key) of `--absolute`'s bars, top to bottom
+ABSOLUTE = [
+    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "stock vLLM, 768 requests", "stock P1"),
+    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "causalboard, no spec", "CB_bi_off P1 engine_nospec_768"),
+    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "causalboard, patched cells (engine)", "CB_bi_off P1 engine_patched_768"),
+    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "causalboard, sweep over HTTP", "CB_bi_off P1 http"),
+    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "causalboard, sweep over HTTP, batch invariance on", "CB_bi_on P1 http"),
+    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "HF hooks, 256 cells per forward", "HF batched_256"),
+    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "HF hooks, 64 cells per forward", "HF batched_64"),
+    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "HF hooks, one cell per forward", "HF loop_b1"),
+    ("P2: decode, batch 32, 256 tokens (tokens per second)", "stock vLLM", "stock P2 b32"),
+    ("P2: decode, batch 32, 256 tokens (tokens per second)", "causalboard", "CB_bi_off P2 b32 vanilla"),
+    ("P2: decode, batch 32, 256 tokens (tokens per second)", "causalboard, batch invariance on", "CB_bi_on P2 b32 vanilla"),
+    ("P2: decode, batch 1, 256 tokens (tokens per second)", "stock vLLM", "stock P2 b1"),
+    ("P2: decode, batch 1, 256 tokens (tokens per second)", "causalboard", "CB_bi_off P2 b1 vanilla"),
+    ("P2: decode, batch 1, 256 tokens (tokens per second)", "causalboard, batch invariance on", "CB_bi_on P2 b1 vanilla"),
+]
+
+
+def absolute_figures(path: Path) -> dict[str, float]:
+    """One call's throughputs by `ABSOLUTE` key, from the harness's lines: stock (`S*`), each
+    causalboard tag (`<TAG>_p1`, `_p1http`, `_p2`: keys `<TAG> P1 <variant>`, `<TAG> P1 http`,
+    `<TAG> P2 b<batch> <variant>`) and `hf_patch.py`'s variants (`HF <variant>`, cells/s)."""
+    out: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        d = json.loads(line)
+        b = d.get("bench", "")
+        if b == "HF" and d.get("step") == "variant":
+            out[f"HF {d['variant']}"] = d["cells_per_s"]
+        elif b.startswith("S") and d.get("task") == "p2" and "out_tok_per_s" in d:
+            out[f"stock P2 b{d['batch']}"] = d["out_tok_per_s"]
+        elif b.startswith("S") and d.get("task") == "p1" and "req_per_s" in d:
+            out["stock P1"] = d["req_per_s"]
+        elif b.startswith("CB") and b.endswith("_p2"):
+            out[f"{b[:-3]} P2 b{d['batch']} {d['variant']}"] = d["tok_s"]
+        elif b.startswith("CB") and b.endswith("_p1http"):
+            out[f"{b[:-7]} P1 http"] = d["cells_per_s"]
+        elif b.startswith("CB") and b.endswith("_p1"):
+            out[f"{b[:-3]} P1 {d['variant']}"] = d["cells_per_s"]
+    return out
+
+
+def plot_absolute(path: Path, out: Path, title: str) -> None:
+    """`ABSOLUTE`'s bars from one call (`absolute_figures`), one panel per workload; bars whose
+    figure the call lacks are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig_vals = absolute_figures(path)
+    panels = list(dict.fromkeys(p for p, _, _ in ABSOLUTE))
+    rows = {p: [(label, fig_vals[k]) for q, label, k in ABSOLUTE if q == p and k in fig_vals] for p in panels}
+    panels = [p for p in panels if rows[p]]
+    if not panels:
+        raise SystemExit(f"{path}: none of the figures --absolute draws")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7.0, 0.9 + sum(0.32 * len(rows[p]) + 0.5 for p in panels)),
+                             squeeze=False, gridspec_kw={"height_ratios": [len(rows[p]) for p in panels]})
+    for ax, p in zip(axes[:, 0], panels):
+        labels = [lab for lab, _ in rows[p]]
+        vals = [v for _, v in rows[p]]
+        colors = ["#bbbbbb" if lab.startswith("stock") else "#d6604d" if lab.startswith("HF") else "#2166ac"
+                  for lab in labels]
+        ax.barh(range(len(vals)), vals, color=colors)
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v:,.0f}", va="center", fontsize=6)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(p, fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_xlim(0, max(vals) * 1.18)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=150)
+
+
 def parse_call(spec: str) -> tuple[str, Path, str | None]:
     """`LABEL=FILE[@TAG]` -> (label, file, tag)."""
     label, sep, rest = spec.partition("=")
@@ -96,8 +178,19 @@ def main() -> None:
     ap.add_argument("--call", action="append", default=[], help="LABEL=FILE[@TAG], in order (up to 4)")
     ap.add_argument("--before", type=Path)
     ap.add_argument("--after", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--absolute", type=Path, help="one call's harness lines (parts S, CB, CBBI, HF): throughputs")
+    ap.add_argument("--absolute-out", type=Path)
+    ap.add_argument("--absolute-title", default="")
     args = ap.parse_args()
+    if args.absolute:
+        if not args.absolute_out:
+            raise SystemExit("--absolute wants --absolute-out PNG")
+        plot_absolute(args.absolute, args.absolute_out, args.absolute_title)
+    if not args.out:
+        if args.absolute:
+            return
+        raise SystemExit("--out PNG is required (or --absolute FILE --absolute-out PNG)")
     calls = [parse_call(c) for c in args.call]
     if args.before and args.after:
         calls = [("before (2026-11-24)", args.before, None), ("after (2026-11-25)", args.after, None)] + calls
