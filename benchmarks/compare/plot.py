@@ -35,24 +35,38 @@ P1_STACKS_KEYS = {("stock", "stock"): "stock P1", ("cb", "nospec"): "cb P1 engin
                   ("cb", "sweep_http"): "cb P1 http"}
 
 
+def _lines(path: Path):
+    """The JSON lines of a call's file (log lines and the like skipped)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            yield json.loads(line)
+
+
+def _stock_figure(d: dict) -> tuple[str, float] | None:
+    """A stock vLLM line of the harness (`S*`: P1 req/s, P2 tok/s per batch) as (key, figure)."""
+    if not d.get("bench", "").startswith("S"):
+        return None
+    if d.get("task") == "p2" and "out_tok_per_s" in d:
+        return f"stock P2 b{d['batch']}", d["out_tok_per_s"]
+    if d.get("task") == "p1" and "req_per_s" in d:
+        return "stock P1", d["req_per_s"]
+    return None
+
+
 def figures(path: Path, cb_tag: str | None = None) -> dict[str, float]:
     """Throughput per workload (tok/s, cells/s, req/s) from one call's JSON lines (`cb_tag`: the
     causalboard decode runs to read, e.g. `CBmerged`; None: any `CB*`, the last one winning)."""
     out: dict[str, float] = {}
     p1_runs: dict[str, list[float]] = {}
-    for line in path.read_text().splitlines():
-        if not line.startswith("{"):
-            continue
-        d = json.loads(line)
+    for d in _lines(path):
         b = d.get("bench", "")
+        stock = _stock_figure(d)
         if b == "p1" and "engine" in d:  # p1_stacks.py, one line per timed repetition
             key = P1_STACKS_KEYS.get((d["engine"], d["variant"]))
             if key:
                 p1_runs.setdefault(key, []).append(d["seconds"])
-        elif b.startswith("S") and d.get("task") == "p2" and "out_tok_per_s" in d:
-            out[f"stock P2 b{d['batch']}"] = d["out_tok_per_s"]
-        elif b.startswith("S") and d.get("task") == "p1" and "req_per_s" in d:
-            out["stock P1"] = d["req_per_s"]
+        elif stock is not None:
+            out[stock[0]] = stock[1]
         elif b.endswith("_p2") and (b == f"{cb_tag}_p2" if cb_tag else b.startswith("CB")):
             out[f"cb P2 b{d['batch']} {d['variant']}"] = d["tok_s"]
         elif b.endswith("_p1") and b.startswith("CB"):
@@ -85,22 +99,26 @@ def ratios(fig: dict[str, float]) -> list[float]:
     return [fig[cb] / fig[st] if st in fig and cb in fig else 0.0 for _, cb, st in RATIOS]
 
 
+#: `--absolute`'s panels
+P1_PANEL = "P1: 768 cells / one-token requests, 16-token prompt (per second)"
+B32_PANEL = "P2: decode, batch 32, 256 tokens (tokens per second)"
+B1_PANEL = "P2: decode, batch 1, 256 tokens (tokens per second)"
 #: (panel, label, key) of `--absolute`'s bars, top to bottom
 ABSOLUTE = [
-    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "stock vLLM, 768 requests", "stock P1"),
-    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "causalboard, no spec", "CB_bi_off P1 engine_nospec_768"),
-    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "causalboard, patched cells (engine)", "CB_bi_off P1 engine_patched_768"),
-    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "causalboard, sweep over HTTP", "CB_bi_off P1 http"),
-    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "causalboard, sweep over HTTP, batch invariance on", "CB_bi_on P1 http"),
-    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "HF hooks, 256 cells per forward", "HF batched_256"),
-    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "HF hooks, 64 cells per forward", "HF batched_64"),
-    ("P1: 768 cells / one-token requests, 16-token prompt (per second)", "HF hooks, one cell per forward", "HF loop_b1"),
-    ("P2: decode, batch 32, 256 tokens (tokens per second)", "stock vLLM", "stock P2 b32"),
-    ("P2: decode, batch 32, 256 tokens (tokens per second)", "causalboard", "CB_bi_off P2 b32 vanilla"),
-    ("P2: decode, batch 32, 256 tokens (tokens per second)", "causalboard, batch invariance on", "CB_bi_on P2 b32 vanilla"),
-    ("P2: decode, batch 1, 256 tokens (tokens per second)", "stock vLLM", "stock P2 b1"),
-    ("P2: decode, batch 1, 256 tokens (tokens per second)", "causalboard", "CB_bi_off P2 b1 vanilla"),
-    ("P2: decode, batch 1, 256 tokens (tokens per second)", "causalboard, batch invariance on", "CB_bi_on P2 b1 vanilla"),
+    (P1_PANEL, "stock vLLM, 768 requests", "stock P1"),
+    (P1_PANEL, "causalboard, no spec", "CB_bi_off P1 engine_nospec_768"),
+    (P1_PANEL, "causalboard, patched cells (engine)", "CB_bi_off P1 engine_patched_768"),
+    (P1_PANEL, "causalboard, sweep over HTTP", "CB_bi_off P1 http"),
+    (P1_PANEL, "causalboard, sweep over HTTP, batch invariance on", "CB_bi_on P1 http"),
+    (P1_PANEL, "HF hooks, 256 cells per forward", "HF batched_256"),
+    (P1_PANEL, "HF hooks, 64 cells per forward", "HF batched_64"),
+    (P1_PANEL, "HF hooks, one cell per forward", "HF loop_b1"),
+    (B32_PANEL, "stock vLLM", "stock P2 b32"),
+    (B32_PANEL, "causalboard", "CB_bi_off P2 b32 vanilla"),
+    (B32_PANEL, "causalboard, batch invariance on", "CB_bi_on P2 b32 vanilla"),
+    (B1_PANEL, "stock vLLM", "stock P2 b1"),
+    (B1_PANEL, "causalboard", "CB_bi_off P2 b1 vanilla"),
+    (B1_PANEL, "causalboard, batch invariance on", "CB_bi_on P2 b1 vanilla"),
 ]
 
 
@@ -109,17 +127,13 @@ def absolute_figures(path: Path) -> dict[str, float]:
     causalboard tag (`<TAG>_p1`, `_p1http`, `_p2`: keys `<TAG> P1 <variant>`, `<TAG> P1 http`,
     `<TAG> P2 b<batch> <variant>`) and `hf_patch.py`'s variants (`HF <variant>`, cells/s)."""
     out: dict[str, float] = {}
-    for line in path.read_text().splitlines():
-        if not line.startswith("{"):
-            continue
-        d = json.loads(line)
+    for d in _lines(path):
         b = d.get("bench", "")
+        stock = _stock_figure(d)
         if b == "HF" and d.get("step") == "variant":
             out[f"HF {d['variant']}"] = d["cells_per_s"]
-        elif b.startswith("S") and d.get("task") == "p2" and "out_tok_per_s" in d:
-            out[f"stock P2 b{d['batch']}"] = d["out_tok_per_s"]
-        elif b.startswith("S") and d.get("task") == "p1" and "req_per_s" in d:
-            out["stock P1"] = d["req_per_s"]
+        elif stock is not None:
+            out[stock[0]] = stock[1]
         elif b.startswith("CB") and b.endswith("_p2"):
             out[f"{b[:-3]} P2 b{d['batch']} {d['variant']}"] = d["tok_s"]
         elif b.startswith("CB") and b.endswith("_p1http"):
