@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -36,6 +37,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.engine)
         if item.get_closest_marker("engine") is None and item.get_closest_marker("browser") is None:
             item.add_marker(pytest.mark.fast)
+
+
+#: lines of captured output that name a root cause (vLLM's worker and engine-core processes log
+#: their exception, then the parent raises only "Engine core initialization failed")
+ROOT_CAUSE_LINE = re.compile(r"\b\w*(Error|Exception)\b: \S|errno: \d")
+ROOT_CAUSE_MAX = 20
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After the summary (the part of a long log that survives truncation), repeat the lines of the
+    failing tests' captured output that name an exception: an engine process's root cause is
+    otherwise printed only with the first of the tests that share a failed fixture."""
+    seen: dict[str, str] = {}
+    for report in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", []):
+        for _title, text in getattr(report, "sections", ()):
+            for line in text.splitlines():
+                line = line.strip()
+                if ROOT_CAUSE_LINE.search(line) and line not in seen and len(seen) < ROOT_CAUSE_MAX:
+                    seen[line] = report.nodeid
+    if seen:
+        terminalreporter.section("exceptions named in the failing tests' captured output (first test of each)")
+        for line, nodeid in seen.items():
+            terminalreporter.line(f"{nodeid}: {line[:400]}")
 
 
 def model_path() -> Path:

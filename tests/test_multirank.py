@@ -426,3 +426,30 @@ def test_without_the_plugin_entry_point_whole_requests_are_salted(monkeypatch, t
         eng.generate(prompt, params, steer)
         leaked = eng.generate(prompt, params)
         assert leaked.logprobs != fresh.logprobs, "the control did not reuse the steered run's KV blocks"
+
+
+def test_a_segment_left_by_an_ended_engine_on_the_drawn_port_does_not_fail_the_start(monkeypatch, tasks):
+    """vLLM's CPU communicator names its shared-memory segments after the distributed-init port and
+    creates them exclusively; a rank that was killed leaves its segment behind, and an engine that
+    later draws the same port failed to start (`create shm in SHMManager failed. errno: 17`; the
+    likely cause of CI's failed TP=2 starts on 2026-11-27). Here such segments wait on the port the engine will draw (`VLLM_PORT` makes vLLM try it
+    first): the engine removes them as stale (engine_ext.engine.cpu_shm), starts, and generates."""
+    from pathlib import Path
+
+    from engine_ext import Engine
+    from tests.conftest import free_port
+
+    port = free_port()
+    planted = [Path(f"/dev/shm/{port}-tp:0-[0-1]-cpushm_{rank}") for rank in (0, 1)]
+    for path in planted:
+        path.write_bytes(b"\xff" * 4096)  # what a killed rank leaves: its name, stale contents
+    monkeypatch.setenv("VLLM_PORT", str(port))
+    try:
+        with Engine(model=str(model_path()), device="cpu", tensor_parallel_size=2) as eng:
+            assert all(p.exists() and p.stat().st_size > 4096 for p in planted), "the engine drew another port"
+            gen = eng.generate(tasks["facts"][0]["prompt"], GenerationParams(max_tokens=2))
+            assert len(gen.token_ids) == 2
+        assert not any(p.exists() for p in planted), "the closed engine left its segments"
+    finally:
+        for path in planted:
+            path.unlink(missing_ok=True)

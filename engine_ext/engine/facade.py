@@ -225,6 +225,15 @@ class Engine(DynamicControl):
                 self._loop.rings.close()
             self._failure = self._loop.error
             self._loop = None
+            self._sweep_cpu_shm()
+
+    def _sweep_cpu_shm(self) -> None:
+        """Several ranks on CPU: remove vLLM CPU-communicator segments that ended engines left in
+        /dev/shm (`engine_ext.engine.cpu_shm`; a rank that is killed never unlinks its own)."""
+        if self.device == "cpu" and self.world_size > 1:
+            from engine_ext.engine.cpu_shm import sweep_stale_segments
+
+            sweep_stale_segments()
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -306,6 +315,7 @@ class Engine(DynamicControl):
                 kwargs["additional_config"]["gdn_prefill_backend"] = "triton"
         kwargs.update(self.config.engine_kwargs)
         multiprocess = bool(self.config.multiprocess) or self.world_size > 1
+        self._sweep_cpu_shm()  # a segment left by an ended engine on the port drawn now fails the start
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # seen by the processes vLLM starts now; restored for the rest of this process
         try:
