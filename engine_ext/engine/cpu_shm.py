@@ -74,19 +74,18 @@ def _listening_ports(proc: Path = Path("/proc")) -> set[int] | None:
 def stale_segments(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> list[Path]:
     """The CPU-communicator segments in `shm_dir` that nothing can use any more (see the module's
     docstring); empty where the processes' maps or the listening ports cannot be read."""
-    try:
-        candidates = [p for p in shm_dir.iterdir() if SEGMENT_NAME.match(p.name)]
+    uid = os.getuid()
+    try:  # each of this user's segments with its port
+        candidates = {p: int(m["port"]) for p in shm_dir.iterdir()
+                      if (m := SEGMENT_NAME.match(p.name)) and _owned_by(p, uid)}
     except OSError:
         return []
-    uid = os.getuid()
-    candidates = [p for p in candidates if _owned_by(p, uid)]
     if not candidates:
         return []
     mapped, listening = _mapped_paths(proc), _listening_ports(proc)
     if mapped is None or listening is None:
         return []
-    return sorted(p for p in candidates
-                  if str(p) not in mapped and int(SEGMENT_NAME.match(p.name)["port"]) not in listening)
+    return sorted(p for p, port in candidates.items() if str(p) not in mapped and port not in listening)
 
 
 def _owned_by(path: Path, uid: int) -> bool:
