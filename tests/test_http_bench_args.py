@@ -9,10 +9,10 @@ import zipfile
 
 import pytest
 
-from benchmarks.compare.http_bench import STOCK_WITH_FALLBACK, server_command, unpack_fallback
+from benchmarks.compare.http_bench import SERVER_MODULES, WITH_FALLBACK, server_command, unpack_fallback
 
 
-def test_the_stock_server_searches_the_fallback_after_site_packages(tmp_path):
+def test_both_servers_search_the_fallback_after_site_packages(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     with zipfile.ZipFile(wheels / "cbfallbackprobe-1.0-py3-none-any.whl", "w") as z:
@@ -20,17 +20,18 @@ def test_the_stock_server_searches_the_fallback_after_site_packages(tmp_path):
         z.writestr("json/__init__.py", "raise ImportError('the fallback shadowed the standard library')\n")
     out = unpack_fallback(str(wheels))
     assert unpack_fallback(str(wheels)) == out  # unpacked once
-    # the same bootstrap the stock server runs, with a module in place of vLLM's server
-    code = STOCK_WITH_FALLBACK.replace("vllm.entrypoints.openai.api_server", "cbprobe_main")
-    (tmp_path / "cbprobe_main.py").write_text("import json, cbfallbackprobe, sys\nprint(cbfallbackprobe.WHERE, sys.argv[1:])\n")
-    r = subprocess.run([sys.executable, "-c", code, out, "--model", "m"], capture_output=True, text=True, cwd=tmp_path,
-                       env={"PYTHONPATH": str(tmp_path)}, timeout=60)
+    # the same bootstrap both servers run, with a module of the test's in place of a server
+    (tmp_path / "cbprobe_main.py").write_text("import json, cbfallbackprobe, sys\n"
+                                              "print(cbfallbackprobe.WHERE, sys.argv[0].endswith('cbprobe_main.py'), sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-c", WITH_FALLBACK, out, "cbprobe_main", "--model", "m"], capture_output=True,
+                       text=True, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "fallback ['--model', 'm']"
+    assert r.stdout.strip() == "fallback True ['--model', 'm']"
 
     cmd = server_command("stock", "/m", "cuda", 8123, fallback=out)
-    assert cmd[1:4] == ["-c", STOCK_WITH_FALLBACK, out] and "--attention-backend" in cmd and "8123" in cmd
+    assert cmd[1:5] == ["-c", WITH_FALLBACK, out, SERVER_MODULES["stock"]] and "--attention-backend" in cmd and "8123" in cmd
     assert server_command("stock", "/m", "cpu", 1)[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert server_command("cb", "/m", "cuda", 1, fallback=out)[1:6] == ["-c", WITH_FALLBACK, out, "app.cli.main", "serve"]
     cb = server_command("cb", "/m", "cuda", 1)
     assert cb[1:4] == ["-m", "app.cli.main", "serve"] and "--no-batch-invariant" in cb and "--compiled" in cb
     assert "--no-dashboard" in cb  # like stock: no dashboard (and no Panel needed on an engine-only host)

@@ -9,7 +9,9 @@
 One server per process of this script (started as a subprocess on a free port, stopped at the
 end); run both in the same device call and compare. The offline GPU host's bundle has what offline
 generation imports, not all of what vLLM's server does: `--fallback-wheels .gpu_server` (made here
-by `scripts/gpu/server_extra.sh`, carried) fills the gaps without shadowing the host's packages. On a GPU both serve with CUDA graphs, bf16,
+by `scripts/gpu/server_extra.sh`, carried) fills the gaps without shadowing the host's packages,
+for both servers alike (among them `uvloop`, whose event loop both servers use where it can be
+imported: the fourteenth session's GPU call gave it to `vllm serve` only). On a GPU both serve with CUDA graphs, bf16,
 prefix caching, the TRITON_ATTN attention backend and no batch invariance (vLLM's default;
 `causalboard serve --no-batch-invariant`); neither logs requests; causalboard serves no dashboard
 (`--no-dashboard`: stock has none, and the GPU bundle has no Panel).
@@ -44,10 +46,11 @@ def emit(tag: str, **kw) -> None:
     print(json.dumps({"bench": tag, **kw}), flush=True)
 
 
-#: runs vLLM's OpenAI server module with `sys.argv[1]` appended to `sys.path` AFTER site-packages
-STOCK_WITH_FALLBACK = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); "
-                       "sys.argv[0] = 'vllm.entrypoints.openai.api_server'; "
-                       "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)")
+#: runs the server module named by `sys.argv[2]` with `sys.argv[1]` appended to `sys.path` AFTER
+#: site-packages (the module then sees the rest of the command line as its own)
+WITH_FALLBACK = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); sys.argv[0] = sys.argv.pop(1); "
+                 "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+SERVER_MODULES = {"stock": "vllm.entrypoints.openai.api_server", "cb": "app.cli.main"}
 
 
 def unpack_fallback(wheels: str) -> str:
@@ -70,10 +73,10 @@ def unpack_fallback(wheels: str) -> str:
 
 def server_command(kind: str, model: str, device: str, port: int, fallback: str | None = None) -> list[str]:
     """The command line that serves `model` on `port` (`kind`: stock or cb). `fallback`: a folder
-    of packages the stock server may import from when the interpreter lacks them."""
+    of packages the server may import from when the interpreter lacks them."""
+    module = SERVER_MODULES[kind]
+    head = [sys.executable, "-c", WITH_FALLBACK, fallback, module] if fallback else [sys.executable, "-m", module]
     if kind == "stock":
-        head = [sys.executable, "-c", STOCK_WITH_FALLBACK, fallback] if fallback else \
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         cmd = head + ["--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--seed", "0", "--enable-prefix-caching", "--disable-uvicorn-access-log",
                "--disable-log-stats"]
@@ -81,7 +84,7 @@ def server_command(kind: str, model: str, device: str, port: int, fallback: str 
             cmd += ["--dtype", "bfloat16", "--attention-backend", "TRITON_ATTN", "--gpu-memory-utilization", "0.8",
                     "--max-model-len", "4096"]
         return cmd
-    cmd = [sys.executable, "-m", "app.cli.main", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = head + ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", "--no-dashboard"]  # stock serves no dashboard either
     if device == "cuda":
         cmd += ["--device", "cuda", "--compiled", "--no-batch-invariant", "--max-model-len", "4096"]
@@ -164,7 +167,7 @@ def main() -> None:
     ap.add_argument("--server-args", default="",
                     help="extra arguments for the server's command line, one string (e.g. '--multiprocess' for cb)")
     ap.add_argument("--fallback-wheels", default=None,
-                    help="stock: wheels (scripts/gpu/server_extra.sh) of packages vLLM's server imports that this "
+                    help="either server: wheels (scripts/gpu/server_extra.sh) of packages vLLM's server imports that this "
                          "interpreter may lack; unpacked under /tmp and searched after site-packages")
     args = ap.parse_args()
     with open(Path(args.model) / "config.json") as f:
@@ -175,12 +178,13 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
-    fallback = unpack_fallback(args.fallback_wheels) if args.fallback_wheels and args.server == "stock" else None
+    fallback = unpack_fallback(args.fallback_wheels) if args.fallback_wheels else None
     cmd = server_command(args.server, args.model, args.device, port, fallback) + shlex.split(args.server_args)
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)
     try:
         name = wait_ready(url, proc, args.start_timeout)
-        emit(f"http_{args.server}", step="ready", seconds=round(time.perf_counter() - t0, 1), model=name)
+        emit(f"http_{args.server}", step="ready", seconds=round(time.perf_counter() - t0, 1), model=name,
+             fallback=fallback is not None)
         asyncio.run(run_tasks(url, name, args))
     finally:
         proc.terminate()
