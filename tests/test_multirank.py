@@ -432,12 +432,12 @@ def test_a_segment_left_by_an_ended_engine_on_the_drawn_port_does_not_fail_the_s
     """vLLM's CPU communicator names its shared-memory segments after the distributed-init port and
     creates them exclusively; a rank that was killed leaves its segment behind, and an engine that
     later draws the same port failed to start (`create shm in SHMManager failed. errno: 17`; the
-    likely cause of CI's failed TP=2 starts on 2026-11-27). Here such segments wait on the port the engine will draw (`VLLM_PORT` makes vLLM try it
-    first): the engine removes them as stale (engine_ext.engine.cpu_shm), starts, and generates."""
+    likely cause of CI's failed TP=2 starts on 2026-11-27). Here such segments wait on the port the
+    engine will draw (`VLLM_PORT` makes vLLM try it first): the engine removes them as stale
+    (engine_ext.engine.cpu_shm), starts, and generates."""
     from pathlib import Path
 
     from engine_ext import Engine
-    from tests.conftest import free_port
 
     port = free_port()
     planted = [Path(f"/dev/shm/{port}-tp:0-[0-1]-cpushm_{rank}") for rank in (0, 1)]
