@@ -5,8 +5,10 @@ in tests/test_multirank.py)."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
-from engine_ext.engine.cpu_shm import stale_segments, sweep_stale_segments
+from engine_ext.engine.cpu_shm import segments, stale_segments, sweep_stale_segments, sweep_when_stale
 
 TCP_HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
 
@@ -48,3 +50,29 @@ def test_nothing_is_removed_when_the_host_cannot_be_read(tmp_path):
     assert stale_segments(shm, proc) == []
     assert sweep_stale_segments(shm, tmp_path / "no-proc") == []
     assert (shm / "41001-tp:0-[0-1]-cpushm_0").exists()
+
+
+def test_after_close_the_sweep_waits_for_the_engines_own_segments_to_fall_out_of_use(tmp_path):
+    """vLLM's shutdown can return while the ranks' processes are still ending (CI, a loaded machine:
+    the closed engine's segments were still there): the sweep after close waits, bounded, for the
+    segments its start created, then removes them; one still in use at the deadline stays."""
+    shm, proc = _fake_host(tmp_path, mapped=["41001-tp:0-[0-1]-cpushm_0", "41001-tp:0-[0-1]-cpushm_1"])
+    ours = [shm / "41001-tp:0-[0-1]-cpushm_0", shm / "41001-tp:0-[0-1]-cpushm_1"]
+    for path in ours:
+        path.write_bytes(b"\0" * 64)
+    assert segments(shm) == set(ours) and stale_segments(shm, proc) == []
+
+    started = time.monotonic()
+    assert sweep_when_stale(ours, timeout_s=0.3, shm_dir=shm, proc=proc, poll_s=0.02) == []
+    assert 0.3 <= time.monotonic() - started < 2.0 and all(p.exists() for p in ours), "removed while still mapped"
+
+    ended = threading.Timer(0.3, lambda: (proc / "4242" / "maps").write_text(""))  # the ranks' processes end
+    ended.start()
+    started = time.monotonic()
+    try:
+        removed = sweep_when_stale(ours, timeout_s=20.0, shm_dir=shm, proc=proc, poll_s=0.02)
+    finally:
+        ended.join()
+    assert removed == sorted(p.name for p in ours)
+    assert 0.3 <= time.monotonic() - started < 5.0 and not any(p.exists() for p in ours)
+    assert sweep_when_stale([], timeout_s=20.0, shm_dir=shm, proc=proc) == []  # nothing to wait for

@@ -15,7 +15,10 @@ the kernel cannot start: its rank fails with `create shm in SHMManager failed. e
 mapped by no process, and their port listened on by nothing on this host (a starting engine's
 distributed store listens on its port before any rank creates a segment, so a segment being
 created is never taken for a stale one). The engine facade sweeps before it starts a multi-rank
-CPU engine and after it closes one.
+CPU engine and after it closes one; after closing it first waits (bounded, `sweep_when_stale`) for
+the segments its own start created to fall out of use: the ranks' processes may still be ending
+when vLLM's shutdown returns, and a rank killed at the end of its shutdown grace leaves its
+segment behind (seen in CI on a loaded machine).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,15 @@ def _listening_ports(proc: Path = Path("/proc")) -> set[int] | None:
     return ports if read_any else None
 
 
+def segments(shm_dir: Path = SHM_DIR) -> set[Path]:
+    """This user's CPU-communicator segments in `shm_dir` now (in use or not)."""
+    uid = os.getuid()
+    try:
+        return {p for p in shm_dir.iterdir() if SEGMENT_NAME.match(p.name) and _owned_by(p, uid)}
+    except OSError:
+        return set()
+
+
 def stale_segments(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> list[Path]:
     """The CPU-communicator segments in `shm_dir` that nothing can use any more (see the module's
     docstring); empty where the processes' maps or the listening ports cannot be read."""
@@ -108,3 +122,23 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) ->
         logger.info("removed %d stale shared-memory segment(s) of vLLM's CPU communicator left by ended engines: %s",
                     len(removed), ", ".join(removed))
     return removed
+
+
+def sweep_when_stale(ours: Iterable[Path], timeout_s: float, shm_dir: Path = SHM_DIR, proc: Path = Path("/proc"),
+                     poll_s: float = 0.1) -> list[str]:
+    """Wait until each of `ours` (the segments an engine that is closing created) is gone or stale,
+    at most `timeout_s`, then remove every stale segment; returns the names removed. Segments still
+    in use at the deadline stay (the next start's sweep takes them once they are stale)."""
+    pending = set(ours)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = {p for p in pending if p.exists()}
+        if not pending or time.monotonic() >= deadline:
+            break
+        if pending <= set(stale_segments(shm_dir, proc)):
+            break
+        time.sleep(poll_s)
+    if pending - set(stale_segments(shm_dir, proc)):
+        logger.info("shared-memory segment(s) of the closed engine still in use after %.0f s: %s",
+                    timeout_s, ", ".join(sorted(p.name for p in pending)))
+    return sweep_stale_segments(shm_dir, proc)

@@ -51,6 +51,8 @@ Prompt = str | Sequence[int]
 RPC_TIMEOUT_S = 300
 #: a checksum mismatch across ranks is logged at most this often
 MISMATCH_LOG_INTERVAL_S = 60.0
+#: after close, how long to wait for a multi-rank CPU engine's shared-memory segments to fall out of use
+SHM_RELEASE_TIMEOUT_S = 20.0
 
 
 _RANDOM_LOCK = threading.Lock()
@@ -110,6 +112,7 @@ class Engine(DynamicControl):
         self._block_salting = True
         self._mismatch_logged = float("-inf")
         self._failure: BaseException | None = None
+        self._shm_segments: set = set()  # the CPU-communicator segments this engine's start created
         self.tokenizer: Any = None
         self._init_dynamic()
         #: a hybrid (recurrent-state) architecture: served with the state-hygiene guard
@@ -225,15 +228,29 @@ class Engine(DynamicControl):
                 self._loop.rings.close()
             self._failure = self._loop.error
             self._loop = None
-            self._sweep_cpu_shm()
+            self._sweep_cpu_shm(after_close=True)
 
-    def _sweep_cpu_shm(self) -> None:
+    def _sweep_cpu_shm(self, after_close: bool = False) -> None:
         """Several ranks on CPU: remove vLLM CPU-communicator segments that ended engines left in
-        /dev/shm (`engine_ext.engine.cpu_shm`; a rank that is killed never unlinks its own)."""
-        if self.device == "cpu" and self.world_size > 1:
-            from engine_ext.engine.cpu_shm import sweep_stale_segments
+        /dev/shm (`engine_ext.engine.cpu_shm`; a rank that is killed never unlinks its own). After
+        closing, first wait (at most SHM_RELEASE_TIMEOUT_S) for the segments this engine's start
+        created to fall out of use: its ranks' processes may still be ending."""
+        if self.device != "cpu" or self.world_size <= 1:
+            return
+        from engine_ext.engine import cpu_shm
 
-            sweep_stale_segments()
+        if after_close:
+            ours, self._shm_segments = self._shm_segments, set()
+            cpu_shm.sweep_when_stale(ours, SHM_RELEASE_TIMEOUT_S)
+        else:
+            cpu_shm.sweep_stale_segments()
+
+    def _cpu_shm_segments(self) -> set:
+        if self.device != "cpu" or self.world_size <= 1:
+            return set()
+        from engine_ext.engine.cpu_shm import segments
+
+        return segments()
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -316,12 +333,14 @@ class Engine(DynamicControl):
         kwargs.update(self.config.engine_kwargs)
         multiprocess = bool(self.config.multiprocess) or self.world_size > 1
         self._sweep_cpu_shm()  # a segment left by an ended engine on the port drawn now fails the start
+        shm_before = self._cpu_shm_segments()
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # seen by the processes vLLM starts now; restored for the rest of this process
         try:
             return LLMEngine.from_engine_args(EngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS,
                                               enable_multiprocessing=multiprocess)
         finally:
+            self._shm_segments = self._cpu_shm_segments() - shm_before  # this start's (for the sweep after close)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
