@@ -104,12 +104,15 @@ def test_a_bad_item_gets_its_own_error_and_the_others_run(engine, tasks, clean_r
     vocab = engine.info.vocab_size
     good = Interventions(score_token_ids=SCORE_IDS)
     void = Interventions(patch=(Patch.make("L1.post_block", [1], {"run": "never-stored-batch"}),), score_token_ids=SCORE_IDS)
-    prompts = [ids, [vocab + 5], ids, ids, ids]
-    specs = [good, good, Interventions(score_token_ids=(vocab + 1,)), void, good]
+    bad_params = GenerationParams(max_tokens=0)  # one parameters object for two items: each gets the error
+    prompts = [ids, [vocab + 5], ids, ids, ids, ids, ids]
+    specs = [good, good, Interventions(score_token_ids=(vocab + 1,)), void, good, good, good]
+    params = [ONE, ONE, ONE, ONE, ONE, bad_params, bad_params]
     before = engine.in_flight
 
-    out = asyncio.run(collect(engine, prompts, ONE, specs))
-    assert sorted(out) == list(range(5))
+    out = asyncio.run(collect(engine, prompts, params, specs))
+    assert sorted(out) == list(range(7))
+    assert all(isinstance(out[i], SpecError) and out[i].field == "max_tokens" for i in (5, 6)), out
     assert isinstance(out[1], SpecError) and out[1].field == "prompt"
     assert isinstance(out[2], SpecError) and "score_token_ids" in out[2].field
     assert out[3].intervention.voided and "never-stored-batch" in out[3].intervention.errors[0]

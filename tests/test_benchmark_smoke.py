@@ -90,6 +90,19 @@ def test_p3_profile_and_worker_capture_benches_run_and_report(tmp_path):
     assert line["ring"]["full"] == 0 and line["ring"]["in_use"] == 0, line["ring"]
 
 
+def test_the_worker_cell_bench_runs_and_reports():
+    """`benchmarks/diag/cell_worker.py` (the worker's host time per sweep cell, no engine): every
+    cell registered, planned, finished and collected, no slot left in use."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "cell_worker.py"), "--n", "40", "--per-step", "16",
+                           "--reps", "1", "--profile", "5"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (line,) = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
+    assert line["bench"] == "cell_worker" and line["n"] == 40 and line["slots_in_use"] == 0, line
+    assert all(line["us_per_cell"][k] > 0 for k in ("register", "plan_step", "finish")), line
+    assert "function calls" in proc.stdout  # the profile of --profile
+
+
 def test_p1_profile_bench_runs_and_reports(tmp_path):
     """`benchmarks/diag/p1_stacks.py` (P1 with the stack sampler and both timelines, one window
     per variant), causalboard's side."""

@@ -215,6 +215,8 @@ def test_capture_only_plans_equal_the_general_composition(capture, monkeypatch):
     {(7, 3): "pair", (2, 5): "pair", (7, 1): "pair"},   # several sites and positions, out of order
     {(4, 2): "zero", (4, 9): "vec"},                    # an affine replace, a generated position
     {(5, 1): "half-pair"},                              # alpha < 1 from a stored pair: affine
+    {(3, 5): "pair"},                                   # one entry (a sweep's cell): `ex_single`
+    {(2, 9): "vec"},                                    # one entry at a generated position
 ])
 def test_patch_only_plans_equal_the_general_composition(replaces, monkeypatch):
     """`RequestPlan._replaces_only` (programs of patches alone) gives the general composition's
@@ -245,10 +247,73 @@ def test_patch_only_plans_equal_the_general_composition(replaces, monkeypatch):
     for f in ("prompt_sites", "prompt_slots", "gen_sites", "gen_slots", "ex_pos", "ex_site", "ex_slot", "cap_sites", "cap_pos"):
         a, b = getattr(fast, f), getattr(general, f)
         assert a.dtype == b.dtype and np.array_equal(a, b), f
-    for f in ("key", "n_prompt", "cap_gen", "cap_need", "held", "digest", "global_version", "gen_template_only", "gen_group"):
+    for f in ("key", "n_prompt", "cap_gen", "cap_need", "held", "digest", "global_version", "gen_template_only", "gen_group",
+              "ex_single"):
         assert getattr(fast, f) == getattr(general, f), f
+    assert (fast.ex_single is not None) == (len(replaces) == 1)
     for slot in fast.held:
         assert fslots.key_of(slot) == gslots.key_of(slot)
         fv, gv = fslots.value_of(slot), gslots.value_of(slot)
         assert fv.mode == gv.mode and fv.a == gv.a and fv.pair == gv.pair
         assert (fv.c is None and gv.c is None) or np.array_equal(fv.c, gv.c)
+
+
+def test_single_entry_plans_are_written_as_the_per_plan_path_writes_them():
+    """`plan_step` writes the one entry of every single-entry plan of a step at once
+    (`RequestPlan.ex_single`, a sweep's cells): the tables, the applied actions and the checksum
+    equal those of the per-plan path, for windows that hold the entry, windows before and after it
+    (chunked prefill), decode steps, and plans of other shapes in the same step."""
+    import copy
+
+    import torch
+
+    from engine_ext.worker.checksum import ActionChecksum
+    from engine_ext.worker.intervention_op import SiteBuffers
+    from engine_ext.worker.planner import RequestPlan, StepPlanner
+    from engine_ext.worker.slots import SlotTable
+    from engine_ext.worker.source_store import SourceRun, StoredPair
+
+    H, S = 4, 6
+    run = SourceRun("clean", {(s, p): (torch.full((H,), float(s)), torch.full((H,), float(p))) for s in range(S) for p in range(8)})
+
+    def prog(key, replaces, adds=()):
+        p = WorkerProgram(key=key, n_prompt=8, max_pos=12, hash="h")
+        p.replaces = {sp: (1.0, StoredPair(run, run.row_of[(sp[0], sp[1] % 8)]), None) for sp in replaces}
+        return p
+
+    programs = {"single-a": prog("a", [(2, 5)]), "single-b": prog("b", [(4, 0)]), "single-c": prog("c", [(1, 7)]),
+                "single-gen": prog("g", [(3, 9)]), "two": prog("t", [(0, 1), (5, 6)]), "single-d": prog("d", [(2, 3)])}
+    # (request, first position of the window, rows): whole prompts, windows before / after / around
+    # the entry, and decode rows
+    steps = [[("single-a", 0, 8), ("two", 0, 8), ("single-b", 0, 8)],
+             [("single-c", 0, 4), ("single-d", 0, 3), ("single-gen", 0, 8)],
+             [("single-c", 4, 4), ("single-d", 3, 5), ("single-gen", 8, 1), ("single-a", 8, 1)],
+             [("single-a", 9, 1), ("single-gen", 9, 1), ("two", 8, 1)]]
+
+    def run_steps(batched: bool):
+        buffers = SiteBuffers(num_sites=S, max_rows=32, max_slots=32, max_capture_rows=4, hidden=H,
+                              device=torch.device("cpu"), dtype=torch.float32)
+        slots, checksum = SlotTable(buffers), ActionChecksum()
+        plans = {rid: RequestPlan.build(p.key, 8, p, [], slots, 0) for rid, p in programs.items()}
+        if not batched:
+            plans = {rid: copy.copy(p) for rid, p in plans.items()}
+            for p in plans.values():
+                p.ex_single = None
+        planner = StepPlanner(buffers, slots, checksum, sink=None)
+        tables, counts = [], []
+        for step in steps:
+            qsl = np.cumsum([0] + [n for *_, n in step]).astype(np.int32)
+            planner.plan_step([rid for rid, *_ in step], qsl, np.asarray([p0 for _, p0, _ in step], np.int32), plans,
+                              on_overflow=None)
+            tables.append(planner.hs[: qsl[-1]].copy())
+            counts.append(checksum.count)
+        return tables, counts, checksum.value, sum(p.ex_single is not None for p in plans.values())
+
+    fast, per_plan = run_steps(True), run_steps(False)
+    assert fast[3] == 5 and per_plan[3] == 0  # the fast path was taken for the five single-entry plans
+    for a, b in zip(fast[0], per_plan[0]):
+        assert np.array_equal(a, b)
+    assert fast[1:3] == per_plan[1:3]
+    # the entries in their windows only: step 1 all four, step 2 none (each window ends before its
+    # entry), step 3 the two whose windows reach theirs, step 4 the generated position's
+    assert [int((t >= 0).sum()) for t in fast[0]] == [4, 0, 2, 1]

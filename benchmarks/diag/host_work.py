@@ -3,6 +3,7 @@ cells), by function, from a cProfile of an IN-PROCESS engine (worker and client 
 `multiprocess=False`; on a GPU also `VLLM_ENABLE_V1_MULTIPROCESSING=0` in the environment).
 
     python3 benchmarks/diag/host_work.py [--model DIR] [--device cpu|cuda] [--n 1000] [--reps 3]
+        [--dump DIR]   (each profile saved for pstats: DIR/<workload>-<rep>.prof)
 
 Workloads (one `Engine.generate` call each, max_tokens 1):
   p3_capture   N distinct 16-token prompts, capture of every layer's post_block at the last prompt
@@ -96,6 +97,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workloads", default="p3_capture,p3_vanilla,p1_patched,p1_scored")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--dump", default=None, help="also save each profile (pstats) as DIR/<workload>-<rep>.prof")
     args = ap.parse_args()
     model = str(make_wide_model(Path(args.wide))) if args.wide else args.model
     from engine_ext import Engine, GenerationParams
@@ -147,6 +149,9 @@ def main():
             eng.generate(ps, one, spec)
             prof_wall = time.perf_counter() - t
             prof.disable()
+            if args.dump:
+                Path(args.dump).mkdir(parents=True, exist_ok=True)
+                prof.dump_stats(str(Path(args.dump) / f"{name}-{rep}.prof"))
             print(json.dumps({"bench": "host_work", "tag": args.tag, "workload": name, "rep": rep, "n": args.n,
                               "wall_s": round(wall, 4), "profiled_wall_s": round(prof_wall, 4),
                               "ms_per_1000": function_times(prof, args.n)}), flush=True)

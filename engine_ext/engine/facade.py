@@ -483,7 +483,7 @@ class Engine(DynamicControl):
     # ---- generation ------------------------------------------------------------------------
     def _prepare(self, prompt: Prompt, params: GenerationParams, spec: Interventions | None = None,
                  fresh: bool = False, stream: bool = False, dynamic: Any = None,
-                 templates: dict | None = None) -> Prepared:
+                 templates: dict | None = None, params_checked: bool = False) -> Prepared:
         """Validate and build the vLLM request. Raises `SpecError` naming the field. `fresh`:
         compute the whole prompt (no prefix-cache reuse), like every request that modifies the
         stream — so an unpatched baseline goes through the same computation as patched cells.
@@ -491,7 +491,8 @@ class Engine(DynamicControl):
         request (FINAL_ONLY, no per-step output objects). `templates`: compiled programs of the
         batch being prepared (`generate`), by (spec object, prompt length, prompt text): one
         spec on many prompts of one length is compiled once (`ProgramTemplate`), with the same
-        result as compiling it for each."""
+        result as compiling it for each. `params_checked`: the caller has validated `params`
+        (`_prepare_many` validates each distinct parameters object of a batch once)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         owner = self._exclusive_owner
@@ -499,7 +500,8 @@ class Engine(DynamicControl):
             raise SpecError("engine", "a recurrent-state check is running on this engine (it switches the state "
                                       "handling of every request); retry when it has finished")
 
-        params.validate()
+        if not params_checked:
+            params.validate()
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise SpecError("prompt", "must not be empty")
@@ -617,10 +619,15 @@ class Engine(DynamicControl):
         validation is recorded there (by index) and its slot is None."""
         seen = Counter(map(id, specs))
         templates: dict = {}
+        checked: set[int] = set()  # parameters objects validated (frozen: valid for the whole batch)
         out: list[Prepared | None] = []
         for i, (p, gp, s) in enumerate(zip(batch, params, specs)):
             try:
-                out.append(self._prepare(p, gp, s, fresh, dynamic=dynamic, templates=templates if seen[id(s)] > 1 else None))
+                if id(gp) not in checked:
+                    gp.validate()
+                    checked.add(id(gp))
+                out.append(self._prepare(p, gp, s, fresh, dynamic=dynamic, templates=templates if seen[id(s)] > 1 else None,
+                                         params_checked=True))
             except Exception as exc:
                 if errors is None:
                     raise

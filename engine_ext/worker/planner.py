@@ -193,6 +193,9 @@ class RequestPlan:
     gen_template_only: bool = False
     #: plans with equal generation templates share this number
     gen_group: int = 0
+    #: (position, site, slot) of a plan whose only content is one explicit entry (a sweep's cell:
+    #: no templates, no captures); `plan_step` writes the rows of all such plans of a step at once
+    ex_single: tuple[int, int, int] | None = None
 
     @property
     def empty(self) -> bool:
@@ -264,6 +267,8 @@ class RequestPlan:
         plan.gen_template_only = not plan.cap_gen and not (plan.cap_pos.size and plan.cap_pos[-1] >= n_prompt) and not (
             plan.ex_pos.size and plan.ex_pos[-1] >= n_prompt)
         plan.gen_group = _template_group(plan.gen_sites, plan.gen_slots)
+        if len(ex_rows) == 1 and not plan.prompt_sites.size and not plan.gen_sites.size and not plan.cap_sites.size:
+            plan.ex_single = tuple(int(v) for v in ex_rows[0])
         return plan
 
     @classmethod
@@ -299,22 +304,32 @@ class RequestPlan:
         own, no global steering: a sweep's cell): every replace is an explicit entry, composed and
         described exactly as the general loop does (sites in order, positions in order within a
         site), without its per-site bookkeeping."""
-        plan = cls(key=key, n_prompt=n_prompt, global_version=global_version)
+        plan = cls(key, n_prompt, global_version=global_version, gen_group=_no_template_group())
         described: list[tuple] = []
         ex_rows: list[tuple[int, int, int]] = []
-        with plan._composing(slots):
+        held = plan.held
+        try:  # `_composing`, inline (this path runs once per sweep cell)
             for site, p in sorted(replaces):
                 rep = replaces[(site, p)]
                 skey = ("P", _rep_identity(rep)) if _is_pair(rep) else ("A", _rep_identity(rep), ())
-                slot = plan._acquire(slots, skey, lambda rep=rep, p=p: _slot_value(rep, [], p))
+                slot = slots.acquire(skey, lambda rep=rep, p=p: _slot_value(rep, [], p))
+                held.append(slot)
                 ex_rows.append((p, site, slot))
                 described.append(("at", p, site, skey))
-        ex_rows.sort()
-        arr = np.asarray(ex_rows, np.int64)
-        plan.ex_pos, plan.ex_site, plan.ex_slot = arr[:, 0], arr[:, 1].astype(np.int32), arr[:, 2].astype(np.int32)
+        except BaseException:
+            slots.release(held)
+            plan.held = []
+            raise
+        if len(ex_rows) == 1:
+            p, site, slot = plan.ex_single = ex_rows[0]
+            plan.ex_pos = np.array((p,), np.int64)
+            plan.ex_site, plan.ex_slot = np.array((site,), np.int32), np.array((slot,), np.int32)
+        else:
+            ex_rows.sort()
+            arr = np.asarray(ex_rows, np.int64)
+            plan.ex_pos, plan.ex_site, plan.ex_slot = arr[:, 0], arr[:, 1].astype(np.int32), arr[:, 2].astype(np.int32)
         plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
-        plan.gen_template_only = not plan.ex_pos[-1] >= n_prompt
-        plan.gen_group = _template_group(_EMPTY_I32, _EMPTY_I32)
+        plan.gen_template_only = ex_rows[-1][0] < n_prompt if len(ex_rows) == 1 else not plan.ex_pos[-1] >= n_prompt
         return plan
 
     @contextlib.contextmanager
@@ -354,6 +369,17 @@ _CAPTURE_PLANS: dict[tuple, tuple] = {}
 SHARE_CAPTURE_PLANS = True
 #: whether patch-only plans take `RequestPlan._replaces_only` (off: the general composition, for tests)
 FAST_REPLACE_PLANS = True
+
+
+def _ints(values: Any) -> list[int]:
+    """A step's per-request numbers (numpy arrays from the runners; any sequence) as Python ints."""
+    return values.tolist() if hasattr(values, "tolist") else [int(v) for v in values]
+
+
+def _no_template_group() -> int:
+    """`_template_group` of the empty template (plans without a generation template)."""
+    group = _TEMPLATE_GROUPS.get(b"|")
+    return group if group is not None else _template_group(_EMPTY_I32, _EMPTY_I32)
 
 
 def _template_group(sites: np.ndarray, slots: np.ndarray) -> int:
@@ -475,15 +501,19 @@ class StepPlanner:
         actions: list[tuple[int, int, int]] = []
         if plans:
             get = plans.get
-            qsl = query_start_loc
+            qsl, computed = _ints(query_start_loc), _ints(num_computed)
             # decode rows whose plan applies only its generation template, grouped by template
             groups: dict[int, tuple[RequestPlan, list[int]]] = {}
+            # the one entry of each single-entry plan in this step (`RequestPlan.ex_single`)
+            s_rows: list[int] = []
+            s_sites: list[int] = []
+            s_slots: list[int] = []
             for i, rid in enumerate(req_ids):
                 plan = get(rid)
                 if plan is None:
                     continue
-                row0, p0 = int(qsl[i]), int(num_computed[i])
-                n = int(qsl[i + 1]) - row0
+                row0, p0 = qsl[i], computed[i]
+                n = qsl[i + 1] - row0
                 if n <= 0:
                     continue
                 if self.skip_next_action and not plan.empty:
@@ -499,6 +529,15 @@ class StepPlanner:
                             group[1].extend(range(row0, row0 + n))
                         actions.append((plan.digest, p0, p1))
                         max_row = max(max_row, row0 + n)
+                    continue
+                single = plan.ex_single
+                if single is not None:
+                    if p0 <= single[0] < p1:
+                        s_rows.append(row0 + single[0] - p0)
+                        s_sites.append(single[1])
+                        s_slots.append(single[2])
+                    max_row = max(max_row, row0 + n)
+                    actions.append((plan.digest, p0, p1))
                     continue
                 if plan.empty:
                     continue
@@ -533,6 +572,8 @@ class StepPlanner:
                 actions.append((plan.digest, p0, p1))
             for plan, rows in groups.values():
                 hs[np.asarray(rows, np.int64)[:, None], plan.gen_sites[None, :]] = plan.gen_slots
+            if s_rows:
+                hs[s_rows, s_sites] = s_slots
         finish = None
         if extra is not None:
             more_rows, n_cap, finish = extra(self, req_ids, query_start_loc, num_computed, hs, hc, n_cap)
