@@ -83,6 +83,9 @@ class InterventionResult:
     #: `trace` (per policy, one entry per scored position: position, score, threshold,
     #: engaged, scale), `actions` applied, `latched` per policy, `conversation_id`
     dynamic: dict | None = None
+    #: a segmented request's scores (`engine_ext.worker.segments`): `positions`, `ids`, and
+    #: `logprobs` (one list per position, in `ids` order); None for other requests
+    segment_scores: dict | None = None
 
     @property
     def voided(self) -> bool:

@@ -458,6 +458,11 @@ class WorkerProgram:
     #: why the request cannot be applied faithfully (missing source, ...); non-empty = voided
     errors: list[str] = field(default_factory=list)
     sources: set[str] = field(default_factory=set)
+    #: a segmented request (`engine_ext.worker.segments`): segment length S, the carrier
+    #: positions scored after the forward and the token ids scored there; 0 / empty otherwise
+    segment_len: int = 0
+    score_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    score_ids: list[int] = field(default_factory=list)
 
     @property
     def voided(self) -> bool:
@@ -538,6 +543,11 @@ class WorkerProgram:
             if missing:
                 prog.errors.append(f"source run {src['run']!r} has no value at {site_from_index(site)} position(s) "
                                    f"{missing} (never captured there, dropped, or evicted)")
+        seg = data.get("segments")
+        if seg:
+            prog.segment_len = int(seg["len"])
+            prog.score_pos = np.unique(np.asarray(seg["score_pos"], np.int64))
+            prog.score_ids = [int(t) for t in seg["ids"]]
         cap = data.get("capture")
         if cap:
             prog.capture_sites = [site for site in cap["sites"] if owns_site(site)]

@@ -453,3 +453,43 @@ def test_a_segment_left_by_an_ended_engine_on_the_drawn_port_does_not_fail_the_s
     finally:
         for path in planted:
             path.unlink(missing_ok=True)
+
+
+# ---- segmented cells ---------------------------------------------------------------------------------
+def test_segmented_cells_on_two_ranks_equal_cells_run_alone(ranked, engine, tasks):
+    """Cells as the segments of one request (`Engine.agenerate_cells`, docs/segmented-cells.md) at
+    TP=2 (every rank rewrites the same positions and splits the same way; the logits of the
+    segment ends gathered as for any request) and PP=2 (positions and split on both stages, the
+    scores on the last): the scores of the cells run alone on the same engine, and those of one rank."""
+    import asyncio
+
+    from engine_ext.specs import Interventions, Patch, RunSource
+
+    pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
+    L = ranked.info.num_layers
+    scores = (pair["answer_id"], pair["foil_id"])
+
+    def run(eng, cells, segmented):
+        async def go():
+            return {i: r async for i, r in eng.agenerate_cells(eng.tokenize(pair["corrupt_prompt"]), cells, scores,
+                                                              segmented=segmented)}
+        return asyncio.run(go())
+
+    out = {}
+    for name, eng in (("ranked", ranked), ("one", engine)):
+        eng.capture(pair["clean_prompt"], [f"L{layer}.post_block" for layer in range(L)], "all_prompt",
+                    keep_as="mr-seg-clean", return_values=False)
+        n = len(eng.tokenize(pair["corrupt_prompt"]))
+        cells = [None] + [Interventions(patch=(Patch.make(f"L{layer}.post_block", [p], RunSource("mr-seg-clean")),))
+                          for layer in range(L) for p in range(n)]
+        try:
+            out[name] = (run(eng, cells, True), run(eng, cells, False) if name == "ranked" else None)
+        finally:
+            eng.drop_source("mr-seg-clean")
+    (seg, alone), (one, _) = out["ranked"], out["one"]
+    assert sorted(seg) == sorted(alone) == sorted(one)
+    for i in seg:
+        assert not isinstance(seg[i], Exception), seg[i]
+        assert seg[i].scores[0] == alone[i].scores[0], (ranked.name, i, seg[i].scores, alone[i].scores)
+        diff = max(abs(seg[i].scores[0][t] - one[i].scores[0][t]) for t in scores)
+        assert diff <= LOGPROB_ATOL, (ranked.name, i, diff)

@@ -94,7 +94,8 @@ class PatchSweepRequest(StrictModel):
                           "patched (or noised) position, at KV-block granularity, instead of computing the whole prompt; "
                           "what they write from there on is never shared. Default: on where a reused cell is "
                           "bit-identical to the same cell computed from scratch (the CPU engine, a GPU engine with batch "
-                          "invariance on: its default), off elsewhere.")
+                          "invariance on: its default) and the prompt spans two KV blocks or more, off elsewhere (short "
+                          "prompts run their cells as the segments of shared requests instead: `segmented`).")
 
     def hook_list(self) -> list[str]:
         return list(dict.fromkeys(self.hooks)) if self.hooks else [self.hook]
@@ -300,6 +301,11 @@ class SweepSetup(_Wire):
     prefix_reuse: bool | None = Field(None, description="Whether cells and baselines read the corrupt prompt's cached KV below "
                                                         "their first modified position (the request's `prefix_reuse`, else the "
                                                         "server's default).")
+    segmented: bool | None = Field(None, description="Whether cells and in-batch baselines ran as the segments of shared "
+                                                     "requests, several per vLLM request, with the scores of requests of "
+                                                     "their own (docs/segmented-cells.md): the default for prompts shorter "
+                                                     "than two KV blocks without noise, and with `prefix_reuse: false`, "
+                                                     "where the engine can.")
 
 
 class SweepSummary(SweepSetup):

@@ -92,6 +92,8 @@ class SweepRun:
         #: cells and baselines read the corrupt prompt's cached KV below their first modified
         #: position (`prefix_reuse`); the prompt tokens they read from the cache
         self.prefix_reuse = False
+        #: cells run as the segments of shared requests (`Engine.agenerate_cells`)
+        self.segmented = False
         self.reused_tokens = 0
         #: the fan-out reached its cleanup (`cancel` is then a no-op)
         self.finishing = False
@@ -195,7 +197,8 @@ class SweepService:
             stored[req.source_run] = await anyio.to_thread.run_sync(eng.source_info, req.source_run)
         plan = build_plan(eng, req, stored)
         run = SweepRun(plan)
-        run.prefix_reuse = prefix_reuse_default(eng.info) if req.prefix_reuse is None else req.prefix_reuse
+        run.segmented = segments_default(eng, plan) if req.prefix_reuse is None else (not req.prefix_reuse and segments_default(eng, plan, short=False))
+        run.prefix_reuse = (prefix_reuse_default(eng.info) and not run.segmented) if req.prefix_reuse is None else req.prefix_reuse
         base = _Baselines()
         try:
             await self._prepare(run, base)
@@ -336,8 +339,11 @@ class SweepService:
             vals: list[list[float | None]] = [[None] * (1 if kind == "baseline" else plan.noise_samples) for kind, _ in chunk]
             left = [len(v) for v in vals]
             errs: list[str | None] = [None] * len(chunk)
-            batch = self.engine.agenerate_many([plan.corrupt_ids] * len(specs), ONE_SCORED_TOKEN, specs,
-                                               fresh=not run.prefix_reuse)
+            if run.segmented:  # several cells per request (`Engine.agenerate_cells`)
+                batch = self.engine.agenerate_cells(plan.corrupt_ids, specs, plan.score_ids)
+            else:
+                batch = self.engine.agenerate_many([plan.corrupt_ids] * len(specs), ONE_SCORED_TOKEN, specs,
+                                                   fresh=not run.prefix_reuse)
             async with contextlib.aclosing(batch) as finished:
                 async for r, res in finished:
                     j, k = owner[r]
@@ -508,7 +514,7 @@ class SweepService:
             foil_token_id=plan.foil_id, foil_token=eng.token_strings([plan.foil_id])[0] if plan.foil_id is not None else None,
             alpha=req.alpha, source=SweepSource(**src.to_json()), subject_positions=plan.subject_positions,
             mask=plan.mask.to_json() if plan.mask is not None else None,
-            prefix_reuse=run.prefix_reuse,
+            prefix_reuse=run.prefix_reuse, segmented=run.segmented,
             noise=(SweepNoise(positions=plan.noise_positions, scale=req.noise.scale, seed=req.noise.seed,
                               samples=req.noise.samples) if req.noise else None),
         )
@@ -558,6 +564,18 @@ async def _all_or_none(*coros):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def segments_default(eng, plan, short: bool = True) -> bool:
+    """Whether a sweep runs its cells as the segments of shared requests (`Engine.agenerate_cells`,
+    docs/segmented-cells.md): where the engine would (`Engine.segment_layout`: it can, and padding
+    the prompt to whole KV blocks costs little), the cells have nothing but their patch (no noise
+    corruption), and — unless the request turned prefix reuse off itself (`short=False`) — the
+    prompt is shorter than two KV blocks, where prefix reuse saves a cell at most one block."""
+    n = len(plan.corrupt_ids)
+    if plan.request.noise is not None or eng.segment_layout(n) is None:
+        return False
+    return not short or n < 2 * eng.segment_block
 
 
 def prefix_reuse_default(info) -> bool:

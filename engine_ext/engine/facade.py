@@ -41,7 +41,7 @@ from engine_ext.dynamic.engine import DynamicControl
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY
 from engine_ext.program import (KV_SALT_KEY, TEMPLATE_KEY, ModelDims, ProgramTemplate, PromptInfo, check_clamp_directions,
                                 check_score_token_ids, compile_program, program_to_extra_args)
-from engine_ext.specs import Clamp, Interventions, Steer, canonical_json, positions_from_json
+from engine_ext.specs import Clamp, Interventions, Steer, canonical_json, positions_from_json, spec_hash
 
 logger = logging.getLogger("causalboard.engine")
 
@@ -112,6 +112,7 @@ class Engine(DynamicControl):
         self._block_salting = True
         self._mismatch_logged = float("-inf")
         self._failure: BaseException | None = None
+        self._segments_ok, self._segments_block, self._segments_step_tokens = False, 16, 0
         self._shm_segments: set = set()  # the CPU-communicator segments this engine's start created
         self.tokenizer: Any = None
         self._init_dynamic()
@@ -190,6 +191,11 @@ class Engine(DynamicControl):
         self._loop.merge_results = functools.partial(merge_results, topology=self._topology)
         self._loop.rings = self._open_capture_rings()
         worker = merge_model_info(infos, self._topology)
+        # segmented requests (`agenerate_cells`): every worker runs vLLM's V1 runner with the seam's hooks
+        self._segments_ok = all(info.get("segments") for info in infos)
+        self._segments_block = int(worker.get("block_size") or 16)
+        self._segments_step_tokens = int(self._loop.call(
+            lambda e: e.vllm_config.scheduler_config.max_num_batched_tokens).result(timeout=RPC_TIMEOUT_S))
         startup = time.perf_counter() - t0
         self._info = self._make_info(hf_config, startup, worker)
         self._dims = ModelDims(self._info.num_layers, self._info.hidden_size, self._info.vocab_size, worker["embedding_std"])
@@ -483,7 +489,7 @@ class Engine(DynamicControl):
     # ---- generation ------------------------------------------------------------------------
     def _prepare(self, prompt: Prompt, params: GenerationParams, spec: Interventions | None = None,
                  fresh: bool = False, stream: bool = False, dynamic: Any = None,
-                 templates: dict | None = None, params_checked: bool = False) -> Prepared:
+                 templates: dict | None = None, params_checked: bool = False, segments: dict | None = None) -> Prepared:
         """Validate and build the vLLM request. Raises `SpecError` naming the field. `fresh`:
         compute the whole prompt (no prefix-cache reuse), like every request that modifies the
         stream — so an unpatched baseline goes through the same computation as patched cells.
@@ -492,7 +498,9 @@ class Engine(DynamicControl):
         batch being prepared (`generate`), by (spec object, prompt length, prompt text): one
         spec on many prompts of one length is compiled once (`ProgramTemplate`), with the same
         result as compiling it for each. `params_checked`: the caller has validated `params`
-        (`_prepare_many` validates each distinct parameters object of a batch once)."""
+        (`_prepare_many` validates each distinct parameters object of a batch once). `segments`:
+        the request is a segmented one (`engine_ext.engine.cells`; the worker's `segments` block):
+        its program carries it and every KV block it writes is salted (never shared)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         owner = self._exclusive_owner
@@ -535,7 +543,8 @@ class Engine(DynamicControl):
                     raise SpecError("logprobs", "top-k logprobs cannot be combined with score_token_ids (vLLM returns one or the other)")
                 score_ids = check_score_token_ids(spec.score_token_ids, self.info.vocab_size)
         dyn_wire = self._dynamic_wire(dynamic)
-        if (spec is not None and (spec.steer or spec.patch or spec.capture or spec.noise or spec.clamp)) or dyn_wire is not None:
+        if ((spec is not None and (spec.steer or spec.patch or spec.capture or spec.noise or spec.clamp))
+                or dyn_wire is not None or segments is not None):
             # the caller's spec objects live until the batch is submitted, so their ids are theirs
             slot = (id(spec) if spec is not None else None, len(ids), text, params.max_tokens)
             spec = spec if spec is not None else Interventions()
@@ -552,7 +561,12 @@ class Engine(DynamicControl):
                     template = templates[slot] = ProgramTemplate(program)
             # KV blocks at or after the first modified position get a salt of their own: never
             # shared with requests computed differently; the blocks before it stay shared
-            if template is not None:
+            if segments is not None:  # segment-local positions: no block of it may serve another request
+                program = {**program, "segments": segments}
+                program["hash"] = spec_hash([program["hash"], segments])
+                extra_args = program_to_extra_args(program, kv_salt=f"cb-{program['hash']}-{prep.key}")
+                extra_args[KV_SALT_KEY] = [0, f"cb-{program['hash']}-{prep.key}"]
+            elif template is not None:
                 program = template.program
                 extra_args = template.extra_args(prep.key, kv_salt=f"cb-{template.hash}-{prep.key}")
             else:
@@ -769,6 +783,123 @@ class Engine(DynamicControl):
         finally:
             if gens:
                 loop.abort_many([rids[i] for i in gens])
+
+    @property
+    def segment_block(self) -> int | None:
+        """The KV block size segmented requests are laid out in (`agenerate_cells`), or None where
+        this engine cannot run them (a hybrid model, vLLM's V2 runner; on a GPU until asked for
+        with CAUSALBOARD_SEGMENTS=1)."""
+        return self._segments_block if self._segments_ok and not getattr(self, "is_hybrid", False) else None
+
+    def segment_layout(self, n_prompt: int) -> tuple[int, int] | None:
+        """(segment length, cells per request) that `agenerate_cells` uses by default for cells of
+        an `n_prompt`-token prompt, or None where it runs them as requests of their own (the engine
+        cannot segment, fewer than two fit, or padding to whole KV blocks would cost more than
+        `cells.MAX_PADDING` of the prompt)."""
+        from engine_ext.engine import cells as packing
+
+        if self.segment_block is None:
+            return None
+        length, k = packing.segments_per_request(n_prompt, self.segment_block, self.info.max_model_len,
+                                                 self._segments_step_tokens)
+        return (length, k) if packing.worth_it(n_prompt, length, k) else None
+
+    async def agenerate_cells(self, prompt: Sequence[int], cells: Sequence[Interventions | None],
+                              score_token_ids: Sequence[int], *, segmented: bool | None = None
+                              ) -> AsyncIterator[tuple[int, Generation | Exception]]:
+        """Score many *cells* — one forward each of the same `prompt` (token ids), each with its
+        own patches (None: none, a baseline) — at `score_token_ids` at the last prompt token.
+
+        Contract: yields each index once, in completion order, with the cell's `Generation`
+        (`scores[0]` by token id, `intervention` its status; no generated tokens) or its
+        `Exception`, as `agenerate_many` does for the same cells as requests of their own (each
+        with `score_token_ids`, `fresh`). Where `segmented` allows (None: where `segment_layout`
+        says so; True: wherever the engine can, else `SpecError`; False: never), several cells run
+        as the segments of one request (`engine_ext.engine.cells`, `engine_ext.worker.segments`,
+        docs/segmented-cells.md): the same scores (bit for bit on the CPU engine:
+        tests/test_segmented_cells.py), vLLM's per-request costs paid once per request of up to
+        `cells.MAX_SEGMENTS` cells; a patch source that is missing voids every cell of its request.
+        Cells with anything but patches, and all of them when one fails validation, run as
+        requests of their own. Leaving early aborts what is unfinished."""
+        from engine_ext.engine import cells as packing
+
+        params = GenerationParams(max_tokens=1, detokenize=False)
+        ids = [int(i) for i in prompt]
+        score_ids = tuple(int(t) for t in score_token_ids)
+        can = self.segment_block is not None
+        if segmented and not can:
+            raise SpecError("segmented", "this engine cannot run segmented requests (vLLM's V1 runner with "
+                                         "causalboard's seam is needed, and no hybrid model)")
+        loop = self._require_loop()
+        use = (self.segment_layout(len(ids)) is not None) if segmented is None else segmented
+        packed = [i for i, c in enumerate(cells) if packing.packable(c)] if use else []
+        carriers: list = []
+        if len(packed) >= 2 and ids:
+            length, k = packing.segments_per_request(len(ids), self._segments_block, self.info.max_model_len,
+                                                     self._segments_step_tokens)
+            try:
+                if k >= 2:
+                    check_score_token_ids(list(score_ids), self.info.vocab_size)
+                    carriers = packing.pack(ids, [cells[i] for i in packed], score_ids, length, k, ids[-1])
+            except SpecError:  # a bad cell (or bad ids): every cell as a request of its own reports its own error
+                carriers = []
+        in_carriers = {packed[j] for car in carriers for j in car.cells}
+        sink = BatchSink(asyncio.get_running_loop())
+        pending: dict[int, tuple[str, Any, Generation]] = {}  # sink index -> (request id, carrier or cell, generation)
+        requests, errors = [], []
+        for i in (i for i in range(len(cells)) if i not in in_carriers):
+            spec = dataclasses.replace(cells[i] or Interventions(), score_token_ids=score_ids)
+            try:
+                prep = self._prepare(ids, params, spec, fresh=True)
+            except Exception as exc:
+                errors.append((i, exc))
+                continue
+            rid = prep.key or self._new_id()
+            m = len(pending)
+            pending[m] = (rid, i, Generation(rid, None, prep.ids))
+            requests.append((rid, prep.prompt(), prep.sampling, sink.member(m, self._converter(params, spec, prep)), prep.key))
+        for car in carriers:
+            car.cells = [packed[j] for j in car.cells]
+            try:
+                prep = self._prepare(car.ids, params, car.spec, fresh=True, segments=car.segments)
+            except Exception as exc:
+                errors += [(i, exc) for i in car.cells]
+                continue
+            rid = prep.key or self._new_id()
+            m = len(pending)
+            pending[m] = (rid, car, Generation(rid, None, prep.ids))
+            requests.append((rid, prep.prompt(), prep.sampling, sink.member(m, self._converter(params, None, prep)), prep.key))
+        if requests:
+            loop.submit_many(requests)
+        try:
+            for i, exc in errors:
+                yield i, exc
+            while pending:
+                for j, item in await sink.get():
+                    if j is None:
+                        raise item
+                    entry = pending.get(j)
+                    if entry is None:
+                        continue
+                    rid, what, gen = entry
+                    if isinstance(item, BaseException):
+                        del pending[j]
+                        for i in (what.cells if isinstance(what, packing.Carrier) else [what]):
+                            yield i, item
+                        continue
+                    gen.extend(item)
+                    if not item.finished:
+                        continue
+                    del pending[j]
+                    if isinstance(what, packing.Carrier):
+                        for i, g in packing.split(what, gen, ids):
+                            yield i, g
+                    else:
+                        gen.token_ids, gen.text, gen.logprobs = [], "", []  # a cell is its scores
+                        yield what, gen
+        finally:
+            if pending:
+                loop.abort_many([rid for rid, _, _ in pending.values()])
 
     # ---- conveniences ----------------------------------------------------------------------
     def capture(self, prompt: Prompt, sites: Any, positions: Any = "all_prompt", *, keep_as: str | None = None,

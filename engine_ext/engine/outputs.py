@@ -161,7 +161,8 @@ def _intervention_result(res: dict, program_hash: str | None) -> InterventionRes
         errors.append(res["store_error"])
     return InterventionResult(status=res.get("status", "unknown"), errors=errors, captures=caps,
                               stored_as=res.get("stored_as"), evicted=list(res.get("evicted") or []),
-                              program_hash=program_hash, dynamic=res.get("dynamic"))
+                              program_hash=program_hash, dynamic=res.get("dynamic"),
+                              segment_scores=res.get("segment_scores"))
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -110,6 +110,9 @@ def merge_results(per_rank: list[dict[str, dict]], topology: Topology) -> dict[s
             evicted += [e for e in r.get("evicted") or [] if e not in evicted]
         if evicted:
             merged["evicted"] = evicted
+        scored = [r["segment_scores"] for r in replies if r.get("segment_scores")]
+        if scored:  # the last stage's rank that holds the gathered logits (the others score nothing)
+            merged["segment_scores"] = max(scored, key=lambda sc: len(sc["positions"]))
         store_errors = [r["store_error"] for r in stage_replies if r.get("store_error")]
         if store_errors:
             merged["store_error"] = store_errors[0]

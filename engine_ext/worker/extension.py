@@ -8,6 +8,8 @@ are plain msgpack-able data (bytes, lists, dicts), as `collective_rpc` requires 
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from engine_ext.worker.seam import close_state, install, runner_state
@@ -42,7 +44,13 @@ class CausalboardWorkerExtension:
         pp = get_pp_group()
         st.tp_rank, st.pp_rank = int(get_tensor_model_parallel_rank()), int(pp.rank_in_group)
         runner = type(self.model_runner).__module__ + "." + type(self.model_runner).__qualname__
-        return {"num_layers": st.num_layers, "hidden_size": st.hidden, "embedding_std": std,
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+        # segmented requests (`engine_ext.worker.segments`) need the V1 runner with the seam's hooks;
+        # checked bit for bit on the CPU only so far: a GPU engine offers them with CAUSALBOARD_SEGMENTS=1
+        segmented = (isinstance(self.model_runner, V1Runner) and getattr(V1Runner._prepare_inputs, "_cb_wrapped", False)
+                     and (st.device.type == "cpu" or os.environ.get("CAUSALBOARD_SEGMENTS") == "1"))
+        return {"segments": bool(segmented), "block_size": int(self.model_runner.cache_config.block_size),"num_layers": st.num_layers, "hidden_size": st.hidden, "embedding_std": std,
                 "patched_layers": patched, "runner": runner, "dtype": str(st.dtype).replace("torch.", ""),
                 "device": str(st.device), "buffer_bytes": int(st.buffers.nbytes()), "torch": str(torch.__version__),
                 "tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "tp_size": int(get_tensor_model_parallel_world_size()),

@@ -42,7 +42,16 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   (`WorkerState.after_forward`).
 * V1 `GPUModelRunner._model_forward`: plan the step from `input_batch.req_ids`,
   `query_start_loc.np` and `input_batch.num_computed_tokens_cpu`, right before the forward
-  (eager, compiled or graph replay).
+  (eager, compiled or graph replay); after it, score the step's segment ends of segmented
+  requests from its output (`engine_ext.worker.segments`; none: nothing done).
+* V1 `GPUModelRunner._prepare_inputs`, after it (positions and slot mapping computed): the rows of
+  segmented requests get segment-local positions and the step's attention split is set; and
+  `CommonAttentionMetadata` as `vllm.v1.worker.gpu_model_runner` names it (the class its
+  `_build_attention_metadata` builds once per step for every attention backend): a factory that
+  applies that split (`segments.split_segments`) while a step has segmented requests. Inert for
+  every other step; cleared when `execute_model` returns or raises. The V2 runner is not hooked:
+  it runs no segmented requests (`cb_model_info` reports `segments: false`; cells then run as
+  requests of their own).
 * V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
   `query_start_loc_np`, `num_computed_tokens_np`). A step with dynamic steering is left open
   there (`WorkerState.plan_step(defer=True)`) and finished by
@@ -455,7 +464,10 @@ def _wrap_execute_model(cls: Any) -> None:
     """The runner's `execute_model`: the step's schedule before it, the forward's bookkeeping
     after it. If vLLM's body raises with a step left open (V2: planned at `prepare_inputs`, its
     forward never launched), that step is closed before the exception goes on, so the worker's
-    state (slots held, decisions pending) stays consistent."""
+    state (slots held, decisions pending) stays consistent. A step's segment split never
+    outlives it."""
+    from engine_ext.worker import segments
+
     def make(orig):
         def execute_model(self, scheduler_output, *args, **kwargs):
             state = runner_state(self)
@@ -469,7 +481,10 @@ def _wrap_execute_model(cls: Any) -> None:
                     if eplb is not None:
                         vars(eplb).pop("_cb_open", None)
                     state.finish_step()
+                    state.step_scores = []
                 raise
+            finally:
+                segments.clear_step()
             if state is not None:
                 state.after_forward()
             return out
@@ -485,10 +500,56 @@ def _wrap_v1_model_forward(cls: Any) -> None:
             if state is not None:
                 ib, n = self.input_batch, self.input_batch.num_reqs
                 state.plan_step(ib.req_ids[:n], self.query_start_loc.np[: n + 1], ib.num_computed_tokens_cpu[:n])
-            return orig(self, input_ids, positions, *args, **kwargs)
+            out = orig(self, input_ids, positions, *args, **kwargs)
+            if state is not None and state.step_scores:
+                state.score_segments(out, self.model)
+            return out
         return _model_forward
 
     _wrap_method(cls, "_model_forward", make)
+
+
+def _wrap_v1_prepare_inputs(cls: Any) -> None:
+    """V1 `_prepare_inputs`, after it (positions and slot mapping computed): segmented requests'
+    rows get segment-local positions and the step's attention split is set
+    (`engine_ext.worker.segments.begin_step`); a step without them is untouched."""
+    from engine_ext.worker import segments
+
+    def make(orig):
+        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+            segments.clear_step()
+            out = orig(self, scheduler_output, *args, **kwargs)
+            state = runner_state(self)
+            if state is not None and state.segmented:
+                ib, n = self.input_batch, self.input_batch.num_reqs
+                state.step_scores = segments.begin_step(ib.req_ids[:n], self.query_start_loc.np[: n + 1],
+                                                        ib.num_computed_tokens_cpu[:n], self.positions,
+                                                        state.segmented, self.cache_config.block_size)
+            return out
+        return _prepare_inputs
+
+    _wrap_method(cls, "_prepare_inputs", make)
+
+
+def _wrap_v1_common_attn_metadata(module: Any) -> None:
+    """`CommonAttentionMetadata` as the V1 runner's module names it (its `_build_attention_metadata`
+    builds one per step and hands it to every attention backend's builder): a factory that splits
+    segmented requests into their segments while the step being prepared has any
+    (`engine_ext.worker.segments.split_segments`), the class itself otherwise."""
+    from engine_ext.worker import segments
+
+    cls = module.CommonAttentionMetadata
+    if getattr(cls, "_cb_wrapped", False):
+        return
+
+    def CommonAttentionMetadata(*args, **kwargs):  # noqa: N802 (vLLM's name, rebound)
+        cm = cls(*args, **kwargs)
+        split = segments.active_split()
+        return cm if split is None else segments.split_segments(cm, *split)
+
+    CommonAttentionMetadata._cb_wrapped = True
+    CommonAttentionMetadata.wrapped = cls
+    module.CommonAttentionMetadata = CommonAttentionMetadata
 
 
 def _v2_defers(cls: Any) -> bool:
@@ -641,8 +702,9 @@ STATE_HYGIENE_PATCHES: tuple[Patch, ...] = (
 
 PATCHES: tuple[Patch, ...] = (
     *(_layer_patch(module, cls) for module, cls in LAYER_FORWARD_SHA),
-    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("execute_model", "_model_forward"),
-          lambda c: (_wrap_execute_model(c), _wrap_v1_model_forward(c))),
+    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("execute_model", "_model_forward", "_prepare_inputs"),
+          lambda c: (_wrap_execute_model(c), _wrap_v1_model_forward(c), _wrap_v1_prepare_inputs(c))),
+    Patch("vllm.v1.worker.gpu_model_runner", None, ("CommonAttentionMetadata",), _wrap_v1_common_attn_metadata),
     Patch("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("execute_model", "prepare_inputs"),
           lambda c: (_wrap_execute_model(c), _wrap_v2_prepare_inputs(c)), optional=True),
     Patch("vllm.v1.worker.gpu.eplb_utils", "EPLBController", ("prepare_forward",), _wrap_v2_prepare_forward,

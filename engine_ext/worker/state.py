@@ -100,6 +100,9 @@ class RequestState:
     captures: list[CapturedBlock] = field(default_factory=list)
     leased: list[str] = field(default_factory=list)
     collected: bool = False
+    #: a segmented request's scores, as computed step by step: (positions, [k, ids] fp32 host
+    #: tensor, the event its copy completes (None: done))
+    scores: list[tuple[np.ndarray, torch.Tensor, Any]] = field(default_factory=list)
 
     def capture_pairs(self) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
         """(site, position) -> (x, r), the latest block winning."""
@@ -219,6 +222,10 @@ class WorkerState:
         #: (`plan_step(defer=True)`, vLLM's V2 runner)? A benchmarking switch (`cb_set_defer_plan`)
         self.defer_plan = True
         self._value_bytes = 2 * hidden * torch.empty((), dtype=dtype, device="cpu").element_size()
+        #: segmented requests (`engine_ext.worker.segments`) by vLLM request id: (S, score positions)
+        self.segmented: dict[str, tuple[int, np.ndarray]] = {}
+        #: the step's rows to score after its forward: (request id, carrier positions, rows)
+        self.step_scores: list[tuple[str, np.ndarray, np.ndarray]] = []
 
     def owns_site(self, site: int) -> bool:
         """Whether this worker computes `site` (its layer is on this worker's pipeline stage)."""
@@ -270,6 +277,8 @@ class WorkerState:
                 st.leased.append(run)
         self.requests[req_id] = st
         self.by_key[prog.key] = st
+        if prog.segment_len:
+            self.segmented[req_id] = (prog.segment_len, prog.score_pos)
         if DYNAMIC_ARGS_KEY in extra_args:
             self.dynamic.register(req_id, prog.key, prog.n_prompt, extra_args[DYNAMIC_ARGS_KEY], prog.errors)
         self._compose(req_id)
@@ -304,6 +313,7 @@ class WorkerState:
         if req_id in self.requests:
             self.planner.file_captures(wait=False)
         self.prompt_lens.pop(req_id, None)
+        self.segmented.pop(req_id, None)
         plan = self.plans.pop(req_id, None)
         if plan is not None:
             self.slots.release(plan.held)
@@ -377,6 +387,38 @@ class WorkerState:
         self.dynamic.after_forward()
         self.planner.after_forward()
 
+    def score_segments(self, hidden: Any, model: Any) -> None:
+        """After the forward (the model's output: final hidden states on the last pipeline stage):
+        score this step's segment ends (`step_scores`) and start their copy to the host. A rank
+        whose `compute_logits` returns nothing (vocab-parallel logits gathered on another rank)
+        records nothing."""
+        todo, self.step_scores = self.step_scores, []
+        if not todo or not isinstance(hidden, torch.Tensor):
+            return
+        from engine_ext.worker.segments import score
+
+        by_ids: dict[tuple[int, ...], list[tuple[str, np.ndarray, np.ndarray]]] = {}
+        for rid, pos, rows in todo:
+            st = self.requests.get(rid)
+            if st is not None:
+                by_ids.setdefault(tuple(st.program.score_ids), []).append((rid, pos, rows))
+        cuda = hidden.device.type == "cuda"
+        for ids, group in by_ids.items():
+            lp = score(hidden, np.concatenate([rows for _, _, rows in group]), model, list(ids))
+            if lp is None:
+                continue
+            if cuda:
+                host = torch.empty(lp.shape, dtype=lp.dtype, device="cpu", pin_memory=True)
+                host.copy_(lp, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            else:
+                host, done = lp, None
+            at = 0
+            for rid, pos, rows in group:
+                self.requests[rid].scores.append((pos, host[at: at + len(rows)], done))
+                at += len(rows)
+
     def _file_capture(self, req_id: str, positions: np.ndarray, sites: np.ndarray, xs: torch.Tensor | None,
                       rs: torch.Tensor | None,
                       step: StepCaptures, base: int) -> None:
@@ -421,6 +463,8 @@ class WorkerState:
                 out["store_error"] = str(exc)
         if captures:
             self._add_captures(st, out)
+        if prog.segment_len and not prog.voided:
+            out["segment_scores"] = _segment_scores(st)
         dyn = self.dynamic.result(st.req_id)
         if dyn is not None:
             out["dynamic"] = dyn
@@ -513,3 +557,16 @@ class WorkerState:
                 "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status(),
                 "capture_ring": None if self.ring is None else self.ring.status()}
 
+
+def _segment_scores(st: RequestState) -> dict:
+    """A segmented request's scores for its result: `positions` (carrier positions, ascending),
+    `ids` (the scored token ids) and `logprobs` (one list per position, in `ids` order). A
+    position scored twice (recomputed after preemption) keeps its latest value."""
+    latest: dict[int, list[float]] = {}
+    for pos, host, done in st.scores:
+        if done is not None:
+            done.synchronize()
+        for p, row in zip(pos.tolist(), host.tolist()):
+            latest[p] = row
+    positions = sorted(latest)
+    return {"positions": positions, "ids": list(st.program.score_ids), "logprobs": [latest[p] for p in positions]}

@@ -1,0 +1,94 @@
+"""Sweep cells as the segments of shared requests against one request per cell (issue 13's sweeps;
+docs/segmented-cells.md): `Engine.agenerate_cells` with `segmented=True` and `False` on the same
+cells, alternating, in one process; the scores compared bit for bit.
+
+    PYTHONPATH=. python3 benchmarks/diag/segment_cells.py [--model DIR] [--device cpu|cuda] [--reps 5]
+
+The cells: P1's, 16 layers (the model's) x 3 hooks x every position of a 16-token corrupt prompt
+(random ids; three positions differ from the clean prompt, whose run is stored first), each
+patching one (layer, hook, position) from the clean run, scored at two ids. Without `--model`, the
+bundled model and its first equal-length clean/corrupt pair. On a GPU the V1 runner is needed
+(`VLLM_USE_V2_MODEL_RUNNER=0`) and segments must be asked for (`CAUSALBOARD_SEGMENTS=1`) until
+the GPU matrix has checked them. One JSON line: the seconds of each repetition, the speed-up
+(median / median), and whether every cell's scores were equal.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=None, help="vLLM's KV block size (default: the engine's)")
+    args = ap.parse_args()
+    from engine_ext import Engine
+    from engine_ext.specs import Interventions, Patch, RunSource
+
+    kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8, batch_invariant=False) \
+        if args.device == "cuda" else {}
+    if args.model:
+        kw["model"] = args.model
+        kw.setdefault("max_model_len", 4096)
+    if args.block_size:
+        kw["engine_kwargs"] = {"block_size": args.block_size}
+    eng = Engine(device=args.device, **kw).start()
+    L, hooks = eng.info.num_layers, ("pre_attn", "post_attn", "post_block")
+    if args.model:
+        rng = random.Random(7)
+        hi = min(eng.info.vocab_size - 1, 16000)
+        clean = [rng.randrange(4, hi) for _ in range(16)]
+        corrupt = list(clean)
+        corrupt[3:6] = [rng.randrange(4, hi) for _ in range(3)]
+        score_ids = (1000 % hi, 2000 % hi)
+    else:
+        import json as _json
+        from pathlib import Path
+
+        pair = next(p for p in _json.loads((Path(eng.model_path) / "tasks.json").read_text())["pairs"] if p["equal_length"])
+        clean, corrupt = eng.tokenize(pair["clean_prompt"]), eng.tokenize(pair["corrupt_prompt"])
+        score_ids = (pair["answer_id"], pair["foil_id"])
+    eng.capture(clean, [f"L{layer}.{h}" for layer in range(L) for h in hooks], "all_prompt", keep_as="seg-bench",
+                return_values=False)
+    cells = [Interventions(patch=(Patch.make(f"L{layer}.{h}", [p], RunSource("seg-bench")),))
+             for layer in range(L) for h in hooks for p in range(len(corrupt))]
+
+    async def run(segmented: bool) -> dict:
+        out = {}
+        async for i, res in eng.agenerate_cells(corrupt, cells, score_ids, segmented=segmented):
+            if isinstance(res, Exception):
+                raise res
+            out[i] = res.scores[0]
+        return out
+
+    ref, got = asyncio.run(run(False)), asyncio.run(run(True))
+    times: dict[str, list[float]] = {"alone": [], "segmented": []}
+    for _ in range(args.reps):
+        for name, seg in (("alone", False), ("segmented", True)):
+            t = time.perf_counter()
+            asyncio.run(run(seg))
+            times[name].append(round(time.perf_counter() - t, 4))
+    from engine_ext.engine.cells import segments_per_request
+
+    length, k = segments_per_request(len(corrupt), eng.segment_block or 16, eng.info.max_model_len,
+                                     eng._segments_step_tokens)
+    print(json.dumps({"bench": "segment_cells", "model": args.model or "bundled", "device": args.device,
+                      "block_size": eng.segment_block,
+                      "cells": len(cells), "prompt_tokens": len(corrupt), "segment_len": length, "cells_per_request": k,
+                      "equal_scores": all(ref[i] == got[i] for i in ref), "alone_s": times["alone"],
+                      "segmented_s": times["segmented"],
+                      "speedup": round(statistics.median(times["alone"]) / statistics.median(times["segmented"]), 3),
+                      "alone_cells_per_s": round(len(cells) / statistics.median(times["alone"]), 1),
+                      "segmented_cells_per_s": round(len(cells) / statistics.median(times["segmented"]), 1)}), flush=True)
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()

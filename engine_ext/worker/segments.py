@@ -1,0 +1,126 @@
+"""Segmented requests: several independent sequences packed into one vLLM request.
+
+A *segmented* request's prompt is K segments of S tokens each (S a multiple of the KV block
+size); segment j holds carrier positions `[j*S, (j+1)*S)`. Each segment is computed as if it were
+a request of its own: its rows get segment-local positions (`position % S`, what RoPE reads) and
+the attention metadata holds one sequence per segment, each over its own KV blocks (vLLM's slot
+mapping, computed from the carrier's linear positions before they are rewritten, already puts
+segment j's keys and values in the carrier's blocks `[j*S/bs, (j+1)*S/bs)`). Patches and
+captures address carrier positions like any request's. At the positions the program lists
+(`score_pos`: each segment's last real token) the worker scores the model's final hidden state:
+`log_softmax(compute_logits(h))` at the requested token ids, as vLLM's sampler computes a
+request's `logprob_token_ids` (raw logprobs). This is how a sweep runs many cells per request
+(docs/segmented-cells.md): the per-request costs of vLLM's scheduler, input and output
+paths are paid once per K cells.
+
+Where it runs (the seam, `engine_ext.worker.seam`): V1 runner only (the CPU runner's and, with
+`VLLM_USE_V2_MODEL_RUNNER=0`, the GPU's). After `_prepare_inputs`, `begin_step` rewrites the
+carriers' positions and records the step's split; `CommonAttentionMetadata`, as the V1 runner's
+module names it, is replaced by a factory that applies `split_segments` while a step has
+carriers; after `_model_forward`, `score` computes the scores from its output. Refused for
+hybrids (their recurrent state would run through all segments) and where the runner is not V1:
+the engine then runs one request per cell instead (`Engine.generate_cells`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+#: the step being prepared in this thread: (carriers by batch index -> S, block size), or None
+_STEP = threading.local()
+
+
+def active_split() -> tuple[dict[int, int], int] | None:
+    """The carriers of the step this thread is preparing (batch index -> segment length) and the
+    KV block size; None when it has none."""
+    return getattr(_STEP, "split", None)
+
+
+def clear_step() -> None:
+    _STEP.split = None
+
+
+def begin_step(req_ids, query_start_loc: np.ndarray, num_computed: np.ndarray, positions: torch.Tensor,
+               segmented: dict[str, tuple[int, np.ndarray]], block_size: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Right after the runner computed the step's positions and slot mapping: the carriers' rows
+    get segment-local positions and the step's split is recorded for the attention metadata.
+    `segmented`: request id -> (S, sorted score positions). Returns the rows to score after the
+    forward: (request id, carrier positions, rows)."""
+    carriers: dict[int, int] = {}
+    to_score = []
+    for i, rid in enumerate(req_ids):
+        seg = segmented.get(rid)
+        if seg is None:
+            continue
+        length, score_pos = seg
+        row0, p0 = int(query_start_loc[i]), int(num_computed[i])
+        n = int(query_start_loc[i + 1]) - row0
+        if n <= 0:
+            continue
+        carriers[i] = length
+        positions[row0: row0 + n] = positions[row0: row0 + n] % length
+        a, z = np.searchsorted(score_pos, (p0, p0 + n))
+        if z > a:
+            pos = score_pos[a:z]
+            to_score.append((rid, pos, row0 + (pos - p0)))
+    _STEP.split = (carriers, block_size) if carriers else None
+    return to_score
+
+
+def split_segments(cm: Any, carriers: dict[int, int], block_size: int) -> Any:
+    """vLLM's `CommonAttentionMetadata` `cm` with each carrier (batch index -> segment length S)
+    replaced by one sequence per segment its window touches: the window's rows inside the
+    segment, the segment's length up to the window's end, the block table from the segment's
+    first block. A window may start or end inside a segment (chunked prefill)."""
+    qsl = cm.query_start_loc_cpu.tolist()
+    seq = (cm._seq_lens_cpu if cm._seq_lens_cpu is not None else cm.seq_lens.cpu()).tolist()
+    q_lens: list[int] = []
+    s_lens: list[int] = []
+    rows: list[tuple[int, int]] = []  # (batch index, first block)
+    for i in range(cm.num_reqs):
+        q = qsl[i + 1] - qsl[i]
+        length = carriers.get(i)
+        if length is None:
+            q_lens.append(q)
+            s_lens.append(seq[i])
+            rows.append((i, 0))
+            continue
+        computed = seq[i] - q
+        for j in range(computed // length, -(-seq[i] // length)):
+            a, b = max(computed, j * length), min(seq[i], (j + 1) * length)
+            q_lens.append(b - a)
+            s_lens.append(b - j * length)
+            rows.append((i, j * length // block_size))
+    bt = cm.block_table_tensor
+    width = bt.shape[1]
+    src = torch.tensor([i for i, _ in rows], dtype=torch.long)
+    first = torch.tensor([f for _, f in rows], dtype=torch.long)
+    cols = (first[:, None] + torch.arange(width)[None, :]).clamp_(max=width - 1)
+    new_bt = bt[src.to(bt.device)[:, None], cols.to(bt.device)]
+    new_bt.masked_fill_((first[:, None] + torch.arange(width)[None, :] >= width).to(bt.device), 0)
+    qsl_cpu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=cm.query_start_loc_cpu.dtype)
+    seq_cpu = torch.tensor(s_lens, dtype=cm.seq_lens.dtype)
+    computed_cpu = seq_cpu - torch.tensor(q_lens, dtype=seq_cpu.dtype)
+    return dataclasses.replace(
+        cm, query_start_loc=qsl_cpu.to(cm.query_start_loc.device, non_blocking=True), query_start_loc_cpu=qsl_cpu,
+        seq_lens=seq_cpu.to(cm.seq_lens.device, non_blocking=True), _seq_lens_cpu=seq_cpu, num_reqs=len(rows),
+        num_actual_tokens=cm.num_actual_tokens, max_query_len=max(q_lens), max_seq_len=max(s_lens),
+        block_table_tensor=new_bt, _num_computed_tokens_cpu=computed_cpu, seq_lens_cpu_upper_bound=seq_cpu,
+        is_prefilling=torch.ones(len(rows), dtype=torch.bool), _num_computed_tokens_cache=None,
+        _token_to_req_indices_cache=None)
+
+
+def score(hidden: torch.Tensor, rows: np.ndarray, model: Any, token_ids: list[int]) -> torch.Tensor | None:
+    """Raw logprobs [len(rows), len(token_ids)] (fp32) of `token_ids` at the final hidden states'
+    `rows`: vLLM's `compute_logits` then `log_softmax` in fp32 (its sampler's raw logprobs)."""
+    idx = torch.from_numpy(np.asarray(rows, np.int64)).to(hidden.device)
+    logits = model.compute_logits(hidden.index_select(0, idx))
+    if logits is None:  # tensor parallelism: the logits are gathered on another rank
+        return None
+    lp = logits.log_softmax(dim=-1, dtype=torch.float32)
+    return lp.index_select(1, torch.tensor(token_ids, dtype=torch.long, device=lp.device))

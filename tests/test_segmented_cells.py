@@ -1,0 +1,213 @@
+"""Cells packed as the segments of one request (`Engine.agenerate_cells`, `engine_ext.engine.cells`,
+`engine_ext.worker.segments`; docs/segmented-cells.md), on the real CPU engine (vLLM's V1
+runner): every cell's scores equal those of the same cell as a request of its own, bit for bit;
+far fewer requests reach vLLM; a window of a segmented request that starts or ends inside a
+segment (chunked prefill) changes nothing; no KV block a segmented request wrote is ever reused by
+another request; a cell that cannot be packed runs alone; an engine that cannot segment says so.
+The split of vLLM's attention metadata itself is checked without an engine at the end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine_ext import GenerationParams
+from engine_ext.errors import SpecError
+from engine_ext.specs import Interventions, Noise, Patch, RunSource
+
+from tests.conftest import model_path
+
+SCORE_IDS = (5, 17)
+HOOKS = ("pre_attn", "post_attn", "post_block")
+
+
+@pytest.fixture(scope="module")
+def prompts(engine, tasks):
+    pair = next(p for p in tasks["pairs"] if p["equal_length"] and len(engine.tokenize(p["clean_prompt"])) >= 6)
+    clean, corrupt = engine.tokenize(pair["clean_prompt"]), engine.tokenize(pair["corrupt_prompt"])
+    assert len(clean) == len(corrupt)
+    L = engine.info.num_layers
+    engine.capture(clean, [f"L{layer}.{h}" for layer in range(L) for h in HOOKS], "all_prompt", keep_as="seg-clean",
+                   return_values=False)
+    yield clean, corrupt
+    engine.drop_source("seg-clean")
+
+
+def cells_for(engine, n: int, count: int) -> list:
+    """`count` cells: a baseline first and last, patched cells of every layer and hook between."""
+    patched = [Interventions(patch=(Patch.make(f"L{layer}.{h}", [p], RunSource("seg-clean")),))
+               for layer in range(engine.info.num_layers) for h in HOOKS for p in range(n)]
+    return [None] + patched[: count - 2] + [None]
+
+
+def run(engine, prompt, cells, **kw) -> dict:
+    async def go():
+        out = {}
+        async for i, res in engine.agenerate_cells(prompt, cells, SCORE_IDS, **kw):
+            assert i not in out, f"cell {i} yielded twice"
+            out[i] = res
+        return out
+    return asyncio.run(go())
+
+
+def count_requests(engine, monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    loop = engine._loop
+    orig = loop.submit_many
+
+    def submit_many(requests):
+        sizes.append(len(requests))
+        return orig(requests)
+    monkeypatch.setattr(loop, "submit_many", submit_many)
+    return sizes
+
+
+def test_segmented_cells_equal_cells_run_alone_with_fewer_requests(engine, prompts, monkeypatch):
+    clean, corrupt = prompts
+    cells = cells_for(engine, len(corrupt), 40)
+    sizes = count_requests(engine, monkeypatch)
+    packed = run(engine, corrupt, cells, segmented=True)
+    alone = run(engine, corrupt, cells, segmented=False)
+    assert sorted(packed) == sorted(alone) == list(range(len(cells)))
+    for i in range(len(cells)):
+        a, b = packed[i], alone[i]
+        assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
+        assert a.scores[0] == b.scores[0], (i, a.scores, b.scores)  # bit for bit
+        assert a.intervention is None or not a.intervention.voided
+    # the patches took effect: cells that patch where the prompts differ (or after) move the scores
+    base = alone[0].scores[0]
+    assert sum(alone[i].scores[0] != base for i in range(len(cells))) >= 5
+    assert sizes[1] == len(cells) and sizes[0] < len(cells) // 2, sizes  # requests submitted: packed, then alone
+    assert engine.in_flight == 0
+
+
+def test_a_window_that_cuts_a_segment_changes_nothing(prompts, monkeypatch):
+    """An engine whose step holds 40 tokens computes a request of three 32-token segments over three
+    steps, two of them ending inside a segment (chunked prefill): the cells' scores are those of the
+    cells run alone."""
+    from engine_ext import Engine
+    from engine_ext.engine import cells as packing
+
+    clean, corrupt = prompts
+    monkeypatch.setattr(packing, "segments_per_request", lambda n, bs, ctx, step: (-(-n // bs) * bs, 3))
+    # a second engine in this process: its engine core in a process of its own (EngineConfig.multiprocess)
+    with Engine(model=str(model_path()), device="cpu", multiprocess=True,
+                engine_kwargs={"max_num_batched_tokens": 40}) as eng:
+        eng.capture(clean, [f"L{layer}.{h}" for layer in range(eng.info.num_layers) for h in HOOKS], "all_prompt",
+                    keep_as="seg-clean", return_values=False)
+        cells = cells_for(eng, len(corrupt), 9)
+        packed = run(eng, corrupt, cells, segmented=True)
+        alone = run(eng, corrupt, cells, segmented=False)
+    assert all(packed[i].scores[0] == alone[i].scores[0] for i in range(len(cells)))
+
+
+def test_no_other_request_reuses_a_segmented_requests_kv(engine, prompts):
+    """A segmented request's blocks hold keys and values at segment-local positions: a request
+    whose prompt is the same tokens (the padded prompt twice) must compute its own."""
+    clean, corrupt = prompts
+    run(engine, corrupt, cells_for(engine, len(corrupt), 4), segmented=True)
+    seg = -(-len(corrupt) // engine._segments_block) * engine._segments_block
+    same_tokens = (corrupt + [corrupt[-1]] * (seg - len(corrupt))) * 2
+    gen = engine.generate(same_tokens, GenerationParams(max_tokens=1), Interventions(score_token_ids=SCORE_IDS))
+    assert gen.num_cached_tokens == 0
+    fresh = engine.generate(same_tokens, GenerationParams(max_tokens=1, cache_salt="seg-fresh"),
+                            Interventions(score_token_ids=SCORE_IDS))
+    assert gen.scores == fresh.scores
+
+
+def test_cells_that_cannot_be_packed_run_alone_and_bad_cells_get_their_own_error(engine, prompts, monkeypatch):
+    clean, corrupt = prompts
+    noisy = Interventions(noise=Noise.make([1, 2], scale=3.0, seed=4))
+    bad = Interventions(patch=(Patch.make("L0.post_block", [len(corrupt) + 5], RunSource("seg-clean")),))
+    cells = cells_for(engine, len(corrupt), 6) + [noisy, bad]
+    sizes = count_requests(engine, monkeypatch)
+    out = run(engine, corrupt, cells, segmented=True)
+    alone = run(engine, corrupt, cells, segmented=False)
+    assert isinstance(out[7], SpecError) and "positions" in out[7].field, out[7]
+    assert isinstance(alone[7], SpecError)
+    for i in range(7):
+        assert out[i].scores[0] == alone[i].scores[0], i
+    # the bad cell made the packing fall back: every cell ran alone and reported its own result
+    assert sizes[0] == len(cells) - 1, sizes
+
+
+def test_a_missing_source_voids_the_cells_of_its_request(engine, prompts):
+    """The worker voids a request whose patch source is gone: every cell packed in it reports the
+    error (none is silently scored without its patch)."""
+    clean, corrupt = prompts
+    gone = [Interventions(patch=(Patch.make("L1.post_block", [1], RunSource("seg-never-stored")),)) for _ in range(3)]
+    out = run(engine, corrupt, gone, segmented=True)
+    for i in range(3):
+        assert out[i].intervention.voided and "seg-never-stored" in out[i].intervention.errors[0]
+
+
+def test_an_engine_that_cannot_segment_says_so_and_runs_cells_alone(engine, prompts, monkeypatch):
+    clean, corrupt = prompts
+    monkeypatch.setattr(engine, "_segments_ok", False)
+    with pytest.raises(SpecError) as e:
+        run(engine, corrupt, cells_for(engine, len(corrupt), 4), segmented=True)
+    assert e.value.field == "segmented"
+    sizes = count_requests(engine, monkeypatch)
+    out = run(engine, corrupt, cells_for(engine, len(corrupt), 4))
+    assert sizes == [4] and all(not isinstance(r, Exception) for r in out.values())
+
+
+def test_the_attention_split_of_a_window_inside_segments():
+    """`split_segments` on vLLM's metadata: a plain request, and a 3-segment request (S = 32,
+    blocks of 16) whose window covers positions 40..79: segment 1 from its position 8, segment 2
+    whole; block tables start at each segment's first block."""
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from engine_ext.worker.segments import split_segments
+
+    qsl = torch.tensor([0, 5, 45], dtype=torch.int32)
+    seq = torch.tensor([9, 80], dtype=torch.int32)
+    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8) + 100
+    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=2,
+                                 num_actual_tokens=45, max_query_len=40, max_seq_len=80, block_table_tensor=bt,
+                                 slot_mapping=torch.zeros(45, dtype=torch.int64), _seq_lens_cpu=seq)
+    out = split_segments(cm, {1: 32}, 16)
+    assert out.num_reqs == 3
+    assert out.query_start_loc_cpu.tolist() == [0, 5, 29, 45]
+    assert out.seq_lens.tolist() == [9, 32, 16]
+    assert out._num_computed_tokens_cpu.tolist() == [4, 8, 0]
+    assert out.max_query_len == 24 and out.max_seq_len == 32 and out.num_actual_tokens == 45
+    assert out.block_table_tensor[0].tolist() == bt[0].tolist()
+    assert out.block_table_tensor[1, :6].tolist() == bt[1, 2:].tolist() and out.block_table_tensor[1, 6:].tolist() == [0, 0]
+    assert out.block_table_tensor[2, :4].tolist() == bt[1, 4:].tolist()
+    assert np.array_equal(out.slot_mapping.numpy(), cm.slot_mapping.numpy())
+
+
+def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells_run_alone(http, engine, tasks, monkeypatch):
+    """The sweep service's default for a prompt shorter than two KV blocks, where padding it to a
+    whole block is cheap (`cells.MAX_PADDING`): cells as segments (`segmented: true` in the
+    summary, far fewer requests); `prefix_reuse: false` keeps them segmented; `prefix_reuse: true`
+    runs one request per cell. All three grids are equal. (The bundled pair's few tokens in a
+    32-token block are too much padding for the default: the test allows any.)"""
+    from engine_ext.engine import cells as packing
+
+    pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
+    body = {"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"], "answer_token_id": pair["answer_id"],
+            "foil_token_id": pair["foil_id"], "metric": "logprob", "hooks": ["pre_attn", "post_block"]}
+    r = http.post("/v1/patch_sweep", json=body)
+    assert r.status_code == 200 and r.json()["segmented"] is False  # too much padding by default
+    monkeypatch.setattr(packing, "MAX_PADDING", 100.0)
+    sizes = count_requests(engine, monkeypatch)
+    runs = {}
+    for name, extra in (("default", {}), ("no_reuse", {"prefix_reuse": False}), ("reuse", {"prefix_reuse": True})):
+        sizes.clear()
+        r = http.post("/v1/patch_sweep", json={**body, **extra})
+        assert r.status_code == 200, r.text
+        runs[name] = (r.json(), sum(sizes))
+    (default, n_default), (no_reuse, _), (reuse, n_reuse) = runs["default"], runs["no_reuse"], runs["reuse"]
+    assert default["segmented"] is True and default["prefix_reuse"] is False
+    assert no_reuse["segmented"] is True and reuse["segmented"] is False and reuse["prefix_reuse"] is True
+    cells = default["cells_total"]
+    assert n_reuse >= cells and n_default < cells // 2, (n_default, n_reuse, cells)
+    for other in (no_reuse, reuse):
+        for a, b in zip(default["hook_grids"], other["hook_grids"]):
+            assert a["grid"] == b["grid"], (a["hook"], a["grid"], b["grid"])
+    assert default["noise_floor"] == 0.0
