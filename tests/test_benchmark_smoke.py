@@ -103,6 +103,17 @@ def test_the_worker_cell_bench_runs_and_reports():
     assert "function calls" in proc.stdout  # the profile of --profile
 
 
+def test_the_segmented_cells_bench_runs_and_reports_equal_scores():
+    """`benchmarks/diag/segment_cells.py` (cells as segments against one request per cell) on the
+    bundled model: it runs, reports both speeds and finds every cell's scores equal."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "segment_cells.py"), "--reps", "1",
+                           "--block-size", "16"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (line,) = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
+    assert line["equal_scores"] is True and line["cells_per_request"] >= 2 and line["speedup"] > 0, line
+
+
 def test_p1_profile_bench_runs_and_reports(tmp_path):
     """`benchmarks/diag/p1_stacks.py` (P1 with the stack sampler and both timelines, one window
     per variant), causalboard's side."""
