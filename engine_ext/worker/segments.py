@@ -19,7 +19,8 @@ carriers' positions and records the step's split; `CommonAttentionMetadata`, as 
 module names it, is replaced by a factory that applies `split_segments` while a step has
 carriers; after `_model_forward`, `score` computes the scores from its output. Refused for
 hybrids (their recurrent state would run through all segments) and where the runner is not V1:
-the engine then runs one request per cell instead (`Engine.generate_cells`).
+the engine then runs one request per cell instead (`Engine.agenerate_cells`). A GPU engine
+reports `segments` only with CAUSALBOARD_SEGMENTS=1 until the GPU matrix has checked them.
 """
 
 from __future__ import annotations
