@@ -48,8 +48,11 @@ class CausalboardWorkerExtension:
 
         # segmented requests (`engine_ext.worker.segments`) need the V1 runner with the seam's hooks;
         # checked bit for bit on the CPU only so far: a GPU engine offers them with CAUSALBOARD_SEGMENTS=1
+        # and never a full CUDA graph for mixed (prefill) batches: its attention metadata is captured
+        cg = getattr(getattr(self.model_runner, "compilation_config", None), "cudagraph_mode", None)
+        full_mixed = cg is not None and cg.mixed_mode() == type(cg).FULL
         segmented = (isinstance(self.model_runner, V1Runner) and getattr(V1Runner._prepare_inputs, "_cb_wrapped", False)
-                     and (st.device.type == "cpu" or os.environ.get("CAUSALBOARD_SEGMENTS") == "1"))
+                     and not full_mixed and (st.device.type == "cpu" or os.environ.get("CAUSALBOARD_SEGMENTS") == "1"))
         return {"segments": bool(segmented), "block_size": int(self.model_runner.cache_config.block_size),"num_layers": st.num_layers, "hidden_size": st.hidden, "embedding_std": std,
                 "patched_layers": patched, "runner": runner, "dtype": str(st.dtype).replace("torch.", ""),
                 "device": str(st.device), "buffer_bytes": int(st.buffers.nbytes()), "torch": str(torch.__version__),
