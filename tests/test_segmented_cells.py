@@ -211,3 +211,32 @@ def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells
         for a, b in zip(default["hook_grids"], other["hook_grids"]):
             assert a["grid"] == b["grid"], (a["hook"], a["grid"], b["grid"])
     assert default["noise_floor"] == 0.0
+
+
+def test_cells_are_packed_evenly_with_their_patches_moved_to_their_segment():
+    """`cells.pack`: as few requests as the limit allows, sizes within one of each other; cell j of
+    a request has its patch at `j*S + p` reading the stored run at `p` (given or implied), and its
+    score at `j*S + n - 1`; the prompt padded to S and repeated."""
+    from engine_ext.engine.cells import pack
+    from engine_ext.specs import InlineSource, ZeroSource
+
+    prompt = [7, 8, 9]
+    vec = np.ones(4, np.float32)
+    cells = [Interventions(patch=(Patch.make("L1.post_block", [i % 3], RunSource("r")),)) for i in range(8)]
+    cells[1] = None
+    cells[2] = Interventions(patch=(Patch.make("L0.pre_attn", "last_prompt", RunSource("r", (0,))),))
+    cells[3] = Interventions(patch=(Patch.make("L2.mlp_out", [0, 2], ZeroSource()),
+                                    Patch.make("L2.post_attn", [1], InlineSource((vec,)), alpha=0.5)))
+    carriers = pack(prompt, cells, (5, 6), 16, 3, 0)
+    assert [len(c.cells) for c in carriers] == [3, 3, 2]
+    first = carriers[0]
+    assert first.ids == (prompt + [0] * 13) * 3 and first.segments == {"len": 16, "score_pos": [2, 18, 34], "ids": [5, 6]}
+    (p0,), (p2,) = [p for p in first.spec.patch if p.site.layer == 1], [p for p in first.spec.patch if p.site.layer == 0]
+    assert p0.positions == (0,) and p0.source == RunSource("r", (0,))   # cell 0 in segment 0
+    assert p2.positions == (2 * 16 + 2,) and p2.source == RunSource("r", (0,))  # cell 2: last_prompt, given source
+    second = carriers[1]
+    assert second.cells == [3, 4, 5]
+    moved = {(p.site.hook, p.positions) for p in second.spec.patch}
+    assert ("mlp_out", (0, 2)) in moved and ("post_attn", (1,)) in moved  # cell 3 in segment 0 of the second
+    assert ("post_block", (16 + 1,)) in moved and ("post_block", (32 + 2,)) in moved  # cells 4 and 5
+    assert [p.alpha for p in second.spec.patch if p.site.hook == "post_attn"] == [0.5]

@@ -61,13 +61,18 @@ def segments_per_request(n_prompt: int, block_size: int, max_model_len: int, ste
 
 def pack(prompt: Sequence[int], cells: Sequence[Interventions | None], score_ids: Sequence[int], length: int,
          per_request: int, pad_id: int) -> list[Carrier]:
-    """The carriers for `cells` (all `packable`) on `prompt`, `per_request` cells each."""
+    """The carriers for `cells` (all `packable`) on `prompt`: as few as `per_request` cells each
+    allow, their sizes within one of each other (not a full request and a nearly empty one)."""
     n = len(prompt)
     info = PromptInfo(list(prompt), None, None, 1)
     padded = list(prompt) + [pad_id] * (length - n)
+    count = -(-len(cells) // per_request)
+    q, r = divmod(len(cells), count) if count else (0, 0)
     out = []
-    for first in range(0, len(cells), per_request):
-        idx = list(range(first, min(first + per_request, len(cells))))
+    first = 0
+    for c in range(count):
+        idx = list(range(first, first + q + (1 if c < r else 0)))
+        first = idx[-1] + 1
         patches: list[Patch] = []
         for j, i in enumerate(idx):
             for k, p in enumerate(cells[i].patch if cells[i] is not None else ()):
