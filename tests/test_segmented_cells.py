@@ -240,3 +240,31 @@ def test_cells_are_packed_evenly_with_their_patches_moved_to_their_segment():
     assert ("mlp_out", (0, 2)) in moved and ("post_attn", (1,)) in moved  # cell 3 in segment 0 of the second
     assert ("post_block", (16 + 1,)) in moved and ("post_block", (32 + 2,)) in moved  # cells 4 and 5
     assert [p.alpha for p in second.spec.patch if p.site.hook == "post_attn"] == [0.5]
+
+
+def test_global_steering_keeps_cells_out_of_segments(engine, prompts, monkeypatch):
+    """Global steering at a fixed position applies at each request's own positions: in a
+    segmented request only the first segment would get it. While any is set, cells run alone by
+    default (the same scores as `segmented=False`) and `segmented=True` is refused naming the field."""
+    from engine_ext.engine import cells as packing
+    from engine_ext.specs import Steer
+
+    clean, corrupt = prompts
+    monkeypatch.setattr(packing, "MAX_PADDING", 100.0)  # segments by default on this short prompt
+    cells = cells_for(engine, len(corrupt), 6)
+    v = np.random.default_rng(3).standard_normal(engine.info.hidden_size).astype(np.float32)
+    before = engine.global_steer
+    engine.set_global_steer([Steer.make(["L1.post_block"], v, scale=4.0, positions=[1])])
+    try:
+        sizes = count_requests(engine, monkeypatch)
+        steered = run(engine, corrupt, cells)
+        alone = run(engine, corrupt, cells, segmented=False)
+        with pytest.raises(SpecError) as e:
+            run(engine, corrupt, cells, segmented=True)
+        assert e.value.field == "segmented" and "global steering" in str(e.value)
+    finally:
+        engine.set_global_steer(before)
+    assert sizes[:2] == [len(cells), len(cells)]
+    assert all(steered[i].scores[0] == alone[i].scores[0] for i in range(len(cells)))
+    unsteered = run(engine, corrupt, cells, segmented=False)
+    assert unsteered[0].scores[0] != steered[0].scores[0]  # the global steering took effect

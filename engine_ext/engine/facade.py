@@ -791,6 +791,16 @@ class Engine(DynamicControl):
         with CAUSALBOARD_SEGMENTS=1)."""
         return self._segments_block if self._segments_ok and not getattr(self, "is_hybrid", False) else None
 
+    def _segments_blocked(self) -> str | None:
+        """Why cells cannot be segments now (None: they can): global steering, clamps or dynamic
+        policies apply to every request at its own positions, which in a segmented request would
+        be the first segment's only."""
+        if self._global or self._global_clamps:
+            return "global steering or clamps are set (they apply at each request's own positions)"
+        if self.dynamic_policies():
+            return "global dynamic policies are set"
+        return None
+
     def segment_layout(self, n_prompt: int) -> tuple[int, int] | None:
         """(segment length, cells per request) that `agenerate_cells` uses by default for cells of
         an `n_prompt`-token prompt, or None where it runs them as requests of their own (the engine
@@ -798,7 +808,7 @@ class Engine(DynamicControl):
         `cells.MAX_PADDING` of the prompt)."""
         from engine_ext.engine import cells as packing
 
-        if self.segment_block is None:
+        if self.segment_block is None or self._segments_blocked():
             return None
         length, k = packing.segments_per_request(n_prompt, self.segment_block, self.info.max_model_len,
                                                  self._segments_step_tokens)
@@ -830,6 +840,8 @@ class Engine(DynamicControl):
         if segmented and not can:
             raise SpecError("segmented", "this engine cannot run segmented requests (vLLM's V1 runner with "
                                          "causalboard's seam is needed, and no hybrid model)")
+        if segmented and self._segments_blocked():
+            raise SpecError("segmented", f"cells cannot be segments now: {self._segments_blocked()}")
         loop = self._require_loop()
         use = (self.segment_layout(len(ids)) is not None) if segmented is None else segmented
         packed = [i for i, c in enumerate(cells) if packing.packable(c)] if use else []
