@@ -797,7 +797,7 @@ class Engine(DynamicControl):
         be the first segment's only."""
         if self._global or self._global_clamps:
             return "global steering or clamps are set (they apply at each request's own positions)"
-        if self.dynamic_policies():
+        if self.dynamic_policies:
             return "global dynamic policies are set"
         return None
 

@@ -481,10 +481,11 @@ def _wrap_execute_model(cls: Any) -> None:
                     if eplb is not None:
                         vars(eplb).pop("_cb_open", None)
                     state.finish_step()
-                    state.step_scores = []
                 raise
             finally:
                 segments.clear_step()
+                if state is not None:
+                    state.step_scores = []  # scored by the step's forward, or not to be scored at all
             if state is not None:
                 state.after_forward()
             return out
