@@ -28,11 +28,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=None, help="vLLM's KV block size (default: the engine's)")
+    ap.add_argument("--batch-invariant", action="store_true", help="GPU: vLLM's batch-invariant kernels (off by default here)")
     args = ap.parse_args()
     from engine_ext import Engine
     from engine_ext.specs import Interventions, Patch, RunSource
 
-    kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8, batch_invariant=False) \
+    kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8, batch_invariant=args.batch_invariant) \
         if args.device == "cuda" else {}
     if args.model:
         kw["model"] = args.model
