@@ -564,8 +564,8 @@ class Engine(DynamicControl):
             if segments is not None:  # segment-local positions: no block of it may serve another request
                 program = {**program, "segments": segments}
                 program["hash"] = spec_hash([program["hash"], segments])
-                extra_args = program_to_extra_args(program, kv_salt=f"cb-{program['hash']}-{prep.key}")
-                extra_args[KV_SALT_KEY] = [0, f"cb-{program['hash']}-{prep.key}"]
+                extra_args = program_to_extra_args(program)
+                extra_args[KV_SALT_KEY] = [0, f"cb-{program['hash']}-{prep.key}"]  # every block, from position 0
             elif template is not None:
                 program = template.program
                 extra_args = template.extra_args(prep.key, kv_salt=f"cb-{template.hash}-{prep.key}")
@@ -840,15 +840,17 @@ class Engine(DynamicControl):
         if segmented and not can:
             raise SpecError("segmented", "this engine cannot run segmented requests (vLLM's V1 runner with "
                                          "causalboard's seam is needed, and no hybrid model)")
-        if segmented and self._segments_blocked():
-            raise SpecError("segmented", f"cells cannot be segments now: {self._segments_blocked()}")
+        blocked = self._segments_blocked() if segmented else None
+        if blocked:
+            raise SpecError("segmented", f"cells cannot be segments now: {blocked}")
         loop = self._require_loop()
-        use = (self.segment_layout(len(ids)) is not None) if segmented is None else segmented
+        layout = self.segment_layout(len(ids))
+        use = layout is not None if segmented is None else segmented
         packed = [i for i, c in enumerate(cells) if packing.packable(c)] if use else []
         carriers: list = []
         if len(packed) >= 2 and ids:
-            length, k = packing.segments_per_request(len(ids), self._segments_block, self.info.max_model_len,
-                                                     self._segments_step_tokens)
+            length, k = layout or packing.segments_per_request(len(ids), self._segments_block, self.info.max_model_len,
+                                                               self._segments_step_tokens)
             try:
                 if k >= 2:
                     check_score_token_ids(list(score_ids), self.info.vocab_size)
