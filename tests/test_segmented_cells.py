@@ -131,6 +131,8 @@ def test_cells_that_cannot_be_packed_run_alone_and_bad_cells_get_their_own_error
         assert out[i].scores[0] == alone[i].scores[0], i
     # the bad cell made the packing fall back: every cell ran alone and reported its own result
     assert sizes[0] == len(cells) - 1, sizes
+    empty = run(engine, [], cells[:3])  # an empty prompt: each cell's error names it, the engine serves on
+    assert all(isinstance(empty[i], SpecError) and empty[i].field == "prompt" for i in range(3)), empty
 
 
 def test_a_missing_source_voids_the_cells_of_its_request(engine, prompts):

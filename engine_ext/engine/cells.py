@@ -54,6 +54,8 @@ def segments_per_request(n_prompt: int, block_size: int, max_model_len: int, ste
     """(segment length S, cells per request K) for a prompt of `n_prompt` tokens: S the next
     multiple of the block size; K as many as fit the context (the prompt plus the one generated
     token), one step's token budget and `MAX_SEGMENTS`."""
+    if n_prompt <= 0:  # nothing to pack (each cell's own request reports the empty prompt)
+        return 0, 0
     length = -(-n_prompt // block_size) * block_size
     k = min((max_model_len - 1) // length, max(1, step_tokens // length), MAX_SEGMENTS)
     return length, k
