@@ -350,13 +350,47 @@ def run_checks(args, eng=None) -> dict:
                 "score_engine": score_engine, "score_oracle": score_oracle, "score_tolerance": score_tol,
                 "ungated_logprob_apart": apart, "tolerance": LOGPROB_TOL_BF16}
 
+    def segmented_cells():
+        # every (layer, hook, position) patch of the corrupt prompt from the clean run, as the
+        # segments of shared requests and as one request per cell: the same scores, bit for bit
+        # (docs/segmented-cells.md); the engine must offer segments in every configuration
+        import asyncio
+
+        from engine_ext.specs import RunSource
+
+        clean = P["clean"] if isinstance(P["clean"], list) else eng.tokenize(P["clean"])
+        corrupt = P["corrupt"] if isinstance(P["corrupt"], list) else eng.tokenize(P["corrupt"])
+        if eng.segment_block is None:
+            return {"ok": False, "error": "this engine does not offer segmented requests"}
+        hooks = ("pre_attn", "post_attn", "post_block", "mlp_out")
+        eng.capture(clean, [f"L{l}.{h}" for l in range(L) for h in hooks], "all_prompt", keep_as="seg", return_values=False)
+        cells = [Interventions(patch=(Patch.make(f"L{l}.{h}", [p], RunSource("seg")),))
+                 for l in range(L) for h in hooks for p in range(len(corrupt))] + [None]  # and one baseline
+
+        async def run(segmented):
+            out = {}
+            async for i, res in eng.agenerate_cells(corrupt, cells, [P["ans"], P["foil"]], segmented=segmented):
+                if isinstance(res, Exception):
+                    raise res
+                out[i] = (res.scores[0], bool(getattr(res.intervention, "voided", False)))
+            return out
+
+        seg, alone = asyncio.run(run(True)), asyncio.run(run(False))
+        eng.drop_source("seg")
+        diff = max(abs(seg[i][0][t] - alone[i][0][t]) for i in alone for t in alone[i][0])
+        values["segmented_cells"] = {"first": seg[0][0], "baseline": seg[len(cells) - 1][0]}
+        return {"ok": len(seg) == len(alone) == len(cells) and all(seg[i] == alone[i] for i in alone)
+                and not any(v for _, v in alone.values()), "cells": len(cells), "max_abs_diff": diff,
+                "segment_block": eng.segment_block}
+
     for name, fn in [("captures_vs_oracle", captures), ("self_patch_bit_exact", self_patch), ("steering_vs_oracle", steering),
                      ("corrupt_to_clean_bit_exact", corrupt_to_clean), ("neighbours_bit_exact", neighbours),
                      ("prefix_cache_isolation", prefix_cache), ("missing_source_voided", voided),
                      ("logprobs_only_on_request", logprobs_on_request), ("mlp_out_zero_vs_oracle", mlp_out_zero),
                      ("mlp_out_steer_equals_post_block", mlp_out_steer_equals_post_block), ("mlp_in_steer_vs_oracle", mlp_in_steer),
                      ("masked_patch_bit_exact", masked_patch), ("masked_steer_vs_oracle", masked_steer),
-                     ("clamps_vs_oracle", clamps), ("row_gate_vs_oracle", row_gate)]:
+                     ("clamps_vs_oracle", clamps), ("row_gate_vs_oracle", row_gate),
+                     ("segmented_cells_bit_exact", segmented_cells)]:
         check(name, fn)
     res["all_ok"] = all(c.get("ok") for c in checks.values())
     ref = None  # free the oracle's GPU memory (the checks above are done with it)

@@ -116,6 +116,9 @@ def test_execute_model_closes_a_step_left_open_when_vllm_raises():
     calls = []
 
     class State:
+        segmented: dict = {}  # no segmented requests (WorkerState's)
+        step_scores: list = []
+
         def on_schedule(self, so):
             calls.append("schedule")
 

@@ -183,6 +183,62 @@ def test_the_attention_split_of_a_window_inside_segments():
     assert np.array_equal(out.slot_mapping.numpy(), cm.slot_mapping.numpy())
 
 
+def test_the_attention_split_of_v2_metadata_keeps_other_rows_device_lengths():
+    """V2's runner builds the metadata without an exact host copy of the sequence lengths (only an
+    upper bound): the carrier's lengths come from the bound (a prefill's is exact), every other
+    row keeps the length the device holds (here deliberately below its bound), and
+    `is_prefilling` keeps other rows' values while segments are prefill."""
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from engine_ext.worker.segments import split_segments
+
+    qsl = torch.tensor([0, 1, 41], dtype=torch.int32)
+    device_seq = torch.tensor([7, 80], dtype=torch.int32)  # row 0 (a decode): 7 on the device
+    bound = torch.tensor([9, 80], dtype=torch.int32)  # its host bound: 9
+    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8) + 100
+    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=device_seq, num_reqs=2,
+                                 num_actual_tokens=41, max_query_len=40, max_seq_len=80, block_table_tensor=bt,
+                                 slot_mapping=torch.zeros(41, dtype=torch.int64), seq_lens_cpu_upper_bound=bound,
+                                 is_prefilling=torch.tensor([False, True]))
+    out = split_segments(cm, {1: 32}, 16)
+    assert out.num_reqs == 3 and out.query_start_loc_cpu.tolist() == [0, 1, 25, 41]
+    assert out.seq_lens.tolist() == [7, 32, 16]  # the decode row's device length, the segments' own
+    assert out._seq_lens_cpu is None and out._num_computed_tokens_cpu is None  # as V2 had them
+    assert out.seq_lens_cpu_upper_bound.tolist() == [9, 32, 16]
+    assert out.is_prefilling.tolist() == [False, True, True]
+    assert out.block_table_tensor[1, :6].tolist() == bt[1, 2:].tolist() and out.block_table_tensor[2, :4].tolist() == bt[1, 4:].tolist()
+
+
+def test_a_step_with_a_segmented_request_never_takes_a_full_cuda_graph():
+    """Both runners pick a step's CUDA-graph mode from whether it is a uniform decode batch; a full
+    graph replays captured attention metadata, which the split would not reach. While a step
+    schedules a segmented request (`segments.carriers_scheduled`), V1 is told the batch is not a
+    uniform decode one and V2's dispatch gets no uniform token count; other steps are untouched."""
+    import types
+
+    from engine_ext.worker import seam, segments
+
+    seen = []
+
+    class V1:
+        def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, force_uniform_decode=None, **kw):
+            seen.append(("v1", force_uniform_decode))
+
+    seam._wrap_v1_batch_execution(V1)
+    mod = types.SimpleNamespace(dispatch_cg_and_sync_dp=lambda mgr, n_reqs, n_tok, uniform, *a, **k: seen.append(("v2", uniform)))
+    seam._wrap_v2_dispatch(mod)
+    try:
+        for scheduled in (False, True):
+            segments.set_carriers_scheduled(scheduled)
+            V1()._determine_batch_execution_and_padding(num_tokens=8, num_reqs=8)
+            V1()._determine_batch_execution_and_padding(num_tokens=8, num_reqs=8, force_uniform_decode=True)  # capture
+            mod.dispatch_cg_and_sync_dp(None, 8, 8, 1, 1, 0)
+    finally:
+        segments.set_carriers_scheduled(False)
+    assert seen == [("v1", None), ("v1", True), ("v2", 1), ("v1", False), ("v1", True), ("v2", None)]
+
+
 def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells_run_alone(http, engine, tasks, monkeypatch):
     """The sweep service's default for a prompt shorter than two KV blocks, where padding it to a
     whole block is cheap (`cells.MAX_PADDING`): cells as segments (`segmented: true` in the

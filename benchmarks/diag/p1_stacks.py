@@ -84,6 +84,16 @@ def cb_variants(args, prompt):
     prompts = [corrupt] * len(cells)
     variants = {name: (lambda specs=specs: eng.generate(prompts, one, specs))
                 for name, specs in (("nospec", None), ("scored", scored), ("patched", patched))}
+    if eng.segment_layout(len(corrupt)) is not None:  # the same cells as the segments of shared requests
+        import asyncio
+
+        cell_specs = [Interventions(patch=s.patch) for s in patched]
+
+        async def _cells():
+            async for _, res in eng.agenerate_cells(corrupt, cell_specs, score, segmented=True):
+                if isinstance(res, Exception):
+                    raise res
+        variants["cells_seg"] = lambda: asyncio.run(_cells())
     if args.chunk_ab:  # each variant also with every batch in one message (the eleventh session's submission)
         from engine_ext.worker import seam
 
@@ -99,6 +109,10 @@ def cb_variants(args, prompt):
 
             for g in (int(x) for x in args.sweep_groups.split(",") if x):
                 variants[f"sweep_http_g{g}"] = _with_attributes(sweep, service, GROUP_MAX=g, GROUPS_PER_WINDOW=1)
+        if args.seg_ab:  # the same sweep with every cell its own request (no segments)
+            from app.sweep import service
+
+            variants["sweep_http_noseg"] = _with_attributes(sweep, service, segments_default=lambda *a, **k: False)
         if args.chunk_ab:
             variants["sweep_http_onemsg"] = _with_attributes(sweep, seam, BATCH_CHUNKS=(1 << 30,))
 
@@ -115,7 +129,7 @@ def _with_attributes(run, owner, **values):
         for name, value in values.items():
             setattr(owner, name, value)
         try:
-            run()
+            return run()
         finally:
             for name, value in saved.items():
                 setattr(owner, name, value)
@@ -139,6 +153,7 @@ def _http_sweep(eng, clean, corrupt, hooks):
         r = client.post("/v1/patch_sweep", json=body)
         r.raise_for_status()
         assert r.json()["cells_done"] > 0, r.json().get("notes")
+        return {"segmented": r.json().get("segmented"), "cells": r.json()["cells_done"]}
 
     def stop():
         client.close()
@@ -163,6 +178,9 @@ def main():
                     help="cb: also each variant with every batch sent to the core in one message (<variant>_onemsg)")
     ap.add_argument("--sweep-groups", default="",
                     help="cb --http: also the sweep with the fan-out's groups of each of these sizes (sweep_http_gN)")
+    ap.add_argument("--seg-ab", action="store_true",
+                    help="cb --http: also the sweep with every cell its own request (sweep_http_noseg; "
+                         "segments where the engine runs them: docs/segmented-cells.md)")
     ap.add_argument("--interleave", action="store_true",
                     help="timed repetitions round-robin over the variants (then the sampled windows)")
     ap.add_argument("--compilation-config", default="",
@@ -188,9 +206,14 @@ def main():
         print(json.dumps({"bench": "p1", "engine": args.engine, "variant": name,
                           "seconds": round(time.perf_counter() - t, 4)}), flush=True)
 
+    def warm(name, run):
+        got = run()
+        if isinstance(got, dict):  # a sweep: how its cells ran
+            print(json.dumps({"bench": "p1_sweep_mode", "variant": name, **got}), flush=True)
+
     if args.interleave:  # A/B comparisons: the machine's slow phases hit every variant alike
-        for run in variants.values():
-            run()  # warm-up
+        for name, run in variants.items():
+            warm(name, run)
         for _ in range(args.reps):
             for name, run in variants.items():
                 timed(name, run)
@@ -198,7 +221,7 @@ def main():
             sampled_window(args.dir, flag, name, run, args.reps, "p1_sampled", extra)
     else:
         for name, run in variants.items():
-            run()  # warm-up
+            warm(name, run)
             for _ in range(args.reps):
                 timed(name, run)
             sampled_window(args.dir, flag, name, run, args.reps, "p1_sampled", extra)

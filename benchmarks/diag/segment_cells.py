@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=None, help="vLLM's KV block size (default: the engine's)")
     ap.add_argument("--batch-invariant", action="store_true", help="GPU: vLLM's batch-invariant kernels (off by default here)")
+    ap.add_argument("--kv-gib", type=float, default=None, help="GPU: a fixed KV cache of this size (beside other engines)")
     args = ap.parse_args()
     from engine_ext import Engine
     from engine_ext.specs import Interventions, Patch, RunSource
@@ -38,8 +39,14 @@ def main() -> None:
     if args.model:
         kw["model"] = args.model
         kw.setdefault("max_model_len", 4096)
+    if args.kv_gib and args.device == "cuda":
+        from benchmarks.gpu_validate import engine_memory
+
+        mem = engine_memory(args.kv_gib, args.device, 0.8)
+        kw["gpu_memory_utilization"] = mem["gpu_memory_utilization"]
+        kw["engine_kwargs"] = dict(mem["engine_kwargs"])
     if args.block_size:
-        kw["engine_kwargs"] = {"block_size": args.block_size}
+        kw["engine_kwargs"] = {**kw.get("engine_kwargs", {}), "block_size": args.block_size}
     eng = Engine(device=args.device, **kw).start()
     L, hooks = eng.info.num_layers, ("pre_attn", "post_attn", "post_block")
     if args.model:
@@ -83,7 +90,9 @@ def main() -> None:
     print(json.dumps({"bench": "segment_cells", "model": args.model or "bundled", "device": args.device,
                       "block_size": eng.segment_block,
                       "cells": len(cells), "prompt_tokens": len(corrupt), "segment_len": length, "cells_per_request": k,
-                      "equal_scores": all(ref[i] == got[i] for i in ref), "alone_s": times["alone"],
+                      "equal_scores": all(ref[i] == got[i] for i in ref),
+                      "max_abs_diff": max(abs(ref[i][t] - got[i][t]) for i in ref for t in ref[i]),
+                      "batch_invariant": args.batch_invariant, "alone_s": times["alone"],
                       "segmented_s": times["segmented"],
                       "speedup": round(statistics.median(times["alone"]) / statistics.median(times["segmented"]), 3),
                       "alone_cells_per_s": round(len(cells) / statistics.median(times["alone"]), 1),

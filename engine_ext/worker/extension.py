@@ -8,8 +8,6 @@ are plain msgpack-able data (bytes, lists, dicts), as `collective_rpc` requires 
 
 from __future__ import annotations
 
-import os
-
 from typing import Any
 
 from engine_ext.worker.seam import close_state, install, runner_state
@@ -44,16 +42,8 @@ class CausalboardWorkerExtension:
         pp = get_pp_group()
         st.tp_rank, st.pp_rank = int(get_tensor_model_parallel_rank()), int(pp.rank_in_group)
         runner = type(self.model_runner).__module__ + "." + type(self.model_runner).__qualname__
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
-
-        # segmented requests (`engine_ext.worker.segments`) need the V1 runner with the seam's hooks;
-        # checked bit for bit on the CPU only so far: a GPU engine offers them with CAUSALBOARD_SEGMENTS=1
-        # and never a full CUDA graph for mixed (prefill) batches: its attention metadata is captured
-        cg = getattr(getattr(self.model_runner, "compilation_config", None), "cudagraph_mode", None)
-        full_mixed = cg is not None and cg.mixed_mode() == type(cg).FULL
-        segmented = (isinstance(self.model_runner, V1Runner) and getattr(V1Runner._prepare_inputs, "_cb_wrapped", False)
-                     and not full_mixed and (st.device.type == "cpu" or os.environ.get("CAUSALBOARD_SEGMENTS") == "1"))
-        return {"segments": bool(segmented), "block_size": int(self.model_runner.cache_config.block_size),"num_layers": st.num_layers, "hidden_size": st.hidden, "embedding_std": std,
+        segmented = segments_offered(self.model_runner)
+        return {"segments": bool(segmented), "block_size": int(self.model_runner.cache_config.block_size), "num_layers": st.num_layers, "hidden_size": st.hidden, "embedding_std": std,
                 "patched_layers": patched, "runner": runner, "dtype": str(st.dtype).replace("torch.", ""),
                 "device": str(st.device), "buffer_bytes": int(st.buffers.nbytes()), "torch": str(torch.__version__),
                 "tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "tp_size": int(get_tensor_model_parallel_world_size()),
@@ -171,3 +161,27 @@ class CausalboardWorkerExtension:
         from engine_ext.worker import state_hygiene
 
         return state_hygiene.set_mode(self.model_runner, **dict(options or {}))
+
+
+def segments_offered(runner) -> bool:
+    """Whether this worker runs segmented requests (`engine_ext.worker.segments`): its runner is
+    vLLM's V1 or V2 runner with the seam's hooks on it, no full CUDA graph runs mixed (prefill)
+    batches (their attention metadata is captured, not split), and the model has no per-request
+    attention extras the split does not carry (R-SWA prefix lengths, multimodal document ranges,
+    decode context parallelism)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    if isinstance(runner, V1Runner):
+        hooked = getattr(V1Runner._prepare_inputs, "_cb_wrapped", False)
+    else:
+        try:
+            from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+        except ImportError:
+            return False
+        hooked = isinstance(runner, V2Runner) and getattr(V2Runner.prepare_attn, "_cb_wrapped", False)
+    cg = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
+    full_mixed = cg is not None and cg.mixed_mode() == type(cg).FULL
+    mc, pc = getattr(runner, "model_config", None), getattr(runner, "parallel_config", None)
+    extras = (getattr(mc, "rswa_window", None) is not None or bool(getattr(mc, "is_mm_prefix_lm", False))
+              or (getattr(pc, "decode_context_parallel_size", 1) or 1) > 1)
+    return bool(hooked and not full_mixed and not extras)

@@ -49,9 +49,17 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   `CommonAttentionMetadata` as `vllm.v1.worker.gpu_model_runner` names it (the class its
   `_build_attention_metadata` builds once per step for every attention backend): a factory that
   applies that split (`segments.split_segments`) while a step has segmented requests. Inert for
-  every other step; cleared when `execute_model` returns or raises. The V2 runner is not hooked:
-  it runs no segmented requests (`cb_model_info` reports `segments: false`; cells then run as
-  requests of their own).
+  every other step; cleared when `execute_model` returns or raises. V1
+  `_determine_batch_execution_and_padding`: a step that schedules a segmented request
+  (`segments.carriers_scheduled`, set by `execute_model` from the `SchedulerOutput`) is never a
+  uniform decode batch, so it never replays a FULL CUDA graph (its captured attention metadata is
+  not split).
+* V2 `GPUModelRunner.prepare_attn`, after it (slot mappings computed from the positions): the same
+  positions and split as V1's `_prepare_inputs`; `CommonAttentionMetadata` as
+  `vllm.v1.worker.gpu.attn_utils` names it (`build_attn_metadata`): the same factory;
+  `dispatch_cg_and_sync_dp` as `vllm.v1.worker.gpu.model_runner` names it: no uniform token count
+  for a step with a segmented request (no FULL graph). The scores of a V2 step are taken after
+  `execute_model` from its `execute_model_state.hidden_states` (the last pipeline stage's).
 * V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
   `query_start_loc_np`, `num_computed_tokens_np`). A step with dynamic steering is left open
   there (`WorkerState.plan_step(defer=True)`) and finished by
@@ -473,8 +481,13 @@ def _wrap_execute_model(cls: Any) -> None:
             state = runner_state(self)
             if state is not None:
                 state.on_schedule(scheduler_output)
+                segments.set_carriers_scheduled(
+                    bool(state.segmented) and not state.segmented.keys().isdisjoint(scheduler_output.num_scheduled_tokens))
             try:
                 out = orig(self, scheduler_output, *args, **kwargs)
+                if state is not None and state.step_scores:  # V2: scored here, from the step's final hidden states
+                    ems = getattr(self, "execute_model_state", None)
+                    state.score_segments(getattr(ems, "hidden_states", None), self.model)
             except BaseException:
                 if state is not None:
                     eplb = getattr(self, "eplb", None)
@@ -484,6 +497,7 @@ def _wrap_execute_model(cls: Any) -> None:
                 raise
             finally:
                 segments.clear_step()
+                segments.set_carriers_scheduled(False)
                 if state is not None:
                     state.step_scores = []  # scored by the step's forward, or not to be scored at all
             if state is not None:
@@ -532,10 +546,69 @@ def _wrap_v1_prepare_inputs(cls: Any) -> None:
     _wrap_method(cls, "_prepare_inputs", make)
 
 
-def _wrap_v1_common_attn_metadata(module: Any) -> None:
-    """`CommonAttentionMetadata` as the V1 runner's module names it (its `_build_attention_metadata`
-    builds one per step and hands it to every attention backend's builder): a factory that splits
-    segmented requests into their segments while the step being prepared has any
+def _wrap_v1_batch_execution(cls: Any) -> None:
+    """V1 `_determine_batch_execution_and_padding` (after `_prepare_inputs`, it picks the step's
+    CUDA-graph mode): a step that schedules a segmented request is never a uniform decode batch,
+    so it never replays a FULL graph, whose captured attention metadata would not be split."""
+    from engine_ext.worker import segments
+
+    def make(orig):
+        def _determine_batch_execution_and_padding(self, *args, **kwargs):
+            if segments.carriers_scheduled() and kwargs.get("force_uniform_decode") is None:
+                kwargs["force_uniform_decode"] = False
+            return orig(self, *args, **kwargs)
+        return _determine_batch_execution_and_padding
+
+    _wrap_method(cls, "_determine_batch_execution_and_padding", make)
+
+
+def _wrap_v2_prepare_attn(cls: Any) -> None:
+    """V2 `prepare_attn(input_batch)`, after it (slot mappings computed from the positions):
+    segmented requests' rows get segment-local positions and the step's attention split is set
+    (`engine_ext.worker.segments.begin_step`), as V1's `_prepare_inputs`."""
+    from engine_ext.worker import segments
+
+    def make(orig):
+        def prepare_attn(self, input_batch, *args, **kwargs):
+            segments.clear_step()
+            out = orig(self, input_batch, *args, **kwargs)
+            state = runner_state(self)
+            if state is not None and state.segmented:
+                n = input_batch.num_reqs
+                state.step_scores = segments.begin_step(input_batch.req_ids[:n], input_batch.query_start_loc_np[: n + 1],
+                                                        input_batch.num_computed_tokens_np[:n], input_batch.positions,
+                                                        state.segmented, self.cache_config.block_size)
+            return out
+        return prepare_attn
+
+    _wrap_method(cls, "prepare_attn", make)
+
+
+def _wrap_v2_dispatch(module: Any) -> None:
+    """`dispatch_cg_and_sync_dp` as the V2 runner's module names it (called before the step's
+    inputs are prepared): a step that schedules a segmented request is dispatched as a
+    non-uniform batch, so it never replays a FULL graph (captured, unsplit attention metadata)."""
+    from engine_ext.worker import segments
+
+    orig = module.dispatch_cg_and_sync_dp
+    if getattr(orig, "_cb_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def dispatch_cg_and_sync_dp(cudagraph_manager, num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
+        if segments.carriers_scheduled():
+            uniform_token_count = None
+        return orig(cudagraph_manager, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+
+    dispatch_cg_and_sync_dp._cb_wrapped = True
+    module.dispatch_cg_and_sync_dp = dispatch_cg_and_sync_dp
+
+
+def _wrap_common_attn_metadata(module: Any) -> None:
+    """`CommonAttentionMetadata` as a runner's module names it (V1: `gpu_model_runner`, whose
+    `_build_attention_metadata` builds one per step; V2: `gpu.attn_utils`, whose
+    `build_attn_metadata` does) and hands to every attention backend's builder: a factory that
+    splits segmented requests into their segments while the step being prepared has any
     (`engine_ext.worker.segments.split_segments`), the class itself otherwise."""
     from engine_ext.worker import segments
 
@@ -703,11 +776,16 @@ STATE_HYGIENE_PATCHES: tuple[Patch, ...] = (
 
 PATCHES: tuple[Patch, ...] = (
     *(_layer_patch(module, cls) for module, cls in LAYER_FORWARD_SHA),
-    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("execute_model", "_model_forward", "_prepare_inputs"),
-          lambda c: (_wrap_execute_model(c), _wrap_v1_model_forward(c), _wrap_v1_prepare_inputs(c))),
-    Patch("vllm.v1.worker.gpu_model_runner", None, ("CommonAttentionMetadata",), _wrap_v1_common_attn_metadata),
-    Patch("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("execute_model", "prepare_inputs"),
-          lambda c: (_wrap_execute_model(c), _wrap_v2_prepare_inputs(c)), optional=True),
+    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
+          ("execute_model", "_model_forward", "_prepare_inputs", "_determine_batch_execution_and_padding"),
+          lambda c: (_wrap_execute_model(c), _wrap_v1_model_forward(c), _wrap_v1_prepare_inputs(c),
+                     _wrap_v1_batch_execution(c))),
+    Patch("vllm.v1.worker.gpu_model_runner", None, ("CommonAttentionMetadata",), _wrap_common_attn_metadata),
+    Patch("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("execute_model", "prepare_inputs", "prepare_attn"),
+          lambda c: (_wrap_execute_model(c), _wrap_v2_prepare_inputs(c), _wrap_v2_prepare_attn(c)), optional=True),
+    Patch("vllm.v1.worker.gpu.model_runner", None, ("dispatch_cg_and_sync_dp",), _wrap_v2_dispatch, optional=True),
+    Patch("vllm.v1.worker.gpu.attn_utils", None, ("CommonAttentionMetadata",), _wrap_common_attn_metadata,
+          optional=True),
     Patch("vllm.v1.worker.gpu.eplb_utils", "EPLBController", ("prepare_forward",), _wrap_v2_prepare_forward,
           optional=True),
     *KV_SALT_PATCHES,

@@ -13,14 +13,18 @@ request's `logprob_token_ids` (raw logprobs). This is how a sweep runs many cell
 (docs/segmented-cells.md): the per-request costs of vLLM's scheduler, input and output
 paths are paid once per K cells.
 
-Where it runs (the seam, `engine_ext.worker.seam`): V1 runner only (the CPU runner's and, with
-`VLLM_USE_V2_MODEL_RUNNER=0`, the GPU's). After `_prepare_inputs`, `begin_step` rewrites the
-carriers' positions and records the step's split; `CommonAttentionMetadata`, as the V1 runner's
-module names it, is replaced by a factory that applies `split_segments` while a step has
-carriers; after `_model_forward`, `score` computes the scores from its output. Refused for
-hybrids (their recurrent state would run through all segments) and where the runner is not V1:
-the engine then runs one request per cell instead (`Engine.agenerate_cells`). A GPU engine
-reports `segments` only with CAUSALBOARD_SEGMENTS=1 until the GPU matrix has checked them.
+Where it runs (the seam, `engine_ext.worker.seam`): both of vLLM's runners. V1 (the CPU
+runner's and, with `VLLM_USE_V2_MODEL_RUNNER=0`, the GPU's): after `_prepare_inputs`, `begin_step`
+rewrites the carriers' positions and records the step's split; `CommonAttentionMetadata`, as the V1
+runner's module names it, is replaced by a factory that applies `split_segments` while a step has
+carriers; after `_model_forward`, `score` computes the scores from its output. V2 (the GPU's
+default): the same after its `prepare_attn` (which computes the slot mappings from the positions),
+the same factory in `attn_utils` (its `build_attn_metadata`), the scores from the step's final
+hidden states after `execute_model`. A step that schedules a carrier never replays a FULL CUDA
+graph (`carriers_scheduled`: the runner's dispatch is told the batch is not a uniform decode one),
+since a full graph reads the captured, unsplit attention metadata. Refused for hybrids (their
+recurrent state would run through all segments): the engine then runs one request per cell
+instead (`Engine.agenerate_cells`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,16 @@ def active_split() -> tuple[dict[int, int], int] | None:
 
 def clear_step() -> None:
     _STEP.split = None
+
+
+def set_carriers_scheduled(scheduled: bool) -> None:
+    """Whether the step this thread is about to run schedules a segmented request (set from the
+    scheduler's output before the runner picks the step's CUDA-graph mode)."""
+    _STEP.scheduled = scheduled
+
+
+def carriers_scheduled() -> bool:
+    return getattr(_STEP, "scheduled", False)
 
 
 def begin_step(req_ids, query_start_loc: np.ndarray, num_computed: np.ndarray, positions: torch.Tensor,
@@ -77,16 +91,23 @@ def split_segments(cm: Any, carriers: dict[int, int], block_size: int) -> Any:
     """vLLM's `CommonAttentionMetadata` `cm` with each carrier (batch index -> segment length S)
     replaced by one sequence per segment its window touches: the window's rows inside the
     segment, the segment's length up to the window's end, the block table from the segment's
-    first block. A window may start or end inside a segment (chunked prefill)."""
+    first block. A window may start or end inside a segment (chunked prefill). Other rows keep
+    their values: where `cm` has no exact host copy of the sequence lengths (V2), their device
+    values are gathered, and a carrier's (a prefill: `num_computed + scheduled`, exact) comes from
+    the host's upper bound."""
     qsl = cm.query_start_loc_cpu.tolist()
-    seq = (cm._seq_lens_cpu if cm._seq_lens_cpu is not None else cm.seq_lens.cpu()).tolist()
+    exact = cm._seq_lens_cpu is not None
+    host_seq = cm._seq_lens_cpu if exact else cm.seq_lens_cpu_upper_bound
+    seq = (host_seq if host_seq is not None else cm.seq_lens.cpu()).tolist()
     q_lens: list[int] = []
     s_lens: list[int] = []
     rows: list[tuple[int, int]] = []  # (batch index, first block)
+    kept: list[int] = []  # indices into rows of the non-carrier rows
     for i in range(cm.num_reqs):
         q = qsl[i + 1] - qsl[i]
         length = carriers.get(i)
         if length is None:
+            kept.append(len(rows))
             q_lens.append(q)
             s_lens.append(seq[i])
             rows.append((i, 0))
@@ -98,21 +119,33 @@ def split_segments(cm: Any, carriers: dict[int, int], block_size: int) -> Any:
             s_lens.append(b - j * length)
             rows.append((i, j * length // block_size))
     bt = cm.block_table_tensor
+    dev = bt.device
     width = bt.shape[1]
     src = torch.tensor([i for i, _ in rows], dtype=torch.long)
     first = torch.tensor([f for _, f in rows], dtype=torch.long)
     cols = (first[:, None] + torch.arange(width)[None, :]).clamp_(max=width - 1)
-    new_bt = bt[src.to(bt.device)[:, None], cols.to(bt.device)]
-    new_bt.masked_fill_((first[:, None] + torch.arange(width)[None, :] >= width).to(bt.device), 0)
+    src_dev = src.to(dev)
+    new_bt = bt[src_dev[:, None], cols.to(dev)]
+    new_bt.masked_fill_((first[:, None] + torch.arange(width)[None, :] >= width).to(dev), 0)
     qsl_cpu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=cm.query_start_loc_cpu.dtype)
     seq_cpu = torch.tensor(s_lens, dtype=cm.seq_lens.dtype)
+    seq_dev = seq_cpu.to(cm.seq_lens.device, non_blocking=True, copy=True)
+    if not exact and kept:  # the other rows' lengths as the device has them
+        keep = torch.tensor(kept, dtype=torch.long, device=cm.seq_lens.device)
+        seq_dev[keep] = cm.seq_lens.index_select(0, src_dev.to(cm.seq_lens.device).index_select(0, keep))
     computed_cpu = seq_cpu - torch.tensor(q_lens, dtype=seq_cpu.dtype)
+    prefilling = None
+    if cm.is_prefilling is not None:  # segments are prefill; other rows as they were
+        prefilling = cm.is_prefilling.index_select(0, src.to(cm.is_prefilling.device)).clone()
+        seg_rows = torch.tensor([k for k in range(len(rows)) if k not in set(kept)], dtype=torch.long)
+        prefilling[seg_rows.to(prefilling.device)] = True
     return dataclasses.replace(
         cm, query_start_loc=qsl_cpu.to(cm.query_start_loc.device, non_blocking=True), query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_cpu.to(cm.seq_lens.device, non_blocking=True), _seq_lens_cpu=seq_cpu, num_reqs=len(rows),
+        seq_lens=seq_dev, _seq_lens_cpu=seq_cpu if exact else None, num_reqs=len(rows),
         num_actual_tokens=cm.num_actual_tokens, max_query_len=max(q_lens), max_seq_len=max(s_lens),
-        block_table_tensor=new_bt, _num_computed_tokens_cpu=computed_cpu, seq_lens_cpu_upper_bound=seq_cpu,
-        is_prefilling=torch.ones(len(rows), dtype=torch.bool), _num_computed_tokens_cache=None,
+        block_table_tensor=new_bt,
+        _num_computed_tokens_cpu=computed_cpu if exact or cm._num_computed_tokens_cpu is not None else None,
+        seq_lens_cpu_upper_bound=seq_cpu, is_prefilling=prefilling, _num_computed_tokens_cache=None,
         _token_to_req_indices_cache=None)
 
 

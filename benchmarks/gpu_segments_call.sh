@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Device calls for segmented sweep cells (docs/segmented-cells.md) on one GPU, from the repo root,
+# with the bundle (`source .vbundle/gpu_env.sh`; PYTHONPATH with .gpu_extra for the HTTP parts):
+#   CALL=check bash benchmarks/gpu_segments_call.sh
+#       at once: the correctness matrix (four configurations), benchmarks/dynamic_gpu_check.py and
+#       segment_cells.py with batch invariance on (segmented vs one request per cell, bit for bit);
+#       then segment_cells.py without batch invariance (alone on the GPU: the speed).
+#   CALL=p1 bash benchmarks/gpu_segments_call.sh
+#       one after another: stock vLLM's P1 (768 one-token requests), causalboard's P1 variants
+#       (`Engine.generate` per cell, `agenerate_cells` segmented, the HTTP sweep with and without
+#       segments, interleaved), and batched Hugging Face hooks, on the same model folder.
+# segment_cells.py and p1_stacks.py run vLLM's default runner (V2 on a GPU), or V1 with SEG_V1=1.
+# Results: $OUT/<step>.out / .err, $OUT/steps.txt, everything also in $OUT/segments-call.tgz.
+set -uo pipefail
+OUT="${OUT:-/tmp/cb-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+M=/tmp/llama-1b
+nvidia-smi -L > "$OUT/smi.txt" 2>&1
+python3 benchmarks/compare/make_model.py "$M" > "$OUT/make-model.log" 2>&1
+step() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+  echo "$name rc=$? $((SECONDS - t0))s (at ${SECONDS}s)" | tee -a "$OUT/steps.txt"
+}
+SEG=(env ${SEG_V1:+VLLM_USE_V2_MODEL_RUNNER=0})  # SEG_V1=1: vLLM's V1 runner (default: the V2 runner)
+case "${CALL:-check}" in
+  check)
+    CB_PARALLEL=1 CB_RUN_TIMEOUT="${MATRIX_LIMIT:-300}" step matrix "$(( ${MATRIX_LIMIT:-300} + 20 ))" \
+      bash benchmarks/gpu_matrix.sh bundled checks &
+    sleep 40; step dyn-check "${CHECK_LIMIT:-280}" python3 benchmarks/dynamic_gpu_check.py &
+    sleep 20; step seg-bi "${SEG_LIMIT:-300}" "${SEG[@]}" python3 benchmarks/diag/segment_cells.py --model "$M" --device cuda \
+      --reps 3 --batch-invariant --kv-gib 8 &
+    wait
+    left=$(( ${CALL_BUDGET:-570} - SECONDS ))
+    [ "$left" -gt 60 ] && step seg-nobi "$left" "${SEG[@]}" python3 benchmarks/diag/segment_cells.py --model "$M" --device cuda --reps 5
+    ;;
+  p1)
+    step p1-stock "${STOCK_LIMIT:-170}" python3 benchmarks/diag/p1_stacks.py --engine stock --model "$M" --reps 5 --dir "$OUT/p1-stock"
+    step p1-cb "${CB_LIMIT:-260}" "${SEG[@]}" python3 benchmarks/diag/p1_stacks.py --engine cb --http --seg-ab --interleave \
+      --variants nospec,patched,cells_seg,sweep_http,sweep_http_noseg --model "$M" --reps 5 --dir "$OUT/p1-cb"
+    left=$(( ${CALL_BUDGET:-570} - SECONDS ))
+    [ "$left" -gt 30 ] && step hf "$left" python3 benchmarks/compare/hf_patch.py --model "$M" --reps 3 --chunks 256 --variants batched
+    ;;
+esac
+tar -czf "$OUT/segments-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
+cat "$OUT/steps.txt"
+for f in "$OUT"/seg-*.out "$OUT"/p1-*.out "$OUT"/hf.out "$OUT"/dyn-check.out; do [ -f "$f" ] && grep -h '"bench"\|passed\|failed' "$f" | tail -12; done
+tail -6 "$OUT/matrix.out" 2>/dev/null
