@@ -487,7 +487,7 @@ def _wrap_execute_model(cls: Any) -> None:
                 out = orig(self, scheduler_output, *args, **kwargs)
                 if state is not None and state.step_scores:  # V2: scored here, from the step's final hidden states
                     ems = getattr(self, "execute_model_state", None)
-                    state.score_segments(getattr(ems, "hidden_states", None), self.model)
+                    state.score_segments(getattr(ems, "hidden_states", None), self.model, v2=True)
             except BaseException:
                 if state is not None:
                     eplb = getattr(self, "eplb", None)

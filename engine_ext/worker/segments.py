@@ -149,12 +149,21 @@ def split_segments(cm: Any, carriers: dict[int, int], block_size: int) -> Any:
         _token_to_req_indices_cache=None)
 
 
-def score(hidden: torch.Tensor, rows: np.ndarray, model: Any, token_ids: list[int]) -> torch.Tensor | None:
+def score(hidden: torch.Tensor, rows: np.ndarray, model: Any, token_ids: list[int], v2: bool = False) -> torch.Tensor | None:
     """Raw logprobs [len(rows), len(token_ids)] (fp32) of `token_ids` at the final hidden states'
-    `rows`: vLLM's `compute_logits` then `log_softmax` in fp32 (its sampler's raw logprobs)."""
+    `rows`, as the runner's sampler computes a request's `logprob_token_ids` from vLLM's
+    `compute_logits`: V1's `log_softmax` in fp32; V2's (`v2`) fp32 logits through its row-wise
+    Triton kernel (`vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs`), so that a
+    segment's score equals, bit for bit, the same cell's as a request of its own."""
     idx = torch.from_numpy(np.asarray(rows, np.int64)).to(hidden.device)
     logits = model.compute_logits(hidden.index_select(0, idx))
     if logits is None:  # tensor parallelism: the logits are gathered on another rank
         return None
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    if v2:
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+        logits32 = torch.empty_like(logits, dtype=torch.float32).copy_(logits)  # as V2's sampler
+        return compute_token_logprobs(logits32, ids[None, :].expand(logits32.shape[0], -1).contiguous())
     lp = logits.log_softmax(dim=-1, dtype=torch.float32)
-    return lp.index_select(1, torch.tensor(token_ids, dtype=torch.long, device=lp.device))
+    return lp.index_select(1, ids)

@@ -387,11 +387,12 @@ class WorkerState:
         self.dynamic.after_forward()
         self.planner.after_forward()
 
-    def score_segments(self, hidden: Any, model: Any) -> None:
+    def score_segments(self, hidden: Any, model: Any, v2: bool = False) -> None:
         """After the forward (the model's output: final hidden states on the last pipeline stage):
-        score this step's segment ends (`step_scores`) and start their copy to the host. A rank
-        whose `compute_logits` returns nothing (vocab-parallel logits gathered on another rank)
-        records nothing."""
+        score this step's segment ends (`step_scores`; `v2`: as vLLM's V2 sampler computes
+        logprobs, `segments.score`) and start their copy to the host. A rank whose
+        `compute_logits` returns nothing (vocab-parallel logits gathered on another rank) records
+        nothing."""
         todo, self.step_scores = self.step_scores, []
         if not todo or not isinstance(hidden, torch.Tensor):
             return
@@ -404,7 +405,7 @@ class WorkerState:
                 by_ids.setdefault(tuple(st.program.score_ids), []).append((rid, pos, rows))
         cuda = hidden.device.type == "cuda"
         for ids, group in by_ids.items():
-            lp = score(hidden, np.concatenate([rows for _, _, rows in group]), model, list(ids))
+            lp = score(hidden, np.concatenate([rows for _, _, rows in group]), model, list(ids), v2=v2)
             if lp is None:
                 continue
             if cuda:
