@@ -9,7 +9,8 @@
 #       one after another: stock vLLM's P1 (768 one-token requests), causalboard's P1 variants
 #       (`Engine.generate` per cell, `agenerate_cells` segmented, the HTTP sweep with and without
 #       segments, interleaved), and batched Hugging Face hooks, on the same model folder.
-# segment_cells.py and p1_stacks.py run vLLM's default runner (V2 on a GPU), or V1 with SEG_V1=1.
+# segment_cells.py and p1_stacks.py run vLLM's V1 runner, where segments are offered, or (SEG_V2=1) the V2
+# runner with CAUSALBOARD_SEGMENTS=1 (docs/segmented-cells.md).
 # Results: $OUT/<step>.out / .err, $OUT/steps.txt, everything also in $OUT/segments-call.tgz.
 set -uo pipefail
 OUT="${OUT:-/tmp/cb-out}"; mkdir -p "$OUT"
@@ -23,7 +24,7 @@ step() {  # name, seconds, command...
   timeout -k 10 "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
   echo "$name rc=$? $((SECONDS - t0))s (at ${SECONDS}s)" | tee -a "$OUT/steps.txt"
 }
-SEG=(env ${SEG_V1:+VLLM_USE_V2_MODEL_RUNNER=0})  # SEG_V1=1: vLLM's V1 runner (default: the V2 runner)
+SEG=(env CAUSALBOARD_SEGMENTS=1 VLLM_USE_V2_MODEL_RUNNER=$([ -n "${SEG_V2:-}" ] && echo 1 || echo 0))  # V1; SEG_V2=1: V2
 case "${CALL:-check}" in
   check)
     CB_PARALLEL=1 CB_RUN_TIMEOUT="${MATRIX_LIMIT:-300}" step matrix "$(( ${MATRIX_LIMIT:-300} + 20 ))" \

@@ -7,10 +7,10 @@ cells, alternating, in one process; the scores compared bit for bit.
 The cells: P1's, 16 layers (the model's) x 3 hooks x every position of a 16-token corrupt prompt
 (random ids; three positions differ from the clean prompt, whose run is stored first), each
 patching one (layer, hook, position) from the clean run, scored at two ids. Without `--model`, the
-bundled model and its first equal-length clean/corrupt pair. On a GPU the V1 runner is needed
-(`VLLM_USE_V2_MODEL_RUNNER=0`) and segments must be asked for (`CAUSALBOARD_SEGMENTS=1`) until
-the GPU matrix has checked them. One JSON line: the seconds of each repetition, the speed-up
-(median / median), and whether every cell's scores were equal.
+bundled model and its first equal-length clean/corrupt pair. On a GPU, vLLM's V1 runner
+(`VLLM_USE_V2_MODEL_RUNNER=0`) offers segments; its V2 runner (the default) only with
+`CAUSALBOARD_SEGMENTS=1` (docs/segmented-cells.md). One JSON line: the seconds of each repetition, the speed-up
+(median / median), whether every cell's scores were equal and, where not, how many and which.
 """
 from __future__ import annotations
 
@@ -85,6 +85,9 @@ def main() -> None:
             times[name].append(round(time.perf_counter() - t, 4))
     from engine_ext.engine.cells import segments_per_request
 
+    differ = [i for i in ref if ref[i] != got[i]]
+    names = [f"L{layer}.{h}@{p}" for layer in range(L) for h in hooks for p in range(len(corrupt))]
+
     length, k = segments_per_request(len(corrupt), eng.segment_block or 16, eng.info.max_model_len,
                                      eng._segments_step_tokens)
     print(json.dumps({"bench": "segment_cells", "model": args.model or "bundled", "device": args.device,
@@ -92,6 +95,7 @@ def main() -> None:
                       "cells": len(cells), "prompt_tokens": len(corrupt), "segment_len": length, "cells_per_request": k,
                       "equal_scores": all(ref[i] == got[i] for i in ref),
                       "max_abs_diff": max(abs(ref[i][t] - got[i][t]) for i in ref for t in ref[i]),
+                      "cells_differing": len(differ), "first_differing": [names[i] for i in differ[:8]],
                       "batch_invariant": args.batch_invariant, "alone_s": times["alone"],
                       "segmented_s": times["segmented"],
                       "speedup": round(statistics.median(times["alone"]) / statistics.median(times["segmented"]), 3),
