@@ -138,7 +138,8 @@ def split_segments(cm: Any, carriers: dict[int, int], block_size: int) -> Any:
     prefilling = None
     if cm.is_prefilling is not None:  # segments are prefill; other rows as they were
         prefilling = cm.is_prefilling.index_select(0, src.to(cm.is_prefilling.device)).clone()
-        seg_rows = torch.tensor([k for k in range(len(rows)) if k not in set(kept)], dtype=torch.long)
+        other = set(kept)
+        seg_rows = torch.tensor([k for k in range(len(rows)) if k not in other], dtype=torch.long)
         prefilling[seg_rows.to(prefilling.device)] = True
     return dataclasses.replace(
         cm, query_start_loc=qsl_cpu.to(cm.query_start_loc.device, non_blocking=True), query_start_loc_cpu=qsl_cpu,
