@@ -87,6 +87,16 @@ def main() -> None:
 
     differ = [i for i in ref if ref[i] != got[i]]
     names = [f"L{layer}.{h}@{p}" for layer in range(L) for h in hooks for p in range(len(corrupt))]
+    # where the differing cells sit: their hook, and their segment's index in its request (as packed)
+    from collections import Counter
+
+    from engine_ext.engine import cells as packing
+
+    seg_len, per = eng.segment_layout(len(corrupt)) or segments_per_request(
+        len(corrupt), eng.segment_block or 16, eng.info.max_model_len, eng._segments_step_tokens)
+    slot = {i: j for car in packing.pack(corrupt, cells, score_ids, seg_len, per, corrupt[-1]) for j, i in enumerate(car.cells)}
+    by_hook = Counter(names[i].split(".")[1].split("@")[0] for i in differ)
+    by_segment = Counter("first" if slot[i] == 0 else "later" for i in differ)
 
     length, k = segments_per_request(len(corrupt), eng.segment_block or 16, eng.info.max_model_len,
                                      eng._segments_step_tokens)
@@ -96,6 +106,7 @@ def main() -> None:
                       "equal_scores": all(ref[i] == got[i] for i in ref),
                       "max_abs_diff": max(abs(ref[i][t] - got[i][t]) for i in ref for t in ref[i]),
                       "cells_differing": len(differ), "first_differing": [names[i] for i in differ[:8]],
+                      "differing_by_hook": dict(by_hook), "differing_by_segment": dict(by_segment),
                       "batch_invariant": args.batch_invariant, "alone_s": times["alone"],
                       "segmented_s": times["segmented"],
                       "speedup": round(statistics.median(times["alone"]) / statistics.median(times["segmented"]), 3),
