@@ -116,35 +116,26 @@ def test_the_segmented_cells_bench_runs_and_reports_equal_scores():
 
 def test_p1_profile_bench_runs_and_reports(tmp_path):
     """`benchmarks/diag/p1_stacks.py` (P1 with the stack sampler and both timelines, one window
-    per variant), causalboard's side."""
+    per variant), causalboard's side; with `--http --seg-ab` also the sweep over HTTP as the
+    service runs it (`sweep_http`) and with every cell its own request (`sweep_http_noseg`), each
+    reporting how its cells ran."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "p1_stacks.py"), "--engine", "cb",
-                           "--model", str(model_path()), "--device", "cpu", "--reps", "1", "--dir", str(tmp_path / "p1")],
+                           "--http", "--seg-ab", "--model", str(model_path()), "--device", "cpu", "--reps", "1",
+                           "--dir", str(tmp_path / "p1")],
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
-    assert {(ln["bench"], ln["variant"]) for ln in lines} == {(b, v) for b in ("p1", "p1_sampled")
-                                                              for v in ("nospec", "scored", "patched")}
+    variants = ("nospec", "scored", "patched", "sweep_http", "sweep_http_noseg")
+    assert {(ln["bench"], ln["variant"]) for ln in lines if ln["bench"] != "p1_sweep_mode"} == {
+        (b, v) for b in ("p1", "p1_sampled") for v in variants}
+    modes = {ln["variant"]: ln for ln in lines if ln["bench"] == "p1_sweep_mode"}
+    assert set(modes) == {"sweep_http", "sweep_http_noseg"} and modes["sweep_http_noseg"]["segmented"] is False, lines
+    assert all(m["cells"] > 0 for m in modes.values())
     with open(tmp_path / "p1" / "client-patched.json") as f:
         report = json.load(f)
     kinds = {e[0] for e in report["client_events"]}
     assert {"prepare", "add", "step"} <= kinds, kinds
-
-
-def test_p1_profile_bench_runs_the_sweep_with_and_without_segments(tmp_path):
-    """`p1_stacks.py --http --seg-ab`: the sweep over HTTP as the service runs it (`sweep_http`)
-    and with every cell its own request (`sweep_http_noseg`), each reporting how its cells ran."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "p1_stacks.py"), "--engine", "cb", "--http",
-                           "--seg-ab", "--variants", "sweep_http,sweep_http_noseg", "--model", str(model_path()),
-                           "--device", "cpu", "--reps", "1", "--dir", str(tmp_path / "p1")],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
-    modes = {ln["variant"]: ln for ln in lines if ln["bench"] == "p1_sweep_mode"}
-    assert set(modes) == {"sweep_http", "sweep_http_noseg"} and modes["sweep_http_noseg"]["segmented"] is False, lines
-    assert all(m["cells"] > 0 for m in modes.values())
-    assert {ln["variant"] for ln in lines if ln["bench"] == "p1"} == {"sweep_http", "sweep_http_noseg"}
 
 
 def test_p1_profile_bench_records_the_cores_steps_and_their_tokens(tmp_path):
