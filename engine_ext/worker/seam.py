@@ -534,16 +534,26 @@ def _wrap_v1_prepare_inputs(cls: Any) -> None:
         def _prepare_inputs(self, scheduler_output, *args, **kwargs):
             segments.clear_step()
             out = orig(self, scheduler_output, *args, **kwargs)
-            state = runner_state(self)
-            if state is not None and state.segmented:
-                ib, n = self.input_batch, self.input_batch.num_reqs
-                state.step_scores = segments.begin_step(ib.req_ids[:n], self.query_start_loc.np[: n + 1],
-                                                        ib.num_computed_tokens_cpu[:n], self.positions,
-                                                        state.segmented, self.cache_config.block_size)
+            ib, n = self.input_batch, self.input_batch.num_reqs
+            _begin_segment_step(self, lambda: (ib.req_ids[:n], self.query_start_loc.np[: n + 1],
+                                               ib.num_computed_tokens_cpu[:n], self.positions))
             return out
         return _prepare_inputs
 
     _wrap_method(cls, "_prepare_inputs", make)
+
+
+def _begin_segment_step(runner: Any, batch: Callable[[], tuple]) -> None:
+    """After a runner computed the step's positions and slot mappings (V1 `_prepare_inputs`, V2
+    `prepare_attn`): segmented requests' rows get segment-local positions and the step's attention
+    split is set (`engine_ext.worker.segments.begin_step`); `batch()` gives the step's (request ids,
+    query start locations, computed tokens, positions tensor), read only when the worker has
+    segmented requests. A step without them is untouched."""
+    from engine_ext.worker import segments
+
+    state = runner_state(runner)
+    if state is not None and state.segmented:
+        state.step_scores = segments.begin_step(*batch(), state.segmented, runner.cache_config.block_size)
 
 
 def _wrap_v1_batch_execution(cls: Any) -> None:
@@ -572,12 +582,9 @@ def _wrap_v2_prepare_attn(cls: Any) -> None:
         def prepare_attn(self, input_batch, *args, **kwargs):
             segments.clear_step()
             out = orig(self, input_batch, *args, **kwargs)
-            state = runner_state(self)
-            if state is not None and state.segmented:
-                n = input_batch.num_reqs
-                state.step_scores = segments.begin_step(input_batch.req_ids[:n], input_batch.query_start_loc_np[: n + 1],
-                                                        input_batch.num_computed_tokens_np[:n], input_batch.positions,
-                                                        state.segmented, self.cache_config.block_size)
+            n = input_batch.num_reqs
+            _begin_segment_step(self, lambda: (input_batch.req_ids[:n], input_batch.query_start_loc_np[: n + 1],
+                                               input_batch.num_computed_tokens_np[:n], input_batch.positions))
             return out
         return prepare_attn
 
