@@ -6,18 +6,7 @@
 #   3. benchmarks/dynamic_bench.py (batch-32 decode, every dynamic variant vs none, 5 repetitions),
 #   4. benchmarks/diag/dynamic_host.py (host time per step inside the engine, on the GPU host).
 # Everything lands in $OUT/dyn-call.tgz (the device returns few files).
-set -uo pipefail
-OUT="${OUT:-/tmp/cb-out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-M=/tmp/llama-1b
-nvidia-smi -L > "$OUT/smi.txt" 2>&1
-python3 benchmarks/compare/make_model.py "$M" > "$OUT/make-model.log" 2>&1
-step() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
-  echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
-}
+source benchmarks/device_call_lib.sh  # $OUT, $M (the 1B model), step
 [ -z "${SKIP_MATRIX:-}" ] && CB_PARALLEL=1 step matrix 230 bash benchmarks/gpu_matrix.sh bundled checks
 # the bench first (its engine compiles the model: ~130 s cold), then the dynamic check (bundled model)
 step dyn-bench "${BENCH_LIMIT:-280}" python3 benchmarks/dynamic_bench.py --model "$M" --device cuda --reps "${REPS:-5}" ${BENCH_ARGS:-}

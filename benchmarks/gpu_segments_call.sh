@@ -12,18 +12,7 @@
 # segment_cells.py and p1_stacks.py run vLLM's V1 runner, where segments are offered, or (SEG_V2=1) the V2
 # runner with CAUSALBOARD_SEGMENTS=1 (docs/segmented-cells.md).
 # Results: $OUT/<step>.out / .err, $OUT/steps.txt, everything also in $OUT/segments-call.tgz.
-set -uo pipefail
-OUT="${OUT:-/tmp/cb-out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-M=/tmp/llama-1b
-nvidia-smi -L > "$OUT/smi.txt" 2>&1
-python3 benchmarks/compare/make_model.py "$M" > "$OUT/make-model.log" 2>&1
-step() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
-  echo "$name rc=$? $((SECONDS - t0))s (at ${SECONDS}s)" | tee -a "$OUT/steps.txt"
-}
+source benchmarks/device_call_lib.sh  # $OUT, $M (the 1B model), step
 SEG=(env CAUSALBOARD_SEGMENTS=1 VLLM_USE_V2_MODEL_RUNNER=$([ -n "${SEG_V2:-}" ] && echo 1 || echo 0))  # V1; SEG_V2=1: V2
 case "${CALL:-check}" in
   check)

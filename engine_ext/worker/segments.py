@@ -137,10 +137,10 @@ def split_segments(cm: Any, carriers: dict[int, int], block_size: int) -> Any:
     computed_cpu = seq_cpu - torch.tensor(q_lens, dtype=seq_cpu.dtype)
     prefilling = None
     if cm.is_prefilling is not None:  # segments are prefill; other rows as they were
-        prefilling = cm.is_prefilling.index_select(0, src.to(cm.is_prefilling.device)).clone()
-        other = set(kept)
-        seg_rows = torch.tensor([k for k in range(len(rows)) if k not in other], dtype=torch.long)
-        prefilling[seg_rows.to(prefilling.device)] = True
+        prefilling = cm.is_prefilling.index_select(0, src.to(cm.is_prefilling.device))
+        is_segment = torch.ones(len(rows), dtype=torch.bool)
+        is_segment[kept] = False
+        prefilling |= is_segment.to(prefilling.device)
     return dataclasses.replace(
         cm, query_start_loc=qsl_cpu.to(cm.query_start_loc.device, non_blocking=True), query_start_loc_cpu=qsl_cpu,
         seq_lens=seq_dev, _seq_lens_cpu=seq_cpu if exact else None, num_reqs=len(rows),
