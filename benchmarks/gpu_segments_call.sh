@@ -8,7 +8,8 @@
 #   CALL=p1 bash benchmarks/gpu_segments_call.sh
 #       one after another: stock vLLM's P1 (768 one-token requests), causalboard's P1 variants
 #       (`Engine.generate` per cell, `agenerate_cells` segmented, the HTTP sweep with and without
-#       segments, interleaved), and batched Hugging Face hooks, on the same model folder.
+#       segments, interleaved; `sweep_http_g256`: the segmented sweep's fan-out in groups of 256 as
+#       before SEGMENTED_GROUP_MAX), and batched Hugging Face hooks, on the same model folder.
 # segment_cells.py and p1_stacks.py run vLLM's V1 runner, where segments are offered, or (SEG_V2=1) the V2
 # runner with CAUSALBOARD_SEGMENTS=1 (docs/segmented-cells.md).
 # Results: $OUT/<step>.out / .err, $OUT/steps.txt, everything also in $OUT/segments-call.tgz.
@@ -27,8 +28,8 @@ case "${CALL:-check}" in
     ;;
   p1)
     step p1-stock "${STOCK_LIMIT:-170}" python3 benchmarks/diag/p1_stacks.py --engine stock --model "$M" --reps 5 --dir "$OUT/p1-stock"
-    step p1-cb "${CB_LIMIT:-260}" "${SEG[@]}" python3 benchmarks/diag/p1_stacks.py --engine cb --http --seg-ab --interleave \
-      --variants nospec,patched,cells_seg,sweep_http,sweep_http_noseg --model "$M" --reps 5 --dir "$OUT/p1-cb"
+    step p1-cb "${CB_LIMIT:-260}" "${SEG[@]}" python3 benchmarks/diag/p1_stacks.py --engine cb --http --seg-ab --interleave --sweep-groups 256 \
+      --variants nospec,patched,cells_seg,sweep_http,sweep_http_g256,sweep_http_noseg --model "$M" --reps 5 --dir "$OUT/p1-cb"
     left=$(( ${CALL_BUDGET:-570} - SECONDS ))
     [ "$left" -gt 30 ] && step hf "$left" python3 benchmarks/compare/hf_patch.py --model "$M" --reps 3 --chunks 256 --variants batched
     ;;

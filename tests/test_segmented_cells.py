@@ -243,7 +243,8 @@ def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells
     """The sweep service's default for a prompt shorter than two KV blocks, where padding it to a
     whole block is cheap (`cells.MAX_PADDING`): cells as segments (`segmented: true` in the
     summary, far fewer requests); `prefix_reuse: false` keeps them segmented; `prefix_reuse: true`
-    runs one request per cell. All three grids are equal. (The bundled pair's few tokens in a
+    runs one request per cell. All three grids are equal; the segmented sweep submits all its
+    cells in one group (`service.SEGMENTED_GROUP_MAX`). (The bundled pair's few tokens in a
     32-token block are too much padding for the default: the test allows any.)"""
     from engine_ext.engine import cells as packing
 
@@ -254,12 +255,18 @@ def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells
     assert r.status_code == 200 and r.json()["segmented"] is False  # too much padding by default
     monkeypatch.setattr(packing, "MAX_PADDING", 100.0)
     sizes = count_requests(engine, monkeypatch)
+    groups: list[int] = []  # cells per `agenerate_cells` call
+    cells_of = engine.agenerate_cells
+    monkeypatch.setattr(engine, "agenerate_cells", lambda prompt, cells, *a, **k: (groups.append(len(cells)), cells_of(prompt, cells, *a, **k))[1])
     runs = {}
     for name, extra in (("default", {}), ("no_reuse", {"prefix_reuse": False}), ("reuse", {"prefix_reuse": True})):
         sizes.clear()
+        groups.clear()
         r = http.post("/v1/patch_sweep", json={**body, **extra})
         assert r.status_code == 200, r.text
         runs[name] = (r.json(), sum(sizes))
+        if name == "default":  # a segmented sweep submits all its jobs (cells, baselines, repeats) as one group
+            assert len(groups) == 1 and groups[0] > r.json()["cells_total"], groups
     (default, n_default), (no_reuse, _), (reuse, n_reuse) = runs["default"], runs["no_reuse"], runs["reuse"]
     assert default["segmented"] is True and default["prefix_reuse"] is False
     assert no_reuse["segmented"] is True and reuse["segmented"] is False and reuse["prefix_reuse"] is True

@@ -68,6 +68,10 @@ MIN_EFFECT = 1e-6
 #: docs/performance.md, "Fourteenth session")
 GROUP_MAX = 256
 GROUPS_PER_WINDOW = 4
+#: a segmented sweep (several cells per request, `Engine.agenerate_cells`) submits up to this many
+#: jobs as one group, whatever the engine's request limit (a request carries many cells): the cells
+#: then share as few engine steps as the token budget allows instead of one step per group
+SEGMENTED_GROUP_MAX = 4096
 #: every request of a sweep (clean capture, baselines, cells): one token whose scores are read; its
 #: text is never used, so none is decoded
 ONE_SCORED_TOKEN = GenerationParams(max_tokens=1, detokenize=False)
@@ -326,7 +330,11 @@ class SweepService:
                 jobs.append(("baseline", None))
             jobs.append(("cell", cell))
         jobs += [("repeat", plan.cells[i]) for i in repeat_at]
-        group = max(1, min(GROUP_MAX, -(-limit // GROUPS_PER_WINDOW)))
+        if run.segmented and plan.request.max_concurrency is None:
+            group = limit = max(1, min(len(jobs), SEGMENTED_GROUP_MAX))
+            slots = asyncio.Semaphore(limit)
+        else:
+            group = max(1, min(GROUP_MAX, -(-limit // GROUPS_PER_WINDOW)))
 
         async def group_job(chunk: list[tuple[str, SweepCell | None]]) -> None:
             """One batch of jobs through `Engine.agenerate_many`; each job's result is queued as

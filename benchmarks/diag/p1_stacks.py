@@ -108,7 +108,8 @@ def cb_variants(args, prompt):
             from app.sweep import service
 
             for g in (int(x) for x in args.sweep_groups.split(",") if x):
-                variants[f"sweep_http_g{g}"] = _with_attributes(sweep, service, GROUP_MAX=g, GROUPS_PER_WINDOW=1)
+                variants[f"sweep_http_g{g}"] = _with_attributes(sweep, service, GROUP_MAX=g, GROUPS_PER_WINDOW=1,
+                                                                 SEGMENTED_GROUP_MAX=g)
         if args.seg_ab:  # the same sweep with every cell its own request (no segments)
             from app.sweep import service
 

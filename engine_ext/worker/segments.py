@@ -154,8 +154,8 @@ def split_segments(cm: Any, carriers: dict[int, int], block_size: int) -> Any:
 def score(hidden: torch.Tensor, rows: np.ndarray, model: Any, token_ids: list[int], v2: bool = False) -> torch.Tensor | None:
     """Raw logprobs [len(rows), len(token_ids)] (fp32) of `token_ids` at the final hidden states'
     `rows`, as the runner's sampler computes a request's `logprob_token_ids` from vLLM's
-    `compute_logits`: V1's `log_softmax` in fp32; V2's (`v2`) fp32 logits through its row-wise
-    Triton kernel (`vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs`), so that a
+    `compute_logits`: V1's `log_softmax` in fp32; V2's (`v2`) logits, in the model's dtype, through
+    its row-wise Triton kernel (`vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs`), so that a
     segment's score equals, bit for bit, the same cell's as a request of its own."""
     idx = torch.from_numpy(np.asarray(rows, np.int64)).to(hidden.device)
     logits = model.compute_logits(hidden.index_select(0, idx))
@@ -165,7 +165,11 @@ def score(hidden: torch.Tensor, rows: np.ndarray, model: Any, token_ids: list[in
     if v2:
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
-        logits32 = torch.empty_like(logits, dtype=torch.float32).copy_(logits)  # as V2's sampler
-        return compute_token_logprobs(logits32, ids[None, :].expand(logits32.shape[0], -1).contiguous())
+        # exactly V2's sampler call in its default `raw_logprobs` mode: the logits in the model's
+        # dtype (the kernel upcasts as it loads; an fp32 copy compiles another kernel whose
+        # in-block sums add in another order: one ulp apart), and the token ids after a column for
+        # the sampled token (the kernel's gather width follows the column count)
+        cols = torch.cat((ids[:1], ids))[None, :].expand(logits.shape[0], -1).contiguous()
+        return compute_token_logprobs(logits, cols)[:, 1:]
     lp = logits.log_softmax(dim=-1, dtype=torch.float32)
     return lp.index_select(1, ids)
