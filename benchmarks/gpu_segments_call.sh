@@ -10,11 +10,11 @@
 #       (`Engine.generate` per cell, `agenerate_cells` segmented, the HTTP sweep with and without
 #       segments, interleaved; `sweep_http_g256`: the segmented sweep's fan-out in groups of 256 as
 #       before SEGMENTED_GROUP_MAX), and batched Hugging Face hooks, on the same model folder.
-# segment_cells.py and p1_stacks.py run vLLM's V1 runner, where segments are offered, or (SEG_V2=1) the V2
-# runner with CAUSALBOARD_SEGMENTS=1 (docs/segmented-cells.md).
+# segment_cells.py and p1_stacks.py run vLLM's V1 runner, or (SEG_V2=1) the V2 runner (a GPU's default);
+# both offer segments (docs/segmented-cells.md).
 # Results: $OUT/<step>.out / .err, $OUT/steps.txt, everything also in $OUT/segments-call.tgz.
 source benchmarks/device_call_lib.sh  # $OUT, $M (the 1B model), step
-SEG=(env CAUSALBOARD_SEGMENTS=1 VLLM_USE_V2_MODEL_RUNNER=$([ -n "${SEG_V2:-}" ] && echo 1 || echo 0))  # V1; SEG_V2=1: V2
+SEG=(env VLLM_USE_V2_MODEL_RUNNER=$([ -n "${SEG_V2:-}" ] && echo 1 || echo 0))  # V1; SEG_V2=1: V2
 case "${CALL:-check}" in
   check)
     CB_PARALLEL=1 CB_RUN_TIMEOUT="${MATRIX_LIMIT:-300}" step matrix "$(( ${MATRIX_LIMIT:-300} + 20 ))" \

@@ -360,10 +360,10 @@ def run_checks(args, eng=None) -> dict:
 
         clean = P["clean"] if isinstance(P["clean"], list) else eng.tokenize(P["clean"])
         corrupt = P["corrupt"] if isinstance(P["corrupt"], list) else eng.tokenize(P["corrupt"])
-        if eng.segment_block is None:  # V1 (and the CPU) must offer them; V2 only when asked for
-            expected = args.runner == "v1" or os.environ.get("CAUSALBOARD_SEGMENTS") == "1"
+        if eng.segment_block is None:  # both runners (and the CPU) must offer them unless opted out
+            expected = os.environ.get("CAUSALBOARD_SEGMENTS") != "0"
             return {"ok": not expected, "offered": False,
-                    "note": "not offered" + (" (V2: CAUSALBOARD_SEGMENTS=1 offers them)" if not expected else "")}
+                    "note": "not offered" + (" (CAUSALBOARD_SEGMENTS=0)" if not expected else "")}
         hooks = ("pre_attn", "post_attn", "post_block", "mlp_out")
         eng.capture(clean, [f"L{l}.{h}" for l in range(L) for h in hooks], "all_prompt", keep_as="seg", return_values=False)
         cells = [Interventions(patch=(Patch.make(f"L{l}.{h}", [p], RunSource("seg")),))

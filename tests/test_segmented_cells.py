@@ -333,3 +333,30 @@ def test_global_steering_keeps_cells_out_of_segments(engine, prompts, monkeypatc
     assert all(steered[i].scores[0] == alone[i].scores[0] for i in range(len(cells)))
     unsteered = run(engine, corrupt, cells, segmented=False)
     assert unsteered[0].scores[0] != steered[0].scores[0]  # the global steering took effect
+
+
+def test_segments_are_offered_on_vllms_runners_unless_opted_out(engine, monkeypatch):
+    """`extension.segments_offered`: a runner with the seam's hooks offers segments (both of vLLM's
+    runners since the V2 scores are computed exactly as V2's sampler computes them), unless
+    CAUSALBOARD_SEGMENTS=0 (the opt-out for A/B runs) or a FULL CUDA graph runs mixed batches."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    from engine_ext.worker.extension import segments_offered
+
+    assert engine.segment_block is not None  # the engine fixture installed the seam in this process
+    runner = object.__new__(V1Runner)  # the attributes it reads, nothing else
+    monkeypatch.delenv("CAUSALBOARD_SEGMENTS", raising=False)
+    assert segments_offered(runner) is True
+    monkeypatch.setenv("CAUSALBOARD_SEGMENTS", "0")
+    assert segments_offered(runner) is False
+    monkeypatch.setenv("CAUSALBOARD_SEGMENTS", "1")
+
+    class FullMixed:  # a CUDAGraphMode whose mixed batches replay a FULL graph
+        FULL = "FULL"
+
+        def mixed_mode(self):
+            return "FULL"
+    runner.compilation_config = SimpleNamespace(cudagraph_mode=FullMixed())
+    assert segments_offered(runner) is False

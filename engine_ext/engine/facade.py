@@ -787,7 +787,7 @@ class Engine(DynamicControl):
     @property
     def segment_block(self) -> int | None:
         """The KV block size segmented requests are laid out in (`agenerate_cells`), or None where
-        this engine cannot run them (a hybrid model; vLLM's V2 runner unless CAUSALBOARD_SEGMENTS=1)."""
+        this engine cannot run them (a hybrid model; CAUSALBOARD_SEGMENTS=0; `extension.segments_offered`)."""
         return self._segments_block if self._segments_ok and not getattr(self, "is_hybrid", False) else None
 
     def _segments_blocked(self) -> str | None:
@@ -838,7 +838,7 @@ class Engine(DynamicControl):
         can = self.segment_block is not None
         if segmented and not can:
             raise SpecError("segmented", "this engine cannot run segmented requests (vLLM's V1 runner with "
-                                         "causalboard's seam is needed, or V2 with CAUSALBOARD_SEGMENTS=1, "
+                                         "causalboard's seam is needed, or V2's, CAUSALBOARD_SEGMENTS not 0, "
                                          "and no hybrid model)")
         blocked = self._segments_blocked() if segmented else None
         if blocked:

@@ -169,9 +169,11 @@ def segments_offered(runner) -> bool:
     vLLM's V1 or V2 runner with the seam's hooks on it, no full CUDA graph runs mixed (prefill)
     batches (their attention metadata is captured, not split), and the model has no per-request
     attention extras the split does not carry (R-SWA prefix lengths, multimodal document ranges,
-    decode context parallelism). On vLLM's V2 runner (a GPU's default) only with
-    CAUSALBOARD_SEGMENTS=1: there a segment's scores measured within 1 ulp of the same cell's as
-    a request of its own, not bit-identical as on V1 and the CPU (docs/segmented-cells.md)."""
+    decode context parallelism), and CAUSALBOARD_SEGMENTS is not `0` (the opt-out, for A/B runs).
+    On both runners a segment's scores equal the same cell's as a request of its own bit for bit
+    (docs/segmented-cells.md, docs/validation.md)."""
+    if os.environ.get("CAUSALBOARD_SEGMENTS") == "0":
+        return False
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
     if isinstance(runner, V1Runner):
@@ -181,8 +183,7 @@ def segments_offered(runner) -> bool:
             from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
         except ImportError:
             return False
-        hooked = (isinstance(runner, V2Runner) and getattr(V2Runner.prepare_attn, "_cb_wrapped", False)
-                  and os.environ.get("CAUSALBOARD_SEGMENTS") == "1")
+        hooked = isinstance(runner, V2Runner) and getattr(V2Runner.prepare_attn, "_cb_wrapped", False)
     cg = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
     full_mixed = cg is not None and cg.mixed_mode() == type(cg).FULL
     mc, pc = getattr(runner, "model_config", None), getattr(runner, "parallel_config", None)

@@ -20,8 +20,8 @@ runner's module names it, is replaced by a factory that applies `split_segments`
 carriers; after `_model_forward`, `score` computes the scores from its output. V2 (the GPU's
 default): the same after its `prepare_attn` (which computes the slot mappings from the positions),
 the same factory in `attn_utils` (its `build_attn_metadata`), the scores from the step's final
-hidden states after `execute_model` (V2 offers segments only with CAUSALBOARD_SEGMENTS=1:
-`engine_ext.worker.extension.segments_offered`). A step that schedules a carrier never replays a FULL CUDA
+hidden states after `execute_model`, through V2's own logprob kernel called exactly as its sampler
+calls it (`engine_ext.worker.extension.segments_offered` says where segments are offered). A step that schedules a carrier never replays a FULL CUDA
 graph (`carriers_scheduled`: the runner's dispatch is told the batch is not a uniform decode one),
 since a full graph reads the captured, unsplit attention metadata. Refused for hybrids (their
 recurrent state would run through all segments): the engine then runs one request per cell
