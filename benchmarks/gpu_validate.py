@@ -361,7 +361,9 @@ def run_checks(args, eng=None) -> dict:
         clean = P["clean"] if isinstance(P["clean"], list) else eng.tokenize(P["clean"])
         corrupt = P["corrupt"] if isinstance(P["corrupt"], list) else eng.tokenize(P["corrupt"])
         if eng.segment_block is None:  # both runners (and the CPU) must offer them unless opted out
-            expected = os.environ.get("CAUSALBOARD_SEGMENTS") != "0"
+            from engine_ext.switches import env_switch
+
+            expected = env_switch("CAUSALBOARD_SEGMENTS", True)
             return {"ok": not expected, "offered": False,
                     "note": "not offered" + (" (CAUSALBOARD_SEGMENTS=0)" if not expected else "")}
         hooks = ("pre_attn", "post_attn", "post_block", "mlp_out")

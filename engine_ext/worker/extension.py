@@ -8,9 +8,9 @@ are plain msgpack-able data (bytes, lists, dicts), as `collective_rpc` requires 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from engine_ext.switches import env_switch
 from engine_ext.worker.seam import close_state, install, runner_state
 
 install()
@@ -172,7 +172,7 @@ def segments_offered(runner) -> bool:
     decode context parallelism), and CAUSALBOARD_SEGMENTS is not `0` (the opt-out, for A/B runs).
     On both runners a segment's scores equal the same cell's as a request of its own bit for bit
     (docs/segmented-cells.md, docs/validation.md)."""
-    if os.environ.get("CAUSALBOARD_SEGMENTS") == "0":
+    if not env_switch("CAUSALBOARD_SEGMENTS", True):
         return False
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
