@@ -14,3 +14,4 @@ step dyn-bench "${BENCH_LIMIT:-280}" python3 benchmarks/dynamic_bench.py --model
 [ -z "${SKIP_HOST:-}" ] && step dyn-host "${HOST_LIMIT:-90}" python3 benchmarks/diag/dynamic_host.py --model "$M" --device cuda --reps 2
 tar -czf "$OUT/dyn-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
 cat "$OUT/steps.txt"; tail -3 "$OUT/matrix.out" 2>/dev/null; tail -8 "$OUT/dyn-bench.out"
+keep_only dyn-call.tgz

@@ -38,3 +38,4 @@ tar -czf "$OUT/segments-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$'
 cat "$OUT/steps.txt"
 for f in "$OUT"/seg-*.out "$OUT"/p1-*.out "$OUT"/hf.out "$OUT"/dyn-check.out; do [ -f "$f" ] && grep -h '"bench"\|passed\|failed' "$f" | tail -12; done
 tail -6 "$OUT/matrix.out" 2>/dev/null
+keep_only segments-call.tgz
