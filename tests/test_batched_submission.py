@@ -130,3 +130,34 @@ def test_a_refused_message_fails_only_its_own_requests(mp_engine, monkeypatch):
     monkeypatch.undo()
     assert len(mp_engine.generate(PROMPTS[0], GenerationParams(max_tokens=2)).token_ids) == 2
     assert not mp_engine._loop.engine.has_unfinished_requests()
+
+
+@pytest.mark.timeout(240)
+def test_single_requests_queued_together_reach_the_core_as_one_batch(mp_engine, monkeypatch):
+    """`EngineLoop.submit` (one request: each HTTP completion) queued while the loop thread is
+    busy: the loop thread gathers them into one `add_requests_batched` call when it drains its
+    commands; outputs as the batch's own."""
+    import asyncio
+    import threading
+
+    from engine_ext.worker import seam
+
+    calls: list[int] = []
+    batched = seam.add_requests_batched
+    monkeypatch.setattr(seam, "add_requests_batched", lambda engine, items, **kw: (calls.append(len(items)), batched(engine, items, **kw))[1])
+    params = GenerationParams(max_tokens=4)
+    want = mp_engine.generate(PROMPTS, params)
+    calls.clear()
+    gate, busy = threading.Event(), threading.Event()
+    mp_engine._loop._queue(lambda: (busy.set(), gate.wait(30)))  # the loop thread busy meanwhile
+
+    async def singles():
+        tasks = [asyncio.create_task(mp_engine.agenerate(p, params)) for p in PROMPTS]
+        await asyncio.sleep(0.2)  # every task has prepared and queued its request
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+    assert busy.wait(30)
+    got = asyncio.run(singles())
+    assert calls == [len(PROMPTS)], calls
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -110,15 +111,14 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> str:
     raise TimeoutError(f"the server was not ready after {timeout:.0f} s")
 
 
-async def burst(client, name: str, prompts: list[list[int]], max_tokens: int) -> float:
-    """All `prompts` as concurrent completions; seconds until the last one is back."""
+async def burst(post, name: str, prompts: list[list[int]], max_tokens: int) -> float:
+    """All `prompts` as concurrent completions through `post` (path, body -> the answer's JSON);
+    seconds until the last one is back."""
     async def one(p):
-        r = await client.post("/v1/completions", json={"model": name, "prompt": p, "max_tokens": max_tokens,
-                                                        "temperature": 0.0, "ignore_eos": True})
-        r.raise_for_status()
-        choices = r.json()["choices"]
-        assert len(choices) == 1, r.text[:300]
-        return r.json().get("usage", {}).get("completion_tokens")
+        body = await post("/v1/completions", {"model": name, "prompt": p, "max_tokens": max_tokens,
+                                              "temperature": 0.0, "ignore_eos": True})
+        assert len(body["choices"]) == 1, str(body)[:300]
+        return body.get("usage", {}).get("completion_tokens")
 
     t = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in prompts))
@@ -127,11 +127,39 @@ async def burst(client, name: str, prompts: list[list[int]], max_tokens: int) ->
     return seconds
 
 
-async def run_tasks(url: str, name: str, args) -> None:
-    import httpx
+@contextlib.asynccontextmanager
+async def http_client(url: str, kind: str, connections: int):
+    """`post(path, body)` -> the answer's JSON, over one pool of keep-alive connections: aiohttp's
+    client (the default: its per-request cost is small beside either server's), or httpx's (what
+    the fourteenth to eighteenth sessions' calls used: at 768 concurrent requests it cost more than
+    the servers themselves, ~9 ms a request on the GPU host, so P1 over HTTP measured ~110 req/s
+    for both servers)."""
+    if kind == "aiohttp":
+        import aiohttp
 
-    limits = httpx.Limits(max_connections=args.p1_requests + 8, max_keepalive_connections=args.p1_requests + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections)
+        async with aiohttp.ClientSession(base_url=url, connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            async def post(path, body):
+                async with session.post(path, json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"{path}: HTTP {r.status}: {(await r.text())[:300]}")
+                    return await r.json()
+            yield post
+    else:
+        import httpx
+
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            async def post(path, body):
+                r = await client.post(path, json=body)
+                r.raise_for_status()
+                return r.json()
+            yield post
+
+
+async def run_tasks(url: str, name: str, args) -> None:
+    async with http_client(url, args.client, args.p1_requests + 8) as client:
         tasks = args.tasks.split(",")
         hi = args.vocab_hi
         if "p1" in tasks:
@@ -142,7 +170,7 @@ async def run_tasks(url: str, name: str, args) -> None:
             ts = [await burst(client, name, prompts, 1) for _ in range(args.reps)]
             m = statistics.median(ts)
             emit(f"http_{args.server}", task="p1", requests=len(prompts), req_per_s=round(len(prompts) / m, 1),
-                 median_s=round(m, 4), reps_s=[round(x, 4) for x in ts])
+                 median_s=round(m, 4), reps_s=[round(x, 4) for x in ts], client=args.client)
         if "p2" in tasks:
             for batch in (32, 1):
                 rng = random.Random(100 + batch)
@@ -151,7 +179,8 @@ async def run_tasks(url: str, name: str, args) -> None:
                 ts = [await burst(client, name, prompts, args.tokens) for _ in range(args.reps)]
                 m = statistics.median(ts)
                 emit(f"http_{args.server}", task="p2", batch=batch, tokens=args.tokens,
-                     out_tok_per_s=round(batch * args.tokens / m, 1), median_s=round(m, 4), reps_s=[round(x, 4) for x in ts])
+                     out_tok_per_s=round(batch * args.tokens / m, 1), median_s=round(m, 4), reps_s=[round(x, 4) for x in ts],
+                     client=args.client)
 
 
 def main() -> None:
@@ -166,6 +195,8 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--server-args", default="",
                     help="extra arguments for the server's command line, one string (e.g. '--multiprocess' for cb)")
+    ap.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
+                    help="the benchmark's HTTP client (httpx: the client of the calls before 2026-11-28's eighteenth session)")
     ap.add_argument("--fallback-wheels", default=None,
                     help="either server: wheels (scripts/gpu/server_extra.sh) of packages vLLM's server imports that this "
                          "interpreter may lack; unpacked under /tmp and searched after site-packages")
@@ -179,6 +210,8 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     fallback = unpack_fallback(args.fallback_wheels) if args.fallback_wheels else None
+    if fallback:  # the client may need them too (aiohttp), after this interpreter's own packages
+        sys.path.append(fallback)
     cmd = server_command(args.server, args.model, args.device, port, fallback) + shlex.split(args.server_args)
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)
     try:

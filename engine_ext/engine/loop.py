@@ -22,8 +22,10 @@ order the calls were sent). Its sink stays registered until then, so an engine d
 Submission: `submit_many` hands its requests to vLLM with one command; with a multiprocess engine
 core that answers causalboard's `cb_add_requests` utility they also reach the core in a few
 messages (`seam.add_requests_batched`: the first of 32 requests, so the core starts while the
-rest are processed, then larger ones) instead of one per request. A message the core refuses
-fails its requests (aborted in vLLM's client, each sink told) and the loop serves on.
+rest are processed, then larger ones) instead of one per request; single requests (`submit`, one
+per HTTP completion) queued while the loop thread was busy are gathered into such a batch when it
+drains its commands. A message the core refuses fails its requests (aborted in vLLM's client,
+each sink told) and the loop serves on.
 
 Wake-ups: with a multiprocess engine core the loop thread spends most of a busy step waiting in
 `LLMEngine.step` for the core's outputs. A command queued meanwhile (requests, aborts, calls)
@@ -169,11 +171,7 @@ class EngineLoop:
         """Add a request. With `collect_key`, the workers' result for it (captures, voided
         status) is fetched when it finishes and handed to the sink with the final output."""
         self._register([(request_id, sink)])
-
-        def add() -> None:
-            self._add(request_id, prompt, params, sink, collect_key)
-
-        self._queue(add)
+        self._queue(_AddOne((request_id, prompt, params, sink, collect_key)))
 
     def submit_many(self, requests: list[tuple[str, Any, Any, Sink, str | None]]) -> None:
         """Add several requests `(request_id, prompt, params, sink, collect_key)` with one command
@@ -407,16 +405,35 @@ class EngineLoop:
             self._close_engine()
 
     def _drain_commands(self, block: bool) -> None:
+        """Run the queued commands in order. Single requests queued one after another (`submit`:
+        one per HTTP completion) are added together, as `submit_many` adds its batch: a few
+        messages to the core instead of one each (`_add_batch`)."""
         try:
             cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        adds: list = []
         while True:
-            cmd()
+            if isinstance(cmd, _AddOne):
+                adds.append(cmd.request)
+            else:
+                if adds:
+                    self._add_singles(adds)
+                    adds = []
+                cmd()
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
+                if adds:
+                    self._add_singles(adds)
                 return
+
+    def _add_singles(self, requests: list[tuple[str, Any, Any, Sink, str | None]]) -> None:
+        if self._batch_adds and len(requests) > 1:
+            self._add_batch(requests)
+            return
+        for request_id, prompt, params, sink, collect_key in requests:
+            self._add(request_id, prompt, params, sink, collect_key)
 
     def _step(self) -> None:
         if self._wakeable:
@@ -514,3 +531,16 @@ class EngineLoop:
                 engine.engine_core.shutdown()
             except Exception:  # best effort at exit
                 logger.debug("engine shutdown raised", exc_info=True)
+
+
+class _AddOne:
+    """The command `EngineLoop.submit` queues: one request `(request_id, prompt, params, sink,
+    collect_key)` to add, gathered with its queued neighbours by `_drain_commands`."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: tuple) -> None:
+        self.request = request
+
+    def __call__(self) -> None:  # never run directly: `_drain_commands` adds it
+        raise RuntimeError("an _AddOne command is added by EngineLoop._drain_commands")

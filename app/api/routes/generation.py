@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 
 import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine_ext import Engine, Generation
 from engine_ext.dynamic.specs import DynamicRequest
@@ -158,7 +159,9 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
     gates = gate_compat.gate_set(extras.gates, extras.static_decode, req.conversation_id, registry, latches)
     if gates is not None:
         dynamic = dataclasses.replace(dynamic or DynamicRequest(), gates=gates)
-    for k, prompt in enumerate(prompts):
+    # every prompt is checked before any runs; a single prompt answered in one body is checked by
+    # its own `agenerate` instead (the same check, once: the same error, relabelled below)
+    for k, prompt in enumerate(prompts if req.stream or not single else ()):
         try:
             engine.validate(prompt, params, spec, dynamic=dynamic)
         except SpecError as exc:
@@ -228,7 +231,10 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
         return out
 
     if not req.stream:
-        gens = await asyncio.gather(*(engine.agenerate(p, params, spec, dynamic=dynamic) for p in prompts))
+        try:
+            gens = await asyncio.gather(*(engine.agenerate(p, params, spec, dynamic=dynamic) for p in prompts))
+        except SpecError as exc:
+            raise extras.relabel(exc) from None
         for k, g in enumerate(gens):
             finished(g, k)
         if extras.file_capture is not None:
@@ -240,7 +246,7 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
         body = {**common(), "choices": choices, "usage": usage}
         if single:
             body.update(intervention_fields(gens[0]))
-        return body
+        return plain_json(body)
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -264,6 +270,16 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
         yield DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def plain_json(body: dict) -> JSONResponse:
+    """`body` answered as JSON straight away: a completion's body is plain data (str, int, float,
+    lists, dicts), for which FastAPI's `jsonable_encoder` walk (what a returned dict gets) costs
+    more than the encoding itself; a body holding anything else still goes through it."""
+    try:
+        return JSONResponse(body)
+    except TypeError:
+        return JSONResponse(jsonable_encoder(body))
 
 
 def _stream_error(exc: Exception) -> dict:
