@@ -7,7 +7,9 @@
         [--server-args '--multiprocess']   # extra flags for the server's command line
 
 One server per process of this script (started as a subprocess on a free port, stopped at the
-end); run both in the same device call and compare. The offline GPU host's bundle has what offline
+end); run both in the same device call and compare. The client is aiohttp's (`--client httpx`:
+httpx's, which the calls before 2026-11-28's eighteenth session used; at P1's 768 concurrent
+requests it, not either server, set the pace). The offline GPU host's bundle has what offline
 generation imports, not all of what vLLM's server does: `--fallback-wheels .gpu_server` (made here
 by `scripts/gpu/server_extra.sh`, carried) fills the gaps without shadowing the host's packages,
 for both servers alike (among them `uvloop`, whose event loop both servers use where it can be

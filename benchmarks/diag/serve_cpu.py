@@ -1,0 +1,111 @@
+"""CPU time per request of each process of a server (and each thread of its API process) over P1's
+bursts over HTTP (issue 13: `causalboard serve` against `vllm serve`, where does a completion's
+host time go):
+
+    python3 benchmarks/diag/serve_cpu.py --server cb --model /tmp/cpuhost --server-args "--multiprocess --compiled"
+    python3 benchmarks/diag/serve_cpu.py --server stock --model /tmp/cpuhost --server-args "--gpu-memory-utilization 0.5"
+    python3 benchmarks/diag/serve_cpu.py --server cb --repo /tmp/old-tree ...   # the server of another tree
+
+Starts the server as `benchmarks/compare/http_bench.py` does (`--repo`: the tree whose server
+runs; the harness is this tree's), sends two warm-up bursts of `--requests` one-token completions
+of one 16-token prompt (aiohttp client), then `--bursts` timed ones, and reads each process's and
+each API-process thread's user+system time from /proc before and after. One JSON line:
+`bursts_s`, `us_cpu_per_req` per process (`comm:pid`: the API server, vLLM's engine core, a
+worker), `api_threads_us` (the API process's threads, largest first: its event loop first, then
+causalboard's engine-loop thread), `client_us_per_req`, `wall_us_per_req`. On a 2-core machine the
+client shares the cores: compare servers in alternating runs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(HERE))
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (children of any of its threads)."""
+    out = [pid]
+    task_dir = f"/proc/{pid}/task"
+    for t in os.listdir(task_dir) if os.path.isdir(task_dir) else []:
+        try:
+            for c in open(f"{task_dir}/{t}/children").read().split():
+                out += _tree(int(c))
+        except OSError:
+            pass
+    return out
+
+
+def _cpu(path: str) -> tuple[str | None, float]:
+    """(comm, user+system seconds) of /proc/`path` (a pid, or `pid/task/tid`)."""
+    try:
+        fields = open(f"/proc/{path}/stat").read().rsplit(")", 1)[1].split()
+        return open(f"/proc/{path}/comm").read().strip(), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return None, 0.0
+
+
+def main() -> None:
+    from app.client.notebook import free_port
+    from benchmarks.compare.http_bench import burst, http_client, server_command, wait_ready
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", choices=["stock", "cb"], required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--repo", default=str(HERE), help="the tree whose server runs (default: this one)")
+    ap.add_argument("--requests", type=int, default=768)
+    ap.add_argument("--bursts", type=int, default=3)
+    ap.add_argument("--server-args", default="")
+    args = ap.parse_args()
+    with open(Path(args.model) / "config.json") as f:
+        hi = min(int(json.load(f)["vocab_size"]) - 1, 128000)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [args.repo, os.environ.get("PYTHONPATH")]))}
+    cmd = server_command(args.server, args.model, args.device, port) + shlex.split(args.server_args)
+    proc = subprocess.Popen(cmd, env=env, cwd=args.repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        name = wait_ready(url, proc, 600)
+
+        async def go() -> dict:
+            async with http_client(url, "aiohttp", args.requests + 8) as post:
+                rng = random.Random(0)
+                prompts = [[rng.randrange(4, hi) for _ in range(16)]] * args.requests
+                for _ in range(2):
+                    await burst(post, name, prompts, 1)
+                pids = _tree(proc.pid)
+                tids = [f"{proc.pid}/task/{t}" for t in os.listdir(f"/proc/{proc.pid}/task")]
+                before, tbefore = {p: _cpu(str(p)) for p in pids}, {t: _cpu(t) for t in tids}
+                c0, t0 = time.process_time(), time.perf_counter()
+                times = [await burst(post, name, prompts, 1) for _ in range(args.bursts)]
+                wall, client = time.perf_counter() - t0, time.process_time() - c0
+                after, tafter = {p: _cpu(str(p)) for p in pids}, {t: _cpu(t) for t in tids}
+            n = args.bursts * args.requests
+            return {"bench": "serve_cpu", "server": args.server, "repo": args.repo, "bursts_s": [round(t, 3) for t in times],
+                    "us_cpu_per_req": {f"{before[p][0]}:{p}": round((after[p][1] - before[p][1]) / n * 1e6, 1) for p in pids},
+                    "api_threads_us": sorted((round((tafter[t][1] - tbefore[t][1]) / n * 1e6, 1) for t in tids
+                                              if tafter[t][1] > tbefore[t][1]), reverse=True),
+                    "client_us_per_req": round(client / n * 1e6, 1), "wall_us_per_req": round(wall / n * 1e6, 1)}
+
+        print(json.dumps(asyncio.run(go())), flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
