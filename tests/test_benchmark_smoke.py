@@ -116,13 +116,17 @@ def test_the_segmented_cells_bench_runs_and_reports_equal_scores():
 
 def test_p1_profile_bench_runs_and_reports(tmp_path):
     """`benchmarks/diag/p1_stacks.py` (P1 with the stack sampler and both timelines, one window
-    per variant), causalboard's side; with `--http --seg-ab` also the sweep over HTTP as the
-    service runs it (`sweep_http`) and with every cell its own request (`sweep_http_noseg`), each
-    reporting how its cells ran."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    per variant), causalboard's side, with the engine core in its own process (`--multiprocess`,
+    as on a GPU); with `--http --seg-ab` also the sweep over HTTP as the service runs it
+    (`sweep_http`) and with every cell its own request (`sweep_http_noseg`), each reporting how its
+    cells ran. The core's stack report holds its step timeline, and the tokens its steps scheduled
+    for `patched` add up to the cells' prompts (every patched cell computes its whole 16-token
+    prompt: nothing counted twice, nothing missing)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "p1_stacks.py"), "--engine", "cb",
-                           "--http", "--seg-ab", "--model", str(model_path()), "--device", "cpu", "--reps", "1",
-                           "--dir", str(tmp_path / "p1")],
+                           "--multiprocess", "--http", "--seg-ab", "--model", str(model_path()), "--device", "cpu",
+                           "--reps", "1", "--dir", str(tmp_path / "p1")],
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
@@ -137,18 +141,6 @@ def test_p1_profile_bench_runs_and_reports(tmp_path):
     kinds = {e[0] for e in report["client_events"]}
     assert {"prepare", "add", "step"} <= kinds, kinds
 
-
-def test_p1_profile_bench_records_the_cores_steps_and_their_tokens(tmp_path):
-    """With `--multiprocess` the engine core runs in its own process (as on a GPU): its stack report
-    holds the step timeline, and the tokens its steps scheduled add up to the cells' prompts (every
-    patched cell computes its whole 16-token prompt: nothing counted twice, nothing missing)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diag" / "p1_stacks.py"), "--engine", "cb",
-                           "--multiprocess", "--variants", "patched", "--model", str(model_path()), "--device", "cpu",
-                           "--reps", "1", "--dir", str(tmp_path / "p1")],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     stacks = list((tmp_path / "p1").glob("stack-*-patched.json"))
     assert len(stacks) == 1, list((tmp_path / "p1").iterdir())
     with open(stacks[0]) as f:
