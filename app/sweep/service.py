@@ -309,7 +309,6 @@ class SweepService:
     async def _fan_out(self, run: SweepRun, base: _Baselines) -> None:
         plan = run.plan
         limit = plan.request.max_concurrency or max(1, self.engine.info.max_num_seqs)
-        slots = asyncio.Semaphore(limit)  # jobs (a cell with its noise samples, or a baseline) in flight
         results: asyncio.Queue = asyncio.Queue()
         n = len(plan.cells)
         k_nf = plan.request.noise_floor_samples
@@ -332,9 +331,9 @@ class SweepService:
         jobs += [("repeat", plan.cells[i]) for i in repeat_at]
         if run.segmented and plan.request.max_concurrency is None:
             group = limit = max(1, min(len(jobs), SEGMENTED_GROUP_MAX))
-            slots = asyncio.Semaphore(limit)
         else:
             group = max(1, min(GROUP_MAX, -(-limit // GROUPS_PER_WINDOW)))
+        slots = asyncio.Semaphore(limit)  # jobs (a cell with its noise samples, or a baseline) in flight
 
         async def group_job(chunk: list[tuple[str, SweepCell | None]]) -> None:
             """One batch of jobs through `Engine.agenerate_many`; each job's result is queued as

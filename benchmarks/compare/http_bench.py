@@ -222,12 +222,17 @@ def main() -> None:
              fallback=fallback is not None)
         asyncio.run(run_tasks(url, name, args))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (both servers shut down cleanly on it), then SIGKILL after 60 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":

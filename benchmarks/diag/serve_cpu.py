@@ -56,7 +56,7 @@ def _cpu(path: str) -> tuple[str | None, float]:
 
 def main() -> None:
     from app.client.notebook import free_port
-    from benchmarks.compare.http_bench import burst, http_client, server_command, wait_ready
+    from benchmarks.compare.http_bench import burst, http_client, server_command, stop_server, wait_ready
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", choices=["stock", "cb"], required=True)
@@ -99,12 +99,7 @@ def main() -> None:
 
         print(json.dumps(asyncio.run(go())), flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 if __name__ == "__main__":

@@ -178,14 +178,7 @@ class EngineLoop:
         (one wake-up of the loop thread): what `submit` does for each."""
         self._register([(r[0], r[3]) for r in requests])
 
-        def add_all() -> None:
-            if self._batch_adds and len(requests) > 1:
-                self._add_batch(requests)
-                return
-            for request_id, prompt, params, sink, collect_key in requests:
-                self._add(request_id, prompt, params, sink, collect_key)
-
-        self._queue(add_all)
+        self._queue(lambda: self._add_singles(requests))
 
     def _can_wake(self) -> bool:
         """`seam.output_wait_wakeable`, unless `CAUSALBOARD_WAKE_LOOP=0` (commands then wait for
@@ -429,6 +422,8 @@ class EngineLoop:
                 return
 
     def _add_singles(self, requests: list[tuple[str, Any, Any, Sink, str | None]]) -> None:
+        """On the loop thread: add `requests`, in a few messages where the core takes them
+        (`_add_batch`), else one by one (`_add`)."""
         if self._batch_adds and len(requests) > 1:
             self._add_batch(requests)
             return
