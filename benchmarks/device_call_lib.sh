@@ -14,6 +14,6 @@ step() {  # name, seconds, command...
   timeout -k 10 "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
   echo "$name rc=$? $((SECONDS - t0))s (at ${SECONDS}s)" | tee -a "$OUT/steps.txt"
 }
-keep_only() {  # archive: leave only it and steps.txt under $OUT (the device returns at most 8 files)
+keep_only() {  # archive: leave only it, steps.txt and smi.txt under $OUT (the device returns at most 8 files)
   find "$OUT" -mindepth 1 ! -name "$1" ! -name steps.txt ! -name smi.txt -delete 2>/dev/null
 }

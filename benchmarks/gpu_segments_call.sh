@@ -12,7 +12,7 @@
 #       before SEGMENTED_GROUP_MAX), and batched Hugging Face hooks, on the same model folder.
 # segment_cells.py and p1_stacks.py run vLLM's V1 runner, or (SEG_V2=1) the V2 runner (a GPU's default);
 # both offer segments (docs/segmented-cells.md).
-# Results: $OUT/<step>.out / .err, $OUT/steps.txt, everything also in $OUT/segments-call.tgz.
+# Results: every step's .out / .err in $OUT/segments-call.tgz; $OUT keeps only it, steps.txt and smi.txt.
 source benchmarks/device_call_lib.sh  # $OUT, $M (the 1B model), step
 SEG=(env VLLM_USE_V2_MODEL_RUNNER=$([ -n "${SEG_V2:-}" ] && echo 1 || echo 0))  # V1; SEG_V2=1: V2
 case "${CALL:-check}" in
