@@ -44,3 +44,21 @@ def test_both_servers_search_the_fallback_after_site_packages(tmp_path):
 def test_no_wheels_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no wheels"):
         unpack_fallback(str(tmp_path))
+
+
+def test_cpu_per_request_reads_this_process_and_its_threads():
+    """P1's CPU figures: two /proc readings of a process tree around some work give µs per request
+    for the process (keyed `comm:pid`), its busiest threads and the client."""
+    import os
+
+    from benchmarks.compare.http_bench import cpu_per_request, cpu_reading
+
+    before = cpu_reading(os.getpid())
+    x = 0
+    for i in range(2_000_000):  # ~0.1 s of CPU in this thread
+        x += i
+    after = cpu_reading(os.getpid())
+    got = cpu_per_request(before, after, 1000)
+    (key, us), = [(k, v) for k, v in got["us_cpu_per_req"].items() if k.endswith(f":{os.getpid()}")]
+    assert us > 10 and got["api_threads_us"][0] > 10 and got["client_us_per_req"] > 10
+    assert got["api_threads_us"][0] <= us + 1

@@ -19,7 +19,9 @@ prefix caching, the TRITON_ATTN attention backend and no batch invariance (vLLM'
 (`--no-dashboard`: stock has none, and the GPU bundle has no Panel).
 
 p1  768 one-token completions (`max_tokens` 1, greedy) of one 16-token prompt of random ids (seed 0),
-    all sent at once: requests/s over the burst (`--p1-requests N` for another count).
+    all sent at once: requests/s over the burst (`--p1-requests N` for another count); with it, over
+    the timed bursts, µs of CPU per request of each server process, of the API process's busiest
+    threads (its event loop first) and of this client (read from /proc, as `diag/serve_cpu.py` does).
 p2  decode: batch 32 and batch 1, distinct random 16-token prompts (seed 100+batch), 256 tokens
     (`--tokens`), `ignore_eos`: generated tokens/s over the batch.
 
@@ -160,7 +162,30 @@ async def http_client(url: str, kind: str, connections: int):
             yield post
 
 
-async def run_tasks(url: str, name: str, args) -> None:
+def cpu_reading(server_pid: int) -> tuple[dict, dict, float]:
+    """Each server process's (`comm:pid`: the API server, vLLM's engine core, a worker) and each
+    API-process thread's user+system seconds so far, and this process's own: two readings around
+    P1's timed bursts give `benchmarks/diag/serve_cpu.py`'s figures without another server start."""
+    from benchmarks.diag.serve_cpu import _cpu, _tree
+
+    procs = {}
+    for p in _tree(server_pid):
+        comm, sec = _cpu(str(p))
+        procs[f"{comm}:{p}"] = sec
+    threads = {t: _cpu(f"{server_pid}/task/{t}")[1] for t in os.listdir(f"/proc/{server_pid}/task")}
+    return procs, threads, time.process_time()
+
+
+def cpu_per_request(before: tuple, after: tuple, n: int) -> dict:
+    """µs of CPU per request between two `cpu_reading`s over `n` requests."""
+    us = lambda a, b: round((a - b) / n * 1e6, 1)  # noqa: E731
+    return {"us_cpu_per_req": {k: us(v, before[0].get(k, 0.0)) for k, v in after[0].items()},
+            "api_threads_us": sorted((us(v, before[1][t]) for t, v in after[1].items()
+                                      if t in before[1] and v > before[1][t]), reverse=True)[:6],
+            "client_us_per_req": us(after[2], before[2])}
+
+
+async def run_tasks(url: str, name: str, args, server_pid: int | None = None) -> None:
     async with http_client(url, args.client, args.p1_requests + 8) as client:
         tasks = args.tasks.split(",")
         hi = args.vocab_hi
@@ -169,10 +194,12 @@ async def run_tasks(url: str, name: str, args) -> None:
             prompt = [rng.randrange(4, hi) for _ in range(16)]
             prompts = [prompt] * args.p1_requests
             await burst(client, name, prompts, 1)  # warm-up
+            before = cpu_reading(server_pid) if server_pid else None
             ts = [await burst(client, name, prompts, 1) for _ in range(args.reps)]
+            cpu = cpu_per_request(before, cpu_reading(server_pid), args.reps * len(prompts)) if before else {}
             m = statistics.median(ts)
             emit(f"http_{args.server}", task="p1", requests=len(prompts), req_per_s=round(len(prompts) / m, 1),
-                 median_s=round(m, 4), reps_s=[round(x, 4) for x in ts], client=args.client)
+                 median_s=round(m, 4), reps_s=[round(x, 4) for x in ts], client=args.client, **cpu)
         if "p2" in tasks:
             for batch in (32, 1):
                 rng = random.Random(100 + batch)
@@ -220,7 +247,7 @@ def main() -> None:
         name = wait_ready(url, proc, args.start_timeout)
         emit(f"http_{args.server}", step="ready", seconds=round(time.perf_counter() - t0, 1), model=name,
              fallback=fallback is not None)
-        asyncio.run(run_tasks(url, name, args))
+        asyncio.run(run_tasks(url, name, args, proc.pid if os.path.isdir(f"/proc/{proc.pid}") else None))
     finally:
         stop_server(proc)
 

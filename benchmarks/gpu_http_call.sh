@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call: P1 and P2 over HTTP, `vllm serve` against `causalboard serve` (the same aiohttp
+# client, one server after the other: benchmarks/compare/http_bench.py, with each server process's
+# CPU per P1 request), then, in the time left, dynamic steering's batch-32 decode with decisions on
+# the device and on the host (benchmarks/dynamic_bench.py --ab-device; DYN_VARIANTS to choose).
+# From the repo root on the GPU host, with the bundle and the server fallbacks carried:
+#   source .vbundle/gpu_env.sh; export PYTHONPATH=$PWD:$PWD/.gpu_extra:$PYTHONPATH
+#   bash benchmarks/gpu_http_call.sh          # carry .vbundle .gpu_extra .gpu_server
+# Results: every step's .out / .err in $OUT/http-call.tgz; $OUT keeps only it, steps.txt and smi.txt.
+source benchmarks/device_call_lib.sh  # $OUT, $M (the 1B model), step
+for server in stock cb; do
+  step "http-$server" "${HTTP_LIMIT:-260}" python3 benchmarks/compare/http_bench.py --server "$server" --model "$M" \
+    --reps "${REPS:-5}" --fallback-wheels .gpu_server
+done
+left=$(( ${CALL_BUDGET:-570} - SECONDS ))
+[ "$left" -gt 200 ] && step dyn-bench "$left" python3 benchmarks/dynamic_bench.py --model "$M" --device cuda --reps 5 \
+  --ab-device --variants "${DYN_VARIANTS:-threshold_on,proportional}"
+tar -czf "$OUT/http-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
+cat "$OUT/steps.txt"
+for f in "$OUT"/http-*.out "$OUT"/dyn-bench.out; do [ -f "$f" ] && grep -h '"bench"' "$f" | grep -v warmup | tail -10; done
+keep_only http-call.tgz
