@@ -6,6 +6,9 @@ VENV="${VENV:-.venv}"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# stock vLLM started by the benchmark smoke tests: skip inductor's per-process ISA probes, as causalboard's
+# CPU engine does (engine_ext/engine/runtime.py: ~5 s of every engine start)
+export TORCHINDUCTOR_VEC_ISA_OK="${TORCHINDUCTOR_VEC_ISA_OK:-1}"
 OUTDIR="${CAUSALBOARD_TEST_OUT:-test-output}"
 mkdir -p "$OUTDIR"
 # the linter first: pyflakes-class errors fail the run before any test starts

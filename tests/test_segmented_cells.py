@@ -244,8 +244,10 @@ def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells
     whole block is cheap (`cells.MAX_PADDING`): cells as segments (`segmented: true` in the
     summary, far fewer requests); `prefix_reuse: false` keeps them segmented; `prefix_reuse: true`
     runs one request per cell. All three grids are equal; the segmented sweep submits all its
-    cells in one group (`service.SEGMENTED_GROUP_MAX`). (The bundled pair's few tokens in a
-    32-token block are too much padding for the default: the test allows any.)"""
+    cells in one group (`service.SEGMENTED_GROUP_MAX`), built (`Engine.prepare_cells`) while the
+    clean run and the baselines are in the engine, and run as built (`Engine.arun_cells`). (The
+    bundled pair's few tokens in a 32-token block are too much padding for the default: the test
+    allows any.)"""
     from engine_ext.engine import cells as packing
 
     pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
@@ -255,19 +257,33 @@ def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells
     assert r.status_code == 200 and r.json()["segmented"] is False  # too much padding by default
     monkeypatch.setattr(packing, "MAX_PADDING", 100.0)
     sizes = count_requests(engine, monkeypatch)
-    groups: list[int] = []  # cells per `agenerate_cells` call
-    cells_of = engine.agenerate_cells
-    monkeypatch.setattr(engine, "agenerate_cells", lambda prompt, cells, *a, **k: (groups.append(len(cells)), cells_of(prompt, cells, *a, **k))[1])
+    groups: list[tuple[int, int]] = []  # per `prepare_cells` call: cells, requests in flight meanwhile
+    ran: list = []  # what `arun_cells` ran
+    prepare, run_cells = engine.prepare_cells, engine.arun_cells
+    monkeypatch.setattr(engine, "prepare_cells", lambda prompt, cells, *a, **k: (
+        groups.append((len(cells), engine.in_flight)), prepare(prompt, cells, *a, **k))[1])
+    monkeypatch.setattr(engine, "arun_cells", lambda prepared: (ran.append(prepared), run_cells(prepared))[1])
     runs = {}
-    for name, extra in (("default", {}), ("no_reuse", {"prefix_reuse": False}), ("reuse", {"prefix_reuse": True})):
+    for name, extra in (("default", {}), ("no_reuse", {"prefix_reuse": False}), ("reuse", {"prefix_reuse": True}),
+                        ("roomy_limit", {"max_concurrency": 4096}), ("tight_limit", {"max_concurrency": 16})):
         sizes.clear()
         groups.clear()
+        ran.clear()
         r = http.post("/v1/patch_sweep", json={**body, **extra})
         assert r.status_code == 200, r.text
         runs[name] = (r.json(), sum(sizes))
-        if name == "default":  # a segmented sweep submits all its jobs (cells, baselines, repeats) as one group
-            assert len(groups) == 1 and groups[0] > r.json()["cells_total"], groups
+        if name == "default":  # a segmented sweep submits all its jobs (cells, baselines, repeats) as one group,
+            # prepared while the clean run and the corrupt baseline(s) computed
+            assert len(groups) == 1 and groups[0][0] > r.json()["cells_total"] and groups[0][1] >= 2, groups
+            assert len(ran) == 1 and ran[0].submitted
+        if name == "roomy_limit":  # a limit that allows every job at once: one group too
+            assert len(groups) == 1 and groups[0][0] > r.json()["cells_total"] and len(ran) == 1, groups
+        if name == "tight_limit":  # at most 16 jobs in flight: groups of 4 (GROUPS_PER_WINDOW), each built when fed
+            assert len(groups) > 1 and all(n <= 4 for n, _ in groups) and r.json()["segmented"] is True, groups
     (default, n_default), (no_reuse, _), (reuse, n_reuse) = runs["default"], runs["no_reuse"], runs["reuse"]
+    for other in (runs["roomy_limit"][0], runs["tight_limit"][0]):
+        for a, b in zip(default["hook_grids"], other["hook_grids"]):
+            assert a["grid"] == b["grid"], (a["hook"], a["grid"], b["grid"])
     assert default["segmented"] is True and default["prefix_reuse"] is False
     assert no_reuse["segmented"] is True and reuse["segmented"] is False and reuse["prefix_reuse"] is True
     cells = default["cells_total"]

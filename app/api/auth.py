@@ -18,10 +18,13 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from typing import NamedTuple
 
 from fastapi import Depends, Request
 
-from app.api.deps import ApiSettings, get_settings
+from engine_ext import Engine
+
+from app.api.deps import ApiSettings, engine_of, get_settings, running
 from app.api.errors import AuthError
 
 API_KEY_ENV = "CAUSALBOARD_API_KEY"
@@ -66,3 +69,20 @@ async def api_key_guard(request: Request, settings: ApiSettings = Depends(get_se
 async def require_api_key(guard: ApiKeyGuard = Depends(api_key_guard)) -> None:
     """Dependency for routes that always mutate: 401 without the key."""
     guard.check()
+
+
+class CompletionAccess(NamedTuple):
+    """What a completion route needs, as one dependency: the running engine, the request's key
+    guard and the settings."""
+
+    engine: Engine
+    guard: ApiKeyGuard
+    settings: ApiSettings
+
+
+async def completion_access(request: Request, settings: ApiSettings = Depends(get_settings)) -> CompletionAccess:
+    """Dependency of the completion routes (`get_engine` + `api_key_guard` + `get_settings` in one:
+    FastAPI solves every dependency of every request, and these routes carry the hottest traffic;
+    overriding `get_settings` still applies)."""
+    return CompletionAccess(running(engine_of(request.app)), ApiKeyGuard(settings.api_key, request.headers.get("authorization")),
+                            settings)

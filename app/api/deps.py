@@ -88,6 +88,11 @@ async def engine_handle(request: Request) -> Engine:
 
 async def get_engine(engine: Engine = Depends(engine_handle)) -> Engine:
     """The app's engine; `EngineDeadError` (answered 503) unless it is running."""
+    return running(engine)
+
+
+def running(engine: Engine) -> Engine:
+    """`engine`, or `EngineDeadError` (answered 503) unless it is running."""
     if not engine.alive:
         raise EngineDeadError("the vLLM engine is not running (not started yet, or stopped)")
     return engine

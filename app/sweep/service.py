@@ -69,7 +69,8 @@ MIN_EFFECT = 1e-6
 GROUP_MAX = 256
 GROUPS_PER_WINDOW = 4
 #: a segmented sweep (several cells per request, `Engine.agenerate_cells`) submits up to this many
-#: jobs as one group, whatever the engine's request limit (a request carries many cells): the cells
+#: jobs as one group, whatever the engine's request limit (a request carries many cells), unless a
+#: `max_concurrency` below their number says otherwise: the cells
 #: then share as few engine steps as the token budget allows instead of one step per group
 SEGMENTED_GROUP_MAX = 4096
 #: every request of a sweep (clean capture, baselines, cells): one token whose scores are read; its
@@ -98,6 +99,9 @@ class SweepRun:
         self.prefix_reuse = False
         #: cells run as the segments of shared requests (`Engine.agenerate_cells`)
         self.segmented = False
+        #: a segmented sweep's one group of jobs, prepared while the clean run computes
+        #: (`_prepare_group`): (jobs, their requests' specs and owners, `Engine.prepare_cells`)
+        self.prepared_group: tuple | None = None
         self.reused_tokens = 0
         #: the fan-out reached its cleanup (`cancel` is then a no-op)
         self.finishing = False
@@ -224,7 +228,9 @@ class SweepService:
         # with prefix reuse, the solo baselines write the blocks the cells read (the fan-out starts after them)
         if req.max_concurrency is None or req.max_concurrency >= 1 + len(noises):
             _, *scores = await _all_or_none(self._prepare_clean(run, base),
-                                            *(self._score(run, plan.corrupt_ids, n) for n in noises))
+                                            *(self._score(run, plan.corrupt_ids, n) for n in noises),
+                                            self._prepare_group(run))
+            scores = scores[:len(noises)]
         else:
             await self._prepare_clean(run, base)
             scores = [await self._score(run, plan.corrupt_ids, n) for n in noises]
@@ -296,6 +302,18 @@ class SweepService:
                 raise PlanError(404, "source_run", f"run {src.run_id!r} vanished from the source store before it could be leased")
             base.leased = src.run_id
 
+    async def _prepare_group(self, run: SweepRun) -> None:
+        """A segmented sweep that submits all its jobs as one group (`_one_group`): its requests are built here, on the host, while the engine
+        computes the clean run and the baselines (this coroutine runs after theirs have been
+        submitted), so the fan-out submits them at once (`run.prepared_group`)."""
+        plan = run.plan
+        jobs = _jobs(plan)[0] if run.segmented else []
+        if not _one_group(run, jobs):
+            return
+        await asyncio.sleep(0)  # the clean run's and the baselines' requests first
+        specs, owner = _group_specs(plan, jobs)
+        run.prepared_group = (jobs, specs, owner, self.engine.prepare_cells(plan.corrupt_ids, specs, plan.score_ids))
+
     async def _score(self, run: SweepRun, ids: list[int], noise) -> dict[int, float]:
         # a baseline is computed like the cells: from the prefix cache with prefix reuse, else fresh
         gen = await self.engine.agenerate(ids, ONE_SCORED_TOKEN, _spec(run.plan, noise),
@@ -312,25 +330,19 @@ class SweepService:
         results: asyncio.Queue = asyncio.Queue()
         n = len(plan.cells)
         k_nf = plan.request.noise_floor_samples
-        nf_at = {int((j + 0.5) * n / k_nf) for j in range(k_nf)}
         in_batch: list[float] = []
         tasks: list[asyncio.Task] = []
 
-        # cells run a second time after all the others (other batch neighbours): their
-        # differences join the baseline re-runs in the noise floor
-        repeat_at = sorted({int((j + 0.5) * n / k_nf) for j in range(k_nf)})
         raw: dict[tuple[str, int, int], float] = {}
         repeats: dict[tuple[str, int, int], float] = {}
-
-        # the jobs in submission order: baselines at evenly spaced points inside the cells, repeats last
-        jobs: list[tuple[str, SweepCell | None]] = []
-        for i, cell in enumerate(plan.cells):
-            if i in nf_at:
-                jobs.append(("baseline", None))
-            jobs.append(("cell", cell))
-        jobs += [("repeat", plan.cells[i]) for i in repeat_at]
+        jobs, repeat_at = _jobs(plan)
+        prepared, run.prepared_group = run.prepared_group, None
+        if prepared is not None:
+            jobs = prepared[0]  # the same jobs, the very list the prepared group was built from
         if run.segmented and plan.request.max_concurrency is None:
             group = limit = max(1, min(len(jobs), SEGMENTED_GROUP_MAX))
+        elif _one_group(run, jobs):  # a limit that allows every job at once
+            group = len(jobs)
         else:
             group = max(1, min(GROUP_MAX, -(-limit // GROUPS_PER_WINDOW)))
         slots = asyncio.Semaphore(limit)  # jobs (a cell with its noise samples, or a baseline) in flight
@@ -338,15 +350,17 @@ class SweepService:
         async def group_job(chunk: list[tuple[str, SweepCell | None]]) -> None:
             """One batch of jobs through `Engine.agenerate_many`; each job's result is queued as
             soon as all its requests are in, and its slot freed."""
-            specs, owner = [], []  # per request: its spec, (job, noise sample)
-            for j, (kind, cell) in enumerate(chunk):
-                for k in range(1 if kind == "baseline" else plan.noise_samples):
-                    specs.append(_spec(plan, plan.noise_for(k), None if kind == "baseline" else plan.patch_for(cell)))
-                    owner.append((j, k))
+            if prepared is not None and prepared[0] is chunk:  # built while the clean run computed
+                _, specs, owner, cells = prepared
+            else:
+                specs, owner = _group_specs(plan, chunk)
+                cells = None
             vals: list[list[float | None]] = [[None] * (1 if kind == "baseline" else plan.noise_samples) for kind, _ in chunk]
             left = [len(v) for v in vals]
             errs: list[str | None] = [None] * len(chunk)
-            if run.segmented:  # several cells per request (`Engine.agenerate_cells`)
+            if cells is not None:
+                batch = self.engine.arun_cells(cells)
+            elif run.segmented:  # several cells per request (`Engine.agenerate_cells`)
                 batch = self.engine.agenerate_cells(plan.corrupt_ids, specs, plan.score_ids)
             else:
                 batch = self.engine.agenerate_many([plan.corrupt_ids] * len(specs), ONE_SCORED_TOKEN, specs,
@@ -384,7 +398,7 @@ class SweepService:
         async def feed() -> None:
             """Submit the jobs in groups, at most `limit` jobs in flight."""
             for start in range(0, len(jobs), group):
-                chunk = jobs[start: start + group]
+                chunk = jobs if group >= len(jobs) else jobs[start: start + group]
                 for _ in chunk:
                     await slots.acquire()
                 t = asyncio.create_task(group_job(chunk))
@@ -557,6 +571,40 @@ class SweepService:
             reused_prompt_tokens=run.reused_tokens,
             notes=notes, versions=dict(self.engine.info.versions),
         )
+
+
+def _one_group(run: SweepRun, jobs: list) -> bool:
+    """Whether a sweep submits all its `jobs` as one group: segmented, at most
+    `SEGMENTED_GROUP_MAX` of them, and a `max_concurrency` (if any) that allows them all at once."""
+    limit = run.plan.request.max_concurrency
+    return run.segmented and 0 < len(jobs) <= SEGMENTED_GROUP_MAX and (limit is None or limit >= len(jobs))
+
+
+def _jobs(plan: SweepPlan) -> tuple[list[tuple[str, SweepCell | None]], list[int]]:
+    """The fan-out's jobs in submission order — the noise floor's baselines at evenly spaced
+    points inside the cells, then the repeats: cells run a second time after all the others (other
+    batch neighbours), whose differences join the baselines in the noise floor — and the indices of
+    the repeated cells."""
+    n, k_nf = len(plan.cells), plan.request.noise_floor_samples
+    nf_at = {int((j + 0.5) * n / k_nf) for j in range(k_nf)}
+    repeat_at = sorted(nf_at)
+    jobs: list[tuple[str, SweepCell | None]] = []
+    for i, cell in enumerate(plan.cells):
+        if i in nf_at:
+            jobs.append(("baseline", None))
+        jobs.append(("cell", cell))
+    jobs += [("repeat", plan.cells[i]) for i in repeat_at]
+    return jobs, repeat_at
+
+
+def _group_specs(plan: SweepPlan, chunk: list[tuple[str, SweepCell | None]]) -> tuple[list[Interventions], list[tuple[int, int]]]:
+    """Per request of a group of jobs: its spec, and (its job's index in `chunk`, its noise sample)."""
+    specs, owner = [], []
+    for j, (kind, cell) in enumerate(chunk):
+        for k in range(1 if kind == "baseline" else plan.noise_samples):
+            specs.append(_spec(plan, plan.noise_for(k), None if kind == "baseline" else plan.patch_for(cell)))
+            owner.append((j, k))
+    return specs, owner
 
 
 async def _all_or_none(*coros):

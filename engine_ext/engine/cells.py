@@ -38,6 +38,29 @@ class Carrier:
     cells: list[int]
 
 
+@dataclass
+class PreparedCells:
+    """Cells ready to run (`Engine.prepare_cells`, run once by `Engine.arun_cells`): the prompt's
+    ids, the requests (request id, the prepared vLLM request, what it carries: a cell's index or
+    a `Carrier`, the converter of its outputs) and the cells that failed validation (index,
+    error)."""
+
+    ids: list[int]
+    requests: list[tuple] = dataclasses.field(default_factory=list)
+    errors: list[tuple[int, Exception]] = dataclasses.field(default_factory=list)
+    submitted: bool = False
+
+    def add(self, request_id: str, prep, what, convert) -> None:
+        self.requests.append((request_id, prep, what, convert))
+
+    def claim(self) -> None:
+        """Mark the cells submitted; `RuntimeError` if they were already (their request ids and
+        KV salts are single-use)."""
+        if self.submitted:
+            raise RuntimeError("these prepared cells were already run (prepare them again)")
+        self.submitted = True
+
+
 def packable(cell: Interventions | None) -> bool:
     """Cells whose whole effect is patches (sweeps' cells and baselines): steering, noise,
     captures and clamps are not moved into segments (those cells run as requests of their own)."""

@@ -35,6 +35,7 @@ from engine_ext.engine.config import EngineConfig, EngineInfo
 from engine_ext.capture_ring import RingReaders
 from engine_ext.engine.topology import (Topology, cpu_thread_binding, merge_model_info, merge_results, merge_store_info,
                                         merge_store_usage)
+from engine_ext.engine.cells import PreparedCells
 from engine_ext.engine.outputs import AsyncSink, BatchSink, Prepared, QueueSink, delta_from_output
 from engine_ext.generation import Generation, GenerationDelta, GenerationParams
 from engine_ext.dynamic.engine import DynamicControl
@@ -829,7 +830,20 @@ class Engine(DynamicControl):
         tests/test_segmented_cells.py), vLLM's per-request costs paid once per request of up to
         `cells.MAX_SEGMENTS` cells; a patch source that is missing voids every cell of its request.
         Cells with anything but patches, and all of them when one fails validation, run as
-        requests of their own. Leaving early aborts what is unfinished."""
+        requests of their own. Leaving early aborts what is unfinished.
+
+        The same in two steps: `prepare_cells` (validation, packing, the vLLM requests: host work
+        that needs nothing from the engine's state, so a caller can do it while the engine computes
+        something else, e.g. a sweep's clean run) and `arun_cells`."""
+        async for item in self.arun_cells(self.prepare_cells(prompt, cells, score_token_ids, segmented=segmented)):
+            yield item
+
+    def prepare_cells(self, prompt: Sequence[int], cells: Sequence[Interventions | None],
+                      score_token_ids: Sequence[int], *, segmented: bool | None = None) -> PreparedCells:
+        """The first step of `agenerate_cells` (same arguments): every cell validated and packed
+        into the vLLM requests that `arun_cells` submits. Raises `SpecError` only for `segmented`
+        (as `agenerate_cells`); a cell's own error is kept and yielded by `arun_cells`. A patch's
+        stored source run need not exist yet (the worker reads it when the request runs)."""
         from engine_ext.engine import cells as packing
 
         params = GenerationParams(max_tokens=1, detokenize=False)
@@ -843,7 +857,6 @@ class Engine(DynamicControl):
         blocked = self._segments_blocked() if segmented else None
         if blocked:
             raise SpecError("segmented", f"cells cannot be segments now: {blocked}")
-        loop = self._require_loop()
         layout = self.segment_layout(len(ids))
         use = layout is not None if segmented is None else segmented
         packed = [i for i, c in enumerate(cells) if packing.packable(c)] if use else []
@@ -858,35 +871,43 @@ class Engine(DynamicControl):
             except SpecError:  # a bad cell (or bad ids): every cell as a request of its own reports its own error
                 carriers = []
         in_carriers = {packed[j] for car in carriers for j in car.cells}
-        sink = BatchSink(asyncio.get_running_loop())
-        pending: dict[int, tuple[str, Any, Generation]] = {}  # sink index -> (request id, carrier or cell, generation)
-        requests, errors = [], []
+        out = PreparedCells(ids)
         for i in (i for i in range(len(cells)) if i not in in_carriers):
             spec = dataclasses.replace(cells[i] or Interventions(), score_token_ids=score_ids)
             try:
                 prep = self._prepare(ids, params, spec, fresh=True)
             except Exception as exc:
-                errors.append((i, exc))
+                out.errors.append((i, exc))
                 continue
-            rid = prep.key or self._new_id()
-            m = len(pending)
-            pending[m] = (rid, i, Generation(rid, None, prep.ids))
-            requests.append((rid, prep.prompt(), prep.sampling, sink.member(m, self._converter(params, spec, prep)), prep.key))
+            out.add(prep.key or self._new_id(), prep, i, self._converter(params, spec, prep))
         for car in carriers:
             car.cells = [packed[j] for j in car.cells]
             try:
                 prep = self._prepare(car.ids, params, car.spec, fresh=True, segments=car.segments)
             except Exception as exc:
-                errors += [(i, exc) for i in car.cells]
+                out.errors += [(i, exc) for i in car.cells]
                 continue
-            rid = prep.key or self._new_id()
-            m = len(pending)
-            pending[m] = (rid, car, Generation(rid, None, prep.ids))
-            requests.append((rid, prep.prompt(), prep.sampling, sink.member(m, self._converter(params, None, prep)), prep.key))
+            out.add(prep.key or self._new_id(), prep, car, self._converter(params, None, prep))
+        return out
+
+    async def arun_cells(self, prepared: PreparedCells) -> AsyncIterator[tuple[int, Generation | Exception]]:
+        """The second step of `agenerate_cells`: submit `prepared` (once: a second run raises
+        `RuntimeError`) and yield as `agenerate_cells` does."""
+        from engine_ext.engine import cells as packing
+
+        prepared.claim()
+        loop = self._require_loop()
+        ids = prepared.ids
+        sink = BatchSink(asyncio.get_running_loop())
+        pending: dict[int, tuple[str, Any, Generation]] = {}  # sink index -> (request id, carrier or cell, generation)
+        requests = []
+        for m, (rid, prep, what, convert) in enumerate(prepared.requests):
+            pending[m] = (rid, what, Generation(rid, None, prep.ids))
+            requests.append((rid, prep.prompt(), prep.sampling, sink.member(m, convert), prep.key))
         if requests:
             loop.submit_many(requests)
         try:
-            for i, exc in errors:
+            for i, exc in prepared.errors:
                 yield i, exc
             while pending:
                 for j, item in await sink.get():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Literal
@@ -111,6 +112,16 @@ def prepare_environment(device: Device) -> None:
         # it is full. vLLM's CPU GEMM handlers keep their own per-layer cache (32 token counts
         # each), so a small global cache costs nothing measurable (docs/reliability.md, "Soak").
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
+        # vLLM's CPU sampler runs a torch.compile'd function; loading its cached C++ kernel makes
+        # inductor check every vector ISA the CPU's flags name by compiling a probe and loading it
+        # in a fresh `python -c "import torch ..."` (~2 s each, in every process: ~5 s of a 18 s
+        # start on the 2-core CPU). With this documented switch inductor trusts the CPU's flags
+        # for the base ISAs (AVX2/AVX-512); a compiler that cannot build them fails loudly at
+        # compile time, never silently. `TORCHINDUCTOR_VEC_ISA_OK=0` restores the probes.
+        os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+        _inductor = sys.modules.get("torch._inductor.config")
+        if _inductor is not None and _inductor.cpp.vec_isa_ok is None and os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1":
+            _inductor.cpp.vec_isa_ok = True  # imported before this ran: its env default was read already
     else:
         if importlib.util.find_spec("flashinfer") is None:
             # The V2 runner's sampler imports flashinfer unless told not to (GPU bundle has none).

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 DIR="${1:-.gpu_server}"
 NAMES=(watchfiles model-hosting-container-standards jmespath prometheus-fastapi-instrumentator prometheus-client
        aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl uvloop click h11 cloudpickle
-       py-cpuinfo pyyaml anyio idna)
+       py-cpuinfo pyyaml anyio idna httptools)
 PINS=()
 for n in "${NAMES[@]}"; do
   pin=$(grep -i "^$n==" requirements/cpu.txt) || { echo "server_extra: $n is not pinned in requirements/cpu.txt" >&2; exit 2; }

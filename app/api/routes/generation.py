@@ -25,11 +25,11 @@ from engine_ext import Engine, Generation
 from engine_ext.dynamic.specs import DynamicRequest
 from engine_ext.errors import EngineDeadError, SpecError
 
-from app.api.auth import UNAUTHORIZED, ApiKeyGuard, api_key_guard
+from app.api.auth import UNAUTHORIZED, ApiKeyGuard, CompletionAccess, api_key_guard, completion_access
 from app.api.compat import capture_files, capture_log
 from app.api.compat import completions as completion_extras
 from app.api.compat import gates as gate_compat
-from app.api.deps import ApiSettings, get_engine, get_settings
+from app.api.deps import ApiSettings, get_engine
 from app.api.errors import error_response
 from app.api.routes.fork_registry import registry_of_state
 from app.api.field_names import by_prefix
@@ -92,15 +92,14 @@ async def generate(req: GenerateRequest, engine: Engine = Depends(get_engine),
 
 
 @router.post("/v1/completions", responses=ERRORS)
-async def completions(req: CompletionRequest, request: Request, engine: Engine = Depends(get_engine),
-                      guard: ApiKeyGuard = Depends(api_key_guard), settings: ApiSettings = Depends(get_settings)):
+async def completions(req: CompletionRequest, request: Request, access: CompletionAccess = Depends(completion_access)):
     """OpenAI-compatible text completion, streaming or not, with the reference fork's per-request
     fields (`steering_vectors` and its phase variants, `steering_name`, `patch` + `patch_vectors`,
     `logprob_token_ids`, `capture: {"patch_source": ...}`, `cache_salt`, `conversation_id`, the
     declarative `steering` gates) and the native `interventions`. `prompt` may be text, token ids, or a list of either (one choice
     per prompt). With interventions the body of a single-prompt request also carries
     `intervention`; with scored ids each choice carries `scores`. Fork fields causalboard cannot honour are refused (400)."""
-    return await run_completion(req, engine, guard, CompletionShape(), settings, request)
+    return await run_completion(req, access.engine, access.guard, CompletionShape(), access.settings, request)
 
 
 class CompletionShape:
@@ -232,7 +231,10 @@ async def run_completion(req: CompletionRequest, engine: Engine, guard: ApiKeyGu
 
     if not req.stream:
         try:
-            gens = await asyncio.gather(*(engine.agenerate(p, params, spec, dynamic=dynamic) for p in prompts))
+            if single:  # awaited in place: no task for gather to make
+                gens = [await engine.agenerate(prompts[0], params, spec, dynamic=dynamic)]
+            else:
+                gens = await asyncio.gather(*(engine.agenerate(p, params, spec, dynamic=dynamic) for p in prompts))
         except SpecError as exc:
             raise extras.relabel(exc) from None
         for k, g in enumerate(gens):

@@ -28,8 +28,8 @@ from engine_ext import Engine
 from engine_ext.errors import SpecError
 from engine_ext.generation import MAX_TOP_LOGPROBS
 
-from app.api.auth import ApiKeyGuard, api_key_guard
-from app.api.deps import ApiSettings, get_engine, get_settings
+from app.api.auth import CompletionAccess, completion_access
+from app.api.deps import get_engine
 from app.api.routes.generation import CompletionShape, run_completion
 from app.api.schemas.generation import CompletionRequest, ErrorResponse
 from app.wire import MAX_PROMPT_CHARS, StrictModel
@@ -204,13 +204,13 @@ class ChatShape(CompletionShape):
 
 
 @router.post("/v1/chat/completions", responses={**ERRORS, 401: {"model": ErrorResponse}})
-async def chat_completions(req: ChatCompletionRequest, request: Request, engine: Engine = Depends(get_engine),
-                           guard: ApiKeyGuard = Depends(api_key_guard), settings: ApiSettings = Depends(get_settings)):
+async def chat_completions(req: ChatCompletionRequest, request: Request, access: CompletionAccess = Depends(completion_access)):
     """OpenAI chat completion (n = 1) with the same extra fields as `/v1/completions` (the fork's
     and the native `interventions`). A model without a chat template needs `chat_template` in the
     request (400 naming it otherwise)."""
+    engine = access.engine
     check_model(engine, req.model)
     text = render_chat(engine, req.messages, chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
                        continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
     ids = engine.tokenize(text, add_special_tokens=False)  # the template writes its special tokens (as vLLM)
-    return await run_completion(req.as_completion(ids), engine, guard, ChatShape(), settings, request)
+    return await run_completion(req.as_completion(ids), engine, access.guard, ChatShape(), access.settings, request)
