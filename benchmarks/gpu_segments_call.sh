@@ -10,6 +10,9 @@
 #       (`Engine.generate` per cell, `agenerate_cells` segmented, the HTTP sweep with and without
 #       segments, interleaved; `sweep_http_g256`: the segmented sweep's fan-out in groups of 256 as
 #       before SEGMENTED_GROUP_MAX), and batched Hugging Face hooks, on the same model folder.
+#   CALL=sweep bash benchmarks/gpu_segments_call.sh
+#       the matrix alone, then the HTTP sweep against the same in groups of 256 (its path before the
+#       cells were prepared during the clean run) and `agenerate_cells`, interleaved, then batched HF.
 # segment_cells.py and p1_stacks.py run vLLM's V1 runner, or (SEG_V2=1) the V2 runner (a GPU's default);
 # both offer segments (docs/segmented-cells.md).
 # Results: every step's .out / .err in $OUT/segments-call.tgz; $OUT keeps only it, steps.txt and smi.txt.
@@ -32,6 +35,14 @@ case "${CALL:-check}" in
       --variants nospec,patched,cells_seg,sweep_http,sweep_http_g256,sweep_http_noseg --model "$M" --reps 5 --dir "$OUT/p1-cb"
     left=$(( ${CALL_BUDGET:-570} - SECONDS ))
     [ "$left" -gt 30 ] && step hf "$left" python3 benchmarks/compare/hf_patch.py --model "$M" --reps 3 --chunks 256 --variants batched
+    ;;
+  sweep)  # after an engine change: the matrix alone, then the HTTP sweep A/B and HF, one after another
+    CB_PARALLEL=1 CB_RUN_TIMEOUT="${MATRIX_LIMIT:-240}" step matrix "$(( ${MATRIX_LIMIT:-240} + 20 ))" \
+      bash benchmarks/gpu_matrix.sh bundled checks
+    step p1-cb "${CB_LIMIT:-230}" "${SEG[@]}" python3 benchmarks/diag/p1_stacks.py --engine cb --http --interleave --sweep-groups 256 \
+      --variants cells_seg,sweep_http,sweep_http_g256 --model "$M" --reps 5 --dir "$OUT/p1-cb"
+    left=$(( ${CALL_BUDGET:-570} - SECONDS ))
+    [ "$left" -gt 30 ] && step hf "$left" python3 benchmarks/compare/hf_patch.py --model "$M" --reps 5 --chunks 256 --variants batched
     ;;
 esac
 tar -czf "$OUT/segments-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
