@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -34,28 +35,38 @@ eng.close()
 """
 
 
-def _run(mode: str | None) -> tuple[dict, str]:
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'benchmarks/diag/no_site_ops'}:{REPO}",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("CB_DIAG_NO_SITE_OPS", None)
-    if mode:
-        env["CB_DIAG_NO_SITE_OPS"] = mode
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(model_path())], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):]), proc.stderr
+def _run(*modes: str | None) -> list[tuple[dict, str]]:
+    """The script once per mode, the processes side by side (each engine computes with the same
+    thread count, so its tokens do not depend on the others)."""
+    procs = []
+    for mode in modes:
+        env = {**os.environ, "PYTHONPATH": f"{REPO / 'benchmarks/diag/no_site_ops'}:{REPO}",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("CB_DIAG_NO_SITE_OPS", None)
+        if mode:
+            env["CB_DIAG_NO_SITE_OPS"] = mode
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a full pipe would stall a process
+        procs.append((subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_path())], env=env, cwd=REPO,
+                                       stdout=out, stderr=err, text=True), out, err))
+    results = []
+    for proc, out, err in procs:
+        code = proc.wait(timeout=600)
+        out.seek(0)
+        err.seek(0)
+        stderr = err.read()
+        assert code == 0, stderr[-3000:]
+        line = next(ln for ln in out.read().splitlines() if ln.startswith("RESULT "))
+        results.append((json.loads(line[len("RESULT "):]), stderr))
+    return results
 
 
 def test_the_site_ops_diagnostic_leaves_out_what_it_names_only_when_asked():
-    normal, err = _run(None)
+    (normal, err), (left_out, err_all), (merged, err_merged) = _run(None, "all", "merged")
     assert "site ops left out" not in err
     assert all(normal[s] != normal["plain"] for s in ("L1.pre_attn", "L1.post_attn", "L1.mlp_out")), normal
-    left_out, err = _run("all")
-    assert "site ops left out (all)" in err
+    assert "site ops left out (all)" in err_all
     assert left_out["plain"] == normal["plain"]
     assert all(left_out[s] == normal["plain"] for s in ("L1.pre_attn", "L1.post_attn", "L1.mlp_out")), left_out
-    merged, err = _run("merged")
-    assert "site ops left out (merged)" in err
+    assert "site ops left out (merged)" in err_merged
     assert merged["plain"] == normal["plain"] and merged["L1.post_attn"] == normal["L1.post_attn"]
     assert merged["L1.mlp_out"] == normal["plain"] and merged["L1.pre_attn"] == normal["plain"]
