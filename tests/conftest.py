@@ -69,6 +69,32 @@ def model_path() -> Path:
     return Path(os.environ.get("CB_TEST_MODEL", BUNDLED_MODEL_PATH))
 
 
+def script_results(script: str, envs: list[dict], timeout: float = 600) -> list[tuple[dict, str]]:
+    """Run `python -c script <bundled model>` once per environment, the processes side by side
+    (engine starts are mostly one thread each, and each engine computes with the same thread count,
+    so its numbers do not depend on the others); per run, the JSON the script printed on its
+    `RESULT ` line and its stderr. A run that fails fails the test with its stderr's tail."""
+    import subprocess
+    import sys
+    import tempfile
+
+    procs = []
+    for env in envs:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a full pipe would stall a process
+        procs.append((subprocess.Popen([sys.executable, "-c", script, str(model_path())], env=env, cwd=REPO,
+                                       stdout=out, stderr=err, text=True), out, err))
+    results = []
+    for proc, out, err in procs:
+        code = proc.wait(timeout=timeout)
+        out.seek(0)
+        err.seek(0)
+        stderr = err.read()
+        assert code == 0, stderr[-3000:]
+        line = next(ln for ln in out.read().splitlines() if ln.startswith("RESULT "))
+        results.append((json.loads(line[len("RESULT "):]), stderr))
+    return results
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import tempfile
-import sys
 
 import pytest
 
-from tests.conftest import REPO, model_path
+from tests.conftest import REPO, script_results
 
 pytestmark = pytest.mark.engine  # starts engines of its own
 
@@ -53,25 +50,10 @@ eng.close()
 
 
 def _run(*merged_modes: bool) -> list[dict]:
-    """The script once per mode, the processes side by side (engine starts are mostly one thread
-    each; every process computes with the same thread count, so its numbers do not depend on the
-    other)."""
-    procs = []
-    for merged in merged_modes:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "CAUSALBOARD_MERGED_SITES": "1" if merged else "0"}
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a full pipe would stall a process
-        procs.append((subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_path())], env=env, cwd=REPO,
-                                       stdout=out, stderr=err, text=True), out, err))
-    results = []
-    for proc, out, err in procs:
-        code = proc.wait(timeout=600)
-        out.seek(0)
-        err.seek(0)
-        assert code == 0, err.read()[-3000:]
-        line = next(ln for ln in out.read().splitlines() if ln.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT "):]))
-    return results
+    """The script once per mode, the processes side by side."""
+    envs = [{**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+             "CAUSALBOARD_MERGED_SITES": "1" if merged else "0"} for merged in merged_modes]
+    return [result for result, _ in script_results(SCRIPT, envs)]
 
 
 def test_merged_sites_give_exactly_what_one_call_per_site_gives():

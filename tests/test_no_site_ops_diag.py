@@ -5,15 +5,11 @@ at `mlp_out` or at layer 1's `pre_attn` does not; without the variable the engin
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import tempfile
-import sys
 
 import pytest
 
-from tests.conftest import REPO, model_path
+from tests.conftest import REPO, script_results
 
 pytestmark = pytest.mark.engine  # starts engines of its own
 
@@ -35,33 +31,17 @@ eng.close()
 """
 
 
-def _run(*modes: str | None) -> list[tuple[dict, str]]:
-    """The script once per mode, the processes side by side (each engine computes with the same
-    thread count, so its tokens do not depend on the others)."""
-    procs = []
-    for mode in modes:
-        env = {**os.environ, "PYTHONPATH": f"{REPO / 'benchmarks/diag/no_site_ops'}:{REPO}",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        env.pop("CB_DIAG_NO_SITE_OPS", None)
-        if mode:
-            env["CB_DIAG_NO_SITE_OPS"] = mode
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a full pipe would stall a process
-        procs.append((subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_path())], env=env, cwd=REPO,
-                                       stdout=out, stderr=err, text=True), out, err))
-    results = []
-    for proc, out, err in procs:
-        code = proc.wait(timeout=600)
-        out.seek(0)
-        err.seek(0)
-        stderr = err.read()
-        assert code == 0, stderr[-3000:]
-        line = next(ln for ln in out.read().splitlines() if ln.startswith("RESULT "))
-        results.append((json.loads(line[len("RESULT "):]), stderr))
-    return results
+def _env(mode: str | None) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'benchmarks/diag/no_site_ops'}:{REPO}",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("CB_DIAG_NO_SITE_OPS", None)
+    if mode:
+        env["CB_DIAG_NO_SITE_OPS"] = mode
+    return env
 
 
 def test_the_site_ops_diagnostic_leaves_out_what_it_names_only_when_asked():
-    (normal, err), (left_out, err_all), (merged, err_merged) = _run(None, "all", "merged")
+    (normal, err), (left_out, err_all), (merged, err_merged) = script_results(SCRIPT, [_env(None), _env("all"), _env("merged")])
     assert "site ops left out" not in err
     assert all(normal[s] != normal["plain"] for s in ("L1.pre_attn", "L1.post_attn", "L1.mlp_out")), normal
     assert "site ops left out (all)" in err_all
