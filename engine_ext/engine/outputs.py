@@ -41,7 +41,7 @@ class LoopMailbox:
     wake-up, not one each, and the loop thread one self-pipe write instead of 768 (each of which
     also woke the event loop's thread to contend for the GIL). Calls run in posting order: one
     request's items keep their order. A closed event loop drops what is posted to it (nobody
-    listens any more). One mailbox per event loop: `for_loop`."""
+    listens any more). One mailbox per event loop: `for_loop`; `AsyncSink` and `BatchSink` post through it."""
 
     _by_loop: dict = {}
     _registry_lock = threading.Lock()
@@ -101,47 +101,34 @@ class AsyncSink:
 
 class BatchSink:
     """Async sink shared by the requests of one batch (`Engine.agenerate_many`): each request
-    gets a `member(index, convert)`; their deltas (and errors) are appended to one list, and the
-    caller's event loop is woken once per burst — one `call_soon_threadsafe` for all the requests
-    that finish in one engine step, instead of one each. `get` returns every `(index, item)`
-    posted since the last call; an engine failure comes as `(None, EngineDeadError)`."""
+    gets a `member(index, convert)`; their deltas (and errors) reach the caller's event loop through
+    its `LoopMailbox` (one wake-up per burst, shared with every other sink of that loop) and are
+    kept in one list there. `get` returns every `(index, item)` received since the last call; an
+    engine failure comes as `(None, EngineDeadError)`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._items: list[tuple[int | None, Any]] = []
-        self._waking = False  # a wake-up is scheduled on the caller's loop and has not run yet
+        self._box = LoopMailbox.for_loop(loop)
+        self._items: list[tuple[int | None, Any]] = []  # touched on the event loop only
         self._ready = asyncio.Event()
 
     def member(self, index: int, convert) -> "_BatchMember":
         return _BatchMember(self, index, convert)
 
     def post(self, index: int | None, item: Any) -> None:
-        """Loop thread: queue one item; schedule a wake-up unless one is already pending."""
-        with self._lock:
-            self._items.append((index, item))
-            if self._waking:
-                return
-            self._waking = True
-        try:
-            self._loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
+        """Loop thread: send one item to the caller's event loop."""
+        self._box.post(self._receive, (index, item))
 
-    def _wake(self) -> None:
-        with self._lock:
-            self._waking = False
+    def _receive(self, entry: tuple[int | None, Any]) -> None:
+        self._items.append(entry)
         self._ready.set()
 
     async def get(self) -> list[tuple[int | None, Any]]:
-        """Wait for news; return (and forget) everything posted so far, oldest first."""
-        while True:
-            with self._lock:
-                items, self._items = self._items, []
-            if items:
-                return items
+        """Wait for news; return (and forget) everything received so far, oldest first."""
+        while not self._items:
             await self._ready.wait()
             self._ready.clear()
+        items, self._items = self._items, []
+        return items
 
 
 class _BatchMember:
