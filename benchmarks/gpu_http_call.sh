@@ -6,11 +6,18 @@
 # From the repo root on the GPU host, with the bundle and the server fallbacks carried:
 #   source .vbundle/gpu_env.sh; export PYTHONPATH=$PWD:$PWD/.gpu_extra:$PYTHONPATH
 #   bash benchmarks/gpu_http_call.sh          # carry .vbundle .gpu_extra .gpu_server
+#   TASKS=p1 CB_ENVS="default CAUSALBOARD_WAKE_LOOP=0" bash benchmarks/gpu_http_call.sh   # an A/B of causalboard's switches
 # Results: every step's .out / .err in $OUT/http-call.tgz; $OUT keeps only it, steps.txt and smi.txt.
 source benchmarks/device_call_lib.sh  # $OUT, $M (the 1B model), step
-for server in stock cb; do
-  step "http-$server" "${HTTP_LIMIT:-260}" python3 benchmarks/compare/http_bench.py --server "$server" --model "$M" \
-    --reps "${REPS:-5}" --fallback-wheels .gpu_server
+step http-stock "${HTTP_LIMIT:-260}" python3 benchmarks/compare/http_bench.py --server stock --model "$M" \
+  --reps "${REPS:-5}" --tasks "${TASKS:-p1,p2}" --fallback-wheels .gpu_server
+# CB_ENVS: causalboard once per space-separated entry, `default` or VAR=VALUE[,VAR=VALUE] set for its
+# server (an A/B of engine switches, e.g. CB_ENVS="default CAUSALBOARD_WAKE_LOOP=0")
+for v in ${CB_ENVS:-default}; do
+  name=http-cb; vars=()
+  if [ "$v" != default ]; then name="http-cb-$(echo "$v" | tr ',=' '__')"; IFS=, read -r -a vars <<< "$v"; fi
+  step "$name" "${HTTP_LIMIT:-260}" env "${vars[@]}" python3 benchmarks/compare/http_bench.py --server cb --model "$M" \
+    --reps "${REPS:-5}" --tasks "${TASKS:-p1,p2}" --fallback-wheels .gpu_server
 done
 left=$(( ${CALL_BUDGET:-570} - SECONDS ))
 [ "$left" -gt 200 ] && step dyn-bench "$left" python3 benchmarks/dynamic_bench.py --model "$M" --device cuda --reps 5 \

@@ -63,3 +63,24 @@ def test_cpu_per_request_reads_this_process_and_its_threads():
     assert us > 10 and got["api_threads_us"][0] > 10 and got["client_us_per_req"] > 10
     tick_us = 1e6 / os.sysconf("SC_CLK_TCK") / 1000  # /proc counts in clock ticks; threads are read after the process
     assert got["api_threads_us"][0] <= us + 2 * tick_us + 1
+
+
+def test_the_switch_interval_diagnostic_sets_the_gil_interval_only_when_asked():
+    """benchmarks/diag/switchinterval: `CB_SWITCH_INTERVAL` sets a process's GIL switch interval."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    def interval(value: str | None) -> float:
+        env = {k: v for k, v in os.environ.items() if k != "CB_SWITCH_INTERVAL"}
+        env["PYTHONPATH"] = str(REPO / "benchmarks/diag/switchinterval")
+        if value is not None:
+            env["CB_SWITCH_INTERVAL"] = value
+        out = subprocess.run([sys.executable, "-c", "import sys; print(sys.getswitchinterval())"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        return float(out.stdout)
+
+    assert interval("0.0005") == 0.0005
+    assert interval(None) == 0.005
