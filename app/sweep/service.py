@@ -303,9 +303,10 @@ class SweepService:
             base.leased = src.run_id
 
     async def _prepare_group(self, run: SweepRun) -> None:
-        """A segmented sweep that submits all its jobs as one group (`_one_group`): its requests are built here, on the host, while the engine
-        computes the clean run and the baselines (this coroutine runs after theirs have been
-        submitted), so the fan-out submits them at once (`run.prepared_group`)."""
+        """A segmented sweep that submits all its jobs as one group (`_one_group`): its requests
+        are built here, on the host, while the engine computes the clean run and the baselines
+        (this coroutine runs after theirs have been submitted), so the fan-out submits them at
+        once (`run.prepared_group`)."""
         plan = run.plan
         jobs = _jobs(plan)[0] if run.segmented else []
         if not _one_group(run, jobs):
