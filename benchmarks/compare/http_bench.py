@@ -176,12 +176,13 @@ def cpu_reading(server_pid: int) -> tuple[dict, dict, float]:
     return procs, threads, time.process_time()
 
 
-def cpu_per_request(before: tuple, after: tuple, n: int) -> dict:
-    """µs of CPU per request between two `cpu_reading`s over `n` requests."""
+def cpu_per_request(before: tuple, after: tuple, n: int, top: int | None = 6) -> dict:
+    """µs of CPU per request between two `cpu_reading`s over `n` requests (the `top` busiest
+    threads; None: all that ran)."""
     us = lambda a, b: round((a - b) / n * 1e6, 1)  # noqa: E731
     return {"us_cpu_per_req": {k: us(v, before[0].get(k, 0.0)) for k, v in after[0].items()},
             "api_threads_us": sorted((us(v, before[1][t]) for t, v in after[1].items()
-                                      if t in before[1] and v > before[1][t]), reverse=True)[:6],
+                                      if t in before[1] and v > before[1][t]), reverse=True)[:top],
             "client_us_per_req": us(after[2], before[2])}
 
 

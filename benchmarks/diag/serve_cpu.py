@@ -56,7 +56,8 @@ def _cpu(path: str) -> tuple[str | None, float]:
 
 def main() -> None:
     from app.client.notebook import free_port
-    from benchmarks.compare.http_bench import burst, http_client, server_command, stop_server, wait_ready
+    from benchmarks.compare.http_bench import (burst, cpu_per_request, cpu_reading, http_client, server_command, stop_server,
+                                               wait_ready)
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", choices=["stock", "cb"], required=True)
@@ -83,19 +84,12 @@ def main() -> None:
                 prompts = [[rng.randrange(4, hi) for _ in range(16)]] * args.requests
                 for _ in range(2):
                     await burst(post, name, prompts, 1)
-                pids = _tree(proc.pid)
-                tids = [f"{proc.pid}/task/{t}" for t in os.listdir(f"/proc/{proc.pid}/task")]
-                before, tbefore = {p: _cpu(str(p)) for p in pids}, {t: _cpu(t) for t in tids}
-                c0, t0 = time.process_time(), time.perf_counter()
+                before, t0 = cpu_reading(proc.pid), time.perf_counter()
                 times = [await burst(post, name, prompts, 1) for _ in range(args.bursts)]
-                wall, client = time.perf_counter() - t0, time.process_time() - c0
-                after, tafter = {p: _cpu(str(p)) for p in pids}, {t: _cpu(t) for t in tids}
+                wall, after = time.perf_counter() - t0, cpu_reading(proc.pid)
             n = args.bursts * args.requests
             return {"bench": "serve_cpu", "server": args.server, "repo": args.repo, "bursts_s": [round(t, 3) for t in times],
-                    "us_cpu_per_req": {f"{before[p][0]}:{p}": round((after[p][1] - before[p][1]) / n * 1e6, 1) for p in pids},
-                    "api_threads_us": sorted((round((tafter[t][1] - tbefore[t][1]) / n * 1e6, 1) for t in tids
-                                              if tafter[t][1] > tbefore[t][1]), reverse=True),
-                    "client_us_per_req": round(client / n * 1e6, 1), "wall_us_per_req": round(wall / n * 1e6, 1)}
+                    **cpu_per_request(before, after, n, top=None), "wall_us_per_req": round(wall / n * 1e6, 1)}
 
         print(json.dumps(asyncio.run(go())), flush=True)
     finally:
