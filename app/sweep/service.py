@@ -100,7 +100,7 @@ class SweepRun:
         #: cells run as the segments of shared requests (`Engine.agenerate_cells`)
         self.segmented = False
         #: a segmented sweep's one group of jobs, prepared while the clean run computes
-        #: (`_prepare_group`): (jobs, their requests' specs and owners, `Engine.prepare_cells`)
+        #: (`_prepare_group`): (`_jobs`, their requests' specs and owners, `Engine.prepare_cells`)
         self.prepared_group: tuple | None = None
         self.reused_tokens = 0
         #: the fan-out reached its cleanup (`cancel` is then a no-op)
@@ -308,12 +308,14 @@ class SweepService:
         (this coroutine runs after theirs have been submitted), so the fan-out submits them at
         once (`run.prepared_group`)."""
         plan = run.plan
-        jobs = _jobs(plan)[0] if run.segmented else []
-        if not _one_group(run, jobs):
+        if not run.segmented:
+            return
+        jobs_repeats = _jobs(plan)
+        if not _one_group(run, jobs_repeats[0]):
             return
         await asyncio.sleep(0)  # the clean run's and the baselines' requests first
-        specs, owner = _group_specs(plan, jobs)
-        run.prepared_group = (jobs, specs, owner, self.engine.prepare_cells(plan.corrupt_ids, specs, plan.score_ids))
+        specs, owner = _group_specs(plan, jobs_repeats[0])
+        run.prepared_group = (jobs_repeats, specs, owner, self.engine.prepare_cells(plan.corrupt_ids, specs, plan.score_ids))
 
     async def _score(self, run: SweepRun, ids: list[int], noise) -> dict[int, float]:
         # a baseline is computed like the cells: from the prefix cache with prefix reuse, else fresh
@@ -336,10 +338,9 @@ class SweepService:
 
         raw: dict[tuple[str, int, int], float] = {}
         repeats: dict[tuple[str, int, int], float] = {}
-        jobs, repeat_at = _jobs(plan)
         prepared, run.prepared_group = run.prepared_group, None
-        if prepared is not None:
-            jobs = prepared[0]  # the same jobs, the very list the prepared group was built from
+        # with a prepared group: the very job list it was built from
+        jobs, repeat_at = prepared[0] if prepared is not None else _jobs(plan)
         if run.segmented and plan.request.max_concurrency is None:
             group = limit = max(1, min(len(jobs), SEGMENTED_GROUP_MAX))
         elif _one_group(run, jobs):  # a limit that allows every job at once
@@ -351,7 +352,7 @@ class SweepService:
         async def group_job(chunk: list[tuple[str, SweepCell | None]]) -> None:
             """One batch of jobs through `Engine.agenerate_many`; each job's result is queued as
             soon as all its requests are in, and its slot freed."""
-            if prepared is not None and prepared[0] is chunk:  # built while the clean run computed
+            if prepared is not None and prepared[0][0] is chunk:  # built while the clean run computed
                 _, specs, owner, cells = prepared
             else:
                 specs, owner = _group_specs(plan, chunk)
