@@ -8,12 +8,17 @@
 #   bash benchmarks/gpu_http_call.sh          # carry .vbundle .gpu_extra .gpu_server
 #   TASKS=p1 CB_ENVS="default CAUSALBOARD_WAKE_LOOP=0" bash benchmarks/gpu_http_call.sh   # an A/B of causalboard's switches
 # Results: every step's .out / .err in $OUT/http-call.tgz; $OUT keeps only it, steps.txt and smi.txt.
+#   MATRIX=1 ...                              # the correctness matrix first (after an engine change)
+#   CB_START_BEFORE=S ...                     # a causalboard variant starts only before S seconds into the call
 source benchmarks/device_call_lib.sh  # $OUT, $M (the 1B model), step
+[ -n "${MATRIX:-}" ] && CB_PARALLEL=1 CB_RUN_TIMEOUT="${MATRIX_LIMIT:-200}" step matrix "$(( ${MATRIX_LIMIT:-200} + 20 ))" \
+  bash benchmarks/gpu_matrix.sh bundled checks
 step http-stock "${HTTP_LIMIT:-260}" python3 benchmarks/compare/http_bench.py --server stock --model "$M" \
   --reps "${REPS:-5}" --tasks "${TASKS:-p1,p2}" --fallback-wheels .gpu_server
 # CB_ENVS: causalboard once per space-separated entry, `default` or VAR=VALUE[,VAR=VALUE] set for its
 # server (an A/B of engine switches, e.g. CB_ENVS="default CAUSALBOARD_WAKE_LOOP=0")
 for v in ${CB_ENVS:-default}; do
+  [ "$SECONDS" -gt "${CB_START_BEFORE:-100000}" ] && { echo "cb $v: skipped (at ${SECONDS}s)" | tee -a "$OUT/steps.txt"; continue; }
   name=http-cb; vars=()
   if [ "$v" != default ]; then name="http-cb-$(echo "$v" | tr ',=' '__')"; IFS=, read -r -a vars <<< "$v"; fi
   step "$name" "${HTTP_LIMIT:-260}" env "${vars[@]}" python3 benchmarks/compare/http_bench.py --server cb --model "$M" \
@@ -25,4 +30,5 @@ left=$(( ${CALL_BUDGET:-570} - SECONDS ))
 tar -czf "$OUT/http-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
 cat "$OUT/steps.txt"
 for f in "$OUT"/http-*.out "$OUT"/dyn-bench.out; do [ -f "$f" ] && grep -h '"bench"' "$f" | grep -v warmup | tail -10; done
+[ -f "$OUT/matrix.out" ] && tail -6 "$OUT/matrix.out"
 keep_only http-call.tgz

@@ -190,6 +190,12 @@ def test_captures_through_the_ring_equal_the_in_process_engine(engine, mp_engine
     assert all(r["full"] == 0 and r["allocs"] > 0 for r in rings), rings
 
 
+def test_a_multiprocess_engine_froze_its_workers_startup_heaps(mp_engine):
+    """The engine core's process (the worker's) froze its heap after causalboard's own start-up
+    calls (`cb_freeze_heap`, issue 13; tests/test_startup_heap.py has the rest)."""
+    assert len(mp_engine._workers_frozen) == 1 and mp_engine._workers_frozen[0] > 100_000, mp_engine._workers_frozen
+
+
 def test_a_ring_too_small_sends_values_inline(engine):
     from engine_ext import Engine
 

@@ -186,6 +186,16 @@ def cpu_per_request(before: tuple, after: tuple, n: int, top: int | None = 6) ->
             "client_us_per_req": us(after[2], before[2])}
 
 
+def burst_cpu(before: tuple, after: tuple, n: int) -> list[float]:
+    """One burst's µs of CPU per request: [API process, its busiest thread (the event loop), the
+    next (causalboard's engine-loop thread), the rest of the server's processes (engine core,
+    workers)]."""
+    d = cpu_per_request(before, after, n, top=2)
+    procs = list(d["us_cpu_per_req"].values())
+    threads = d["api_threads_us"] + [0.0, 0.0]
+    return [procs[0], threads[0], threads[1], round(sum(procs[1:]), 1)]
+
+
 async def run_tasks(url: str, name: str, args, server_pid: int | None = None) -> None:
     async with http_client(url, args.client, args.p1_requests + 8) as client:
         tasks = args.tasks.split(",")
@@ -195,12 +205,17 @@ async def run_tasks(url: str, name: str, args, server_pid: int | None = None) ->
             prompt = [rng.randrange(4, hi) for _ in range(16)]
             prompts = [prompt] * args.p1_requests
             await burst(client, name, prompts, 1)  # warm-up
-            before = cpu_reading(server_pid) if server_pid else None
-            ts = [await burst(client, name, prompts, 1) for _ in range(args.reps)]
-            cpu = cpu_per_request(before, cpu_reading(server_pid), args.reps * len(prompts)) if before else {}
+            ts, per_burst, readings = [], [], [cpu_reading(server_pid)] if server_pid else []
+            for _ in range(args.reps):
+                ts.append(await burst(client, name, prompts, 1))
+                if server_pid:  # outside the timed burst: each burst's CPU too (the fast and slow ones differ)
+                    readings.append(cpu_reading(server_pid))
+                    per_burst.append(burst_cpu(readings[-2], readings[-1], len(prompts)))
+            cpu = cpu_per_request(readings[0], readings[-1], args.reps * len(prompts)) if readings else {}
             m = statistics.median(ts)
             emit(f"http_{args.server}", task="p1", requests=len(prompts), req_per_s=round(len(prompts) / m, 1),
-                 median_s=round(m, 4), reps_s=[round(x, 4) for x in ts], client=args.client, **cpu)
+                 median_s=round(m, 4), reps_s=[round(x, 4) for x in ts], client=args.client, **cpu,
+                 **({"burst_cpu_us": per_burst} if per_burst else {}))
         if "p2" in tasks:
             for batch in (32, 1):
                 rng = random.Random(100 + batch)

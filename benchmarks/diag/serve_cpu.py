@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -67,6 +68,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=768)
     ap.add_argument("--bursts", type=int, default=3)
     ap.add_argument("--server-args", default="")
+    ap.add_argument("--py-spy", default="", help="a py-spy binary: sample the API process during the timed bursts "
+                    "(`--gil --threads`, raw collapsed stacks to --py-spy-out)")
+    ap.add_argument("--py-spy-out", default="serve-pyspy.txt")
     args = ap.parse_args()
     with open(Path(args.model) / "config.json") as f:
         hi = min(int(json.load(f)["vocab_size"]) - 1, 128000)
@@ -84,9 +88,18 @@ def main() -> None:
                 prompts = [[rng.randrange(4, hi) for _ in range(16)]] * args.requests
                 for _ in range(2):
                     await burst(post, name, prompts, 1)
+                spy = None
+                if args.py_spy:
+                    spy = subprocess.Popen([args.py_spy, "record", "--pid", str(proc.pid), "--gil", "--threads", "--rate", "250",
+                                            "--format", "raw", "--output", args.py_spy_out, "--nonblocking"],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    await asyncio.sleep(1.0)
                 before, t0 = cpu_reading(proc.pid), time.perf_counter()
                 times = [await burst(post, name, prompts, 1) for _ in range(args.bursts)]
                 wall, after = time.perf_counter() - t0, cpu_reading(proc.pid)
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(30)
             n = args.bursts * args.requests
             return {"bench": "serve_cpu", "server": args.server, "repo": args.repo, "bursts_s": [round(t, 3) for t in times],
                     **cpu_per_request(before, after, n, top=None), "wall_us_per_req": round(wall / n * 1e6, 1)}

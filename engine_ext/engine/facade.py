@@ -121,6 +121,10 @@ class Engine(DynamicControl):
         self.is_hybrid = False
         #: thread that holds the engine exclusively (the state check); others' requests are refused
         self._exclusive_owner: int | None = None
+        #: whether `start` froze this process's startup heap (`runtime.freeze_startup_heap`); `close` thaws it
+        self._heap_frozen = False
+        #: each worker's objects frozen by `cb_freeze_heap` (rank order) where they run in processes of their own
+        self._workers_frozen: list[int] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -201,7 +205,23 @@ class Engine(DynamicControl):
         self._info = self._make_info(hf_config, startup, worker)
         self._dims = ModelDims(self._info.num_layers, self._info.hidden_size, self._info.vocab_size, worker["embedding_std"])
         logger.info("vLLM engine ready in %.1f s: %s", startup, self._info)
+        self._heap_frozen = self._freeze_startup_heaps()
         return self
+
+    def _freeze_startup_heaps(self) -> bool:
+        """Freeze the startup heap (`runtime.freeze_startup_heap`) of this process and of every
+        worker's process (`cb_freeze_heap`) where they run in processes of their own (vLLM's
+        multiprocess engine core, its `mp` executor; vLLM froze theirs before causalboard's own
+        start-up calls). Whether this process's heap was frozen."""
+        if not runtime.freeze_startup_heap():
+            return False
+        core = getattr(self._loop.engine, "engine_core", None)
+        if type(core).__name__ != "InprocClient" and self.config.distributed_executor_backend != "ray":
+            try:
+                self._workers_frozen = self._loop.call(lambda e: e.collective_rpc("cb_freeze_heap")).result(timeout=RPC_TIMEOUT_S)
+            except Exception:  # only speed depends on it
+                logger.warning("could not freeze the workers' startup heap", exc_info=True)
+        return True
 
     def _open_capture_rings(self) -> RingReaders | None:
         """Have every worker hand captured values over in shared memory (`engine_ext.capture_ring`)
@@ -236,6 +256,9 @@ class Engine(DynamicControl):
             self._failure = self._loop.error
             self._loop = None
             self._sweep_cpu_shm(after_close=True)
+            if self._heap_frozen:
+                runtime.unfreeze_heap()
+                self._heap_frozen = False
 
     def _sweep_cpu_shm(self, after_close: bool = False) -> None:
         """Several ranks on CPU: remove vLLM CPU-communicator segments that ended engines left in

@@ -7,12 +7,15 @@ Values the user already set are never overridden.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Literal
+
+from engine_ext.switches import env_switch
 
 Device = Literal["cpu", "cuda"]
 
@@ -126,3 +129,40 @@ def prepare_environment(device: Device) -> None:
         if importlib.util.find_spec("flashinfer") is None:
             # The V2 runner's sampler imports flashinfer unless told not to (GPU bundle has none).
             os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+#: engines of this process that froze its heap (`freeze_startup_heap`) and have not closed
+_heap_freezes = 0
+
+
+def freeze_startup_heap() -> bool:
+    """Move every object alive now out of the garbage collector's reach (`gc.freeze` after a full
+    collection), as `vllm serve` does in its lifespan and vLLM's engine core after its start
+    (`vllm.utils.gc_utils.freeze_gc_heap`), and return True; `CAUSALBOARD_FREEZE_HEAP=0`: nothing, False.
+
+    Why: a started engine's process holds hundreds of thousands of tracked objects (torch, vLLM,
+    the model's modules) that never become garbage, and every oldest-generation collection walked
+    them all: in `causalboard serve` under P1 over HTTP (768 concurrent one-token completions)
+    such a collection took 360-540 ms on the 2-core CPU and came about once per burst, stalling the
+    event loop (docs/performance.md, "Twentieth session"). Objects frozen here that later become
+    cyclic garbage are not reclaimed until `unfreeze_heap`: startup state, which lives as long as
+    the engine."""
+    global _heap_freezes
+    if not env_switch("CAUSALBOARD_FREEZE_HEAP", True):
+        return False
+    gc.collect(0)
+    gc.collect(1)
+    gc.collect(2)
+    gc.freeze()
+    _heap_freezes += 1
+    return True
+
+
+def unfreeze_heap() -> None:
+    """An engine that froze the heap closes: once no such engine of this process is left, hand the
+    frozen objects back to the collector (the closed engines' startup state becomes garbage that a
+    later collection reclaims, as after vLLM's `EngineCore.shutdown`)."""
+    global _heap_freezes
+    _heap_freezes = max(0, _heap_freezes - 1)
+    if _heap_freezes == 0:
+        gc.unfreeze()

@@ -100,6 +100,16 @@ class CausalboardWorkerExtension:
         self.model_runner._cb_state_obj = None
         return True
 
+    def cb_freeze_heap(self) -> int:
+        """Freeze this worker process's startup heap (`runtime.freeze_startup_heap`; the engine's
+        start calls it last, where the worker runs in a process of its own); the number of objects
+        frozen in this process now (0: the switch is off)."""
+        import gc
+
+        from engine_ext.engine.runtime import freeze_startup_heap
+
+        return gc.get_freeze_count() if freeze_startup_heap() else 0
+
     def cb_collect(self, keys: list, ring_acks: dict | None = None) -> dict:
         return self._cb().collect(list(keys), ring_acks)
 
