@@ -12,7 +12,9 @@ of one 16-token prompt (aiohttp client), then `--bursts` timed ones, and reads e
 each API-process thread's user+system time from /proc before and after. One JSON line:
 `bursts_s`, `us_cpu_per_req` per process (`comm:pid`: the API server, vLLM's engine core, a
 worker), `api_threads_us` (the API process's threads, largest first: its event loop first, then
-causalboard's engine-loop thread), `client_us_per_req`, `wall_us_per_req`. On a 2-core machine the
+causalboard's engine-loop thread), `client_us_per_req`, `wall_us_per_req`. `--py-spy BINARY`
+samples the API process during the timed bursts (`py-spy record --gil --threads`, raw collapsed
+stacks to `--py-spy-out`): where its GIL-holding time goes. On a 2-core machine the
 client shares the cores: compare servers in alternating runs.
 """
 from __future__ import annotations
