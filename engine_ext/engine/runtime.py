@@ -159,10 +159,14 @@ def freeze_startup_heap() -> bool:
 
 
 def unfreeze_heap() -> None:
-    """An engine that froze the heap closes: once no such engine of this process is left, hand the
-    frozen objects back to the collector (the closed engines' startup state becomes garbage that a
-    later collection reclaims, as after vLLM's `EngineCore.shutdown`)."""
+    """An engine that froze the heap closes: hand the frozen objects back to the collector (the
+    closed engine's startup state becomes garbage that a collection reclaims, as after vLLM's
+    `EngineCore.shutdown`). While other engines of the process that froze it are still open, the
+    closed one's garbage is collected now and the rest frozen again, so that they keep the freeze
+    and nothing of the closed engine stays frozen."""
     global _heap_freezes
     _heap_freezes = max(0, _heap_freezes - 1)
-    if _heap_freezes == 0:
-        gc.unfreeze()
+    gc.unfreeze()
+    if _heap_freezes > 0:
+        gc.collect()
+        gc.freeze()
