@@ -84,3 +84,35 @@ def test_the_switch_interval_diagnostic_sets_the_gil_interval_only_when_asked():
 
     assert interval("0.0005") == 0.0005
     assert interval(None) == 0.005
+
+
+def test_burst_cpu_splits_one_burst_by_process_and_thread():
+    """Each P1 burst's CPU: [API process, its busiest thread, the next, the other processes]."""
+    from benchmarks.compare.http_bench import burst_cpu
+
+    before = ({"python3:1": 1.0, "python3:2": 0.0, "VLLM::EngineCor:3": 2.0}, {"1": 0.5, "7": 0.1, "8": 0.0}, 0.0)
+    after = ({"python3:1": 1.768, "python3:2": 0.0, "VLLM::EngineCor:3": 2.384}, {"1": 1.1, "7": 0.2, "8": 0.0}, 0.1)
+    assert burst_cpu(before, after, 768) == pytest.approx([1000.0, 781.25, 130.2, 500.0], abs=0.06)
+
+
+def test_the_gc_stats_diagnostic_records_collections_only_when_asked(tmp_path):
+    """benchmarks/diag/gcstats: `CB_GC_STATS` makes each process write its collections per
+    generation, its oldest-generation pauses and its frozen objects."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = "import gc, time; gc.collect(); gc.collect(); time.sleep(2.5)"
+    env = {k: v for k, v in os.environ.items() if k != "CB_GC_STATS"}
+    env["PYTHONPATH"] = str(REPO / "benchmarks/diag/gcstats")
+    prefix = tmp_path / "gc"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "CB_GC_STATS": str(prefix)}, capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    (f,) = tmp_path.glob("gc.*")
+    got = json.loads(f.read_text())
+    assert got["per_generation"]["2"]["collections"] >= 2 and len(got["oldest_ms"]) >= 2 and got["frozen"] >= 0
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=60)
+    assert len(list(tmp_path.glob("gc.*"))) == 1, "without the variable nothing is written"

@@ -21,7 +21,9 @@ prefix caching, the TRITON_ATTN attention backend and no batch invariance (vLLM'
 p1  768 one-token completions (`max_tokens` 1, greedy) of one 16-token prompt of random ids (seed 0),
     all sent at once: requests/s over the burst (`--p1-requests N` for another count); with it, over
     the timed bursts, µs of CPU per request of each server process, of the API process's busiest
-    threads (its event loop first) and of this client (read from /proc, as `diag/serve_cpu.py` does).
+    threads (its event loop first) and of this client (read from /proc, as `diag/serve_cpu.py` does),
+    and each burst's (`burst_cpu_us`: API process, event loop, engine-loop thread, the other server
+    processes; a burst stalled by one thread shows there, not in the averages).
 p2  decode: batch 32 and batch 1, distinct random 16-token prompts (seed 100+batch), 256 tokens
     (`--tokens`), `ignore_eos`: generated tokens/s over the batch.
 
