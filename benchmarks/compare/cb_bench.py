@@ -49,6 +49,9 @@ def main():
     ap.add_argument("--batch-invariant", choices=["on", "off"], default="off")
     ap.add_argument("--tag", default="cb")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--p3-prompts", type=int, default=None, help="P3's prompt count (default: 1000, 50 on a smoke model)")
+    ap.add_argument("--multiprocess", action="store_true",
+                    help="CPU: vLLM's engine core in a process of its own, as on a GPU (the CPU default is in-process)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--p2-reps", type=int, default=None,
                     help="timed repetitions of p2 and p3 (default: 3 on the anchor model, --reps on a smoke model)")
@@ -63,7 +66,7 @@ def main():
         eng = Engine(model=args.model, device="cuda", enforce_eager=False, max_model_len=4096,
                      gpu_memory_utilization=0.8, batch_invariant=(args.batch_invariant == "on")).start()
     else:
-        eng = Engine(model=args.model).start()
+        eng = Engine(model=args.model, multiprocess=args.multiprocess).start()
     info = eng.info
     emit(f"{args.tag}_start", seconds=round(time.perf_counter() - t0, 1), info=str(info))
     L, H = info.num_layers, info.hidden_size
@@ -75,6 +78,7 @@ def main():
     if not big:
         A_ID, B_ID = 10, 20
     ntok, n3 = (256, 1000) if big else (8, 50)
+    n3 = args.p3_prompts or n3
 
     if "p2" in tasks:
         v = (np.random.default_rng(0).standard_normal(H) * 0.01).astype(np.float32)
