@@ -42,3 +42,42 @@ def test_mean_and_drop():
     assert store.mean("r", 2).tolist() == [2.5, 2.0]
     assert store.mean("r", 5) is None
     assert store.drop("r") and not store.drop("r")
+
+
+def test_a_single_capture_block_is_stored_as_stacked_rows_equal_to_the_pairs():
+    """A stored clean run (one block of distinct sites and positions) reaches the store stacked
+    (`RunRows`): the same keys in the same order and bit-identical values as the per-pair path,
+    copied out of the capture block (whose buffer is reused)."""
+    import numpy as np
+
+    from engine_ext.worker.source_store import RunRows, SourceRun
+    from engine_ext.worker.state import CapturedBlock, RequestState
+
+    xs, rs = torch.randn(5, 7, 16).to(torch.bfloat16), torch.randn(5, 7, 16).to(torch.bfloat16)
+    positions, sites = np.array([3, 1, 4, 0, 2]), np.array([6, 2, 9, 1, 0, 5, 3])
+    st = RequestState.__new__(RequestState)
+    st.captures = [CapturedBlock(positions, sites, xs, rs, None, 0)]
+    rows = st.capture_pairs()
+    assert isinstance(rows, RunRows)
+    pairs = {(s, p): (xs[i, j], rs[i, j]) for i, p in enumerate(positions.tolist()) for j, s in enumerate(sites.tolist())}
+    fast, slow = SourceRun("a", rows), SourceRun("b", pairs)
+    xs.zero_()
+    rs.zero_()
+    assert fast.keys == slow.keys and torch.equal(fast.x, slow.x) and torch.equal(fast.r, slow.r)
+    assert fast.x.abs().sum() > 0, "the stored rows are a copy, not a view of the block"
+    store = SourceStore(1 << 20)
+    store.put("a", rows)
+    assert store.value("a", 9, 4).x.equal(slow.x[slow.row_of[(9, 4)]]) and store.used_bytes == fast.nbytes
+
+
+def test_blocks_that_repeat_a_key_keep_the_latest_pair():
+    import numpy as np
+
+    from engine_ext.worker.state import CapturedBlock, RequestState
+
+    a, b = torch.ones(1, 2, 4), torch.full((1, 2, 4), 2.0)
+    st = RequestState.__new__(RequestState)
+    st.captures = [CapturedBlock(np.array([0]), np.array([1, 2]), a, a, None, 0),
+                   CapturedBlock(np.array([0]), np.array([2]), b[:, :1], b[:, :1], None, 0)]
+    pairs = st.capture_pairs()
+    assert isinstance(pairs, dict) and pairs[(2, 0)][0].equal(torch.full((4,), 2.0)) and pairs[(1, 0)][0].equal(torch.ones(4))

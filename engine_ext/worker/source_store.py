@@ -20,18 +20,35 @@ import torch
 _UIDS = itertools.count(1)
 
 
+class RunRows(NamedTuple):
+    """A run's pairs already stacked, as `SourceRun` holds them: `x[i]`, `r[i]` at the (site,
+    position) `keys[i]` (each key once). The store keeps these tensors: they must not be views of
+    a buffer that is reused."""
+
+    keys: list[tuple[int, int]]
+    x: torch.Tensor
+    r: torch.Tensor
+
+
+#: what `SourceStore.put` takes: (site, position) -> (x, r), or the rows already stacked
+RunValues = dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | RunRows
+
+
 class SourceRun:
     """One stored run: `x[i]`, `r[i]` is the pair at the (site, position) `keys[i]`."""
 
-    def __init__(self, run_id: str, values: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, run_id: str, values: RunValues):
         self.run_id = run_id
         #: unique per stored content (a run stored again under the same id gets a new uid)
         self.uid = next(_UIDS)
-        self.keys = list(values)
+        if isinstance(values, RunRows):
+            self.keys, self.x, self.r = list(values.keys), values.x, values.r
+        else:
+            self.keys = list(values)
+            pairs = list(values.values())
+            self.x = torch.stack([p[0] for p in pairs]) if pairs else torch.zeros(0)
+            self.r = torch.stack([p[1] for p in pairs]) if pairs else torch.zeros(0)
         self.row_of = {k: i for i, k in enumerate(self.keys)}
-        pairs = list(values.values())
-        self.x = torch.stack([p[0] for p in pairs]) if pairs else torch.zeros(0)
-        self.r = torch.stack([p[1] for p in pairs]) if pairs else torch.zeros(0)
         self.nbytes = self.x.numel() * self.x.element_size() + self.r.numel() * self.r.element_size()
         self.created = time.time()
         self.leases = 0
@@ -92,13 +109,13 @@ class SourceStore:
     def __contains__(self, run_id: str) -> bool:
         return run_id in self._runs
 
-    def put(self, run_id: str, values: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
-            charge: int | None = None) -> list[str]:
+    def put(self, run_id: str, values: RunValues, charge: int | None = None) -> list[str]:
         """Store (or replace) a run; returns the run ids evicted to make room. The run counts
         against the budget with `charge` bytes when given (a pipeline stage charges the whole
         run, not its own share, so that every stage evicts the same runs), else its own bytes.
         Raises SourceStoreFull if it cannot fit even after evicting every unleased run."""
-        own = sum(x.numel() * x.element_size() + r.numel() * r.element_size() for x, r in values.values())
+        pairs = [(values.x, values.r)] if isinstance(values, RunRows) else values.values()
+        own = sum(x.numel() * x.element_size() + r.numel() * r.element_size() for x, r in pairs)
         nbytes = own if charge is None else int(charge)
         old = self._runs.pop(run_id, None)
         leases = old.leases if old else 0

@@ -35,7 +35,7 @@ from engine_ext.worker.checksum import ActionChecksum
 from engine_ext.worker.intervention_op import BUFFERS, SiteBuffers
 from engine_ext.worker.planner import RequestPlan, StepCaptures, StepPlanner
 from engine_ext.worker.slots import SlotCapacityError, SlotTable
-from engine_ext.worker.source_store import SourceStore, SourceStoreFull
+from engine_ext.worker.source_store import RunRows, RunValues, SourceStore, SourceStoreFull
 
 logger = logging.getLogger("causalboard.worker")
 
@@ -104,8 +104,17 @@ class RequestState:
     #: tensor, the event its copy completes (None: done))
     scores: list[tuple[np.ndarray, torch.Tensor, Any]] = field(default_factory=list)
 
-    def capture_pairs(self) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
-        """(site, position) -> (x, r), the latest block winning."""
+    def capture_pairs(self) -> RunValues:
+        """(site, position) -> (x, r), the latest block winning; for one block of distinct sites
+        and positions (a stored clean run: every site at every prompt position) its rows stacked
+        at once (`RunRows`, one copy of each tensor, in the same (position, site) order), instead
+        of a pair per key stacked again by the store (~20 ms for 16 positions x 48 sites on the
+        2-core CPU, ~7 ms of a GPU host's engine step)."""
+        if len(self.captures) == 1 and _distinct(self.captures[0].positions) and _distinct(self.captures[0].sites):
+            blk = self.captures[0]
+            sites, positions = blk.sites.tolist(), blk.positions.tolist()
+            keys = [(site, pos) for pos in positions for site in sites]
+            return RunRows(keys, blk.xs.flatten(0, 1).clone(), blk.rs.flatten(0, 1).clone())
         out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for blk in self.captures:
             for i, pos in enumerate(blk.positions.tolist()):
@@ -145,6 +154,10 @@ class RequestState:
         per_block = [blk.values() for blk in self.captures]
         vals = torch.stack([per_block[b][i, j] for b, i, j in (latest[k] for k in keys)])
         return {"keys": [list(k) for k in keys], **_block_data(vals, ring)}
+
+
+def _distinct(a: np.ndarray) -> bool:
+    return a.size < 2 or np.unique(a).size == a.size
 
 
 def _increasing(a: np.ndarray) -> bool:
