@@ -1,7 +1,8 @@
 """A multiprocess engine (vLLM's engine core in its own process, as on every GPU) hands a batch of
 requests to the core in one `cb_add_requests` message (`seam.add_requests_batched`): the same
 outputs as one ADD message per request, and a batch the core does not take fails its requests
-with that error while the engine keeps serving."""
+with that error while the engine keeps serving. Control calls to the workers (`Engine._rpc`) are
+sent the same way, without the loop thread waiting for their replies."""
 
 from __future__ import annotations
 
@@ -161,3 +162,38 @@ def test_single_requests_queued_together_reach_the_core_as_one_batch(mp_engine, 
     got = asyncio.run(singles())
     assert calls == [len(PROMPTS)], calls
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
+
+
+def test_a_control_call_in_flight_leaves_the_loop_thread_free(mp_engine, monkeypatch):
+    """While a worker call's reply is outstanding (held back here), the engine loop's thread
+    serves other calls and requests; the held call then returns its reply."""
+    import threading
+    from concurrent.futures import Future
+
+    from engine_ext.worker import seam
+
+    sent, release = threading.Event(), threading.Event()
+    real = seam._start_utility
+
+    def held(core, method, args):
+        fut = real(core, method, args)
+        if method != "collective_rpc" or args[0] != "cb_status":
+            return fut
+        out: Future = Future()
+        fut.add_done_callback(lambda f: threading.Thread(target=lambda: (release.wait(30), out.set_result(f.result()))).start())
+        sent.set()
+        return out
+
+    monkeypatch.setattr(seam, "_start_utility", held)
+    replies: list = []
+    caller = threading.Thread(target=lambda: replies.append(mp_engine.intervention_status()))
+    caller.start()
+    try:
+        assert sent.wait(30), "the status call was not sent"
+        assert mp_engine._loop.call(lambda e: 42).result(timeout=30) == 42, "the loop thread waited for the reply"
+        gens = mp_engine.generate(PROMPTS[:2], GenerationParams(max_tokens=2))
+        assert all(len(g.token_ids) == 2 for g in gens) and not replies
+    finally:
+        release.set()
+        caller.join(30)
+    assert replies and replies[0]["determinism"]["consistent"] is True

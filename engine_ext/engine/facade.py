@@ -999,7 +999,22 @@ class Engine(DynamicControl):
 
     # ---- control plane ---------------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list:
-        return self._require_loop().call(lambda e: e.collective_rpc(method, args=args)).result(timeout=RPC_TIMEOUT_S)
+        """`collective_rpc(method, args)` on every worker: their replies, in rank order. With a
+        multiprocess engine core the loop thread only sends the call (`seam.start_collective_rpc`)
+        and this thread waits for the reply, so the loop keeps stepping and delivering outputs
+        meanwhile (a call waits for the core's current step to end: up to a sweep's whole step);
+        in-process the loop thread runs it. The core takes the call before anything sent after
+        it, as before. An engine-core death fails the wait (`loop.wake_blocked_calls`)."""
+        from concurrent.futures import Future
+
+        from engine_ext.worker.seam import start_collective_rpc
+
+        def send(engine: Any) -> Any:
+            pending = start_collective_rpc(engine, method, args)
+            return pending if pending is not None else engine.collective_rpc(method, args=args)
+
+        reply = self._require_loop().call(send).result(timeout=RPC_TIMEOUT_S)
+        return reply.result(timeout=RPC_TIMEOUT_S) if isinstance(reply, Future) else reply
 
     def register_vector(self, name: str, vector: Any) -> None:
         """Register a named steering vector on every worker (replacing one of the same name)."""
