@@ -19,6 +19,10 @@ without waiting (`seam.start_collective_rpc`): the loop keeps stepping, and each
 request's final output goes to its sink together with its result once the reply is in (in the
 order the calls were sent). Its sink stays registered until then, so an engine death fails it.
 
+Control calls (`Engine._rpc`: stores, vectors, status) with a multiprocess engine core are sent
+from the loop thread like `cb_collect` and their replies awaited by the caller's thread, so the
+loop never waits for a core step to end on their account.
+
 Submission: `submit_many` hands its requests to vLLM with one command; with a multiprocess engine
 core that answers causalboard's `cb_add_requests` utility they also reach the core in a few
 messages (`seam.add_requests_batched`: the first of 32 requests, so the core starts while the
