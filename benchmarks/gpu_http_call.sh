@@ -29,6 +29,6 @@ left=$(( ${CALL_BUDGET:-570} - SECONDS ))
   --ab-device --variants "${DYN_VARIANTS:-threshold_on,proportional}"
 tar -czf "$OUT/http-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
 cat "$OUT/steps.txt"
-for f in "$OUT"/http-*.out "$OUT"/dyn-bench.out; do [ -f "$f" ] && grep -h '"bench"' "$f" | grep -v warmup | tail -10; done
+for f in "$OUT"/http-*.out "$OUT"/dyn-bench.out; do [ -f "$f" ] && grep -h '"bench"' "$f" | grep -v warmup | tail -10 | sed "s/^/$(basename "$f" .out): /"; done
 [ -f "$OUT/matrix.out" ] && tail -6 "$OUT/matrix.out"
 keep_only http-call.tgz

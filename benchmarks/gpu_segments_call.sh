@@ -47,6 +47,6 @@ case "${CALL:-check}" in
 esac
 tar -czf "$OUT/segments-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
 cat "$OUT/steps.txt"
-for f in "$OUT"/seg-*.out "$OUT"/p1-*.out "$OUT"/hf.out "$OUT"/dyn-check.out; do [ -f "$f" ] && grep -h '"bench"\|passed\|failed' "$f" | tail -12; done
+for f in "$OUT"/seg-*.out "$OUT"/p1-*.out "$OUT"/hf.out "$OUT"/dyn-check.out; do [ -f "$f" ] && grep -h '"bench"\|passed\|failed' "$f" | tail -12 | sed "s/^/$(basename "$f" .out): /"; done
 tail -6 "$OUT/matrix.out" 2>/dev/null
 keep_only segments-call.tgz
