@@ -219,13 +219,27 @@ class LabNotebook:
         try:
             # a new subscriber misses what the kernel publishes before its IOPub socket is joined
             # (zmq's slow joiner): the stream output of the code would be lost, the reply still "ok"
+            # (`wait_for_ready` answers on the shell channel, which does not prove IOPub joined in
+            # time: the kernel publishes `status: busy` first for every request, so a run whose
+            # `busy` was missed may have lost its output too and is run again; the code must be
+            # safe to repeat)
             client.wait_for_ready(timeout=timeout)
-            out: list[str] = []
-            reply = client.execute_interactive(code, timeout=timeout, store_history=False,
-                                               output_hook=lambda msg: out.append(msg["content"].get("text", ""))
-                                               if msg["msg_type"] == "stream" else None)
-            assert reply["content"]["status"] == "ok", reply["content"]
-            return "".join(out)
+            for _ in range(5):
+                out: list[str] = []
+                busy: list[bool] = []
+
+                def hook(msg: dict) -> None:
+                    if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "busy":
+                        busy.append(True)
+                    elif msg["msg_type"] == "stream":
+                        out.append(msg["content"].get("text", ""))
+
+                reply = client.execute_interactive(code, timeout=timeout, store_history=False, output_hook=hook)
+                assert reply["content"]["status"] == "ok", reply["content"]
+                if busy:
+                    return "".join(out)
+                time.sleep(0.5)
+            raise AssertionError("the second kernel client never received the kernel's IOPub messages")
         finally:
             client.stop_channels()
 
