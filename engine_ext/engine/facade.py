@@ -215,13 +215,18 @@ class Engine(DynamicControl):
         start-up calls). Whether this process's heap was frozen."""
         if not runtime.freeze_startup_heap():
             return False
-        core = getattr(self._loop.engine, "engine_core", None)
-        if type(core).__name__ != "InprocClient" and self.config.distributed_executor_backend != "ray":
+        if self._workers_on_this_host_elsewhere():
             try:
-                self._workers_frozen = self._loop.call(lambda e: e.collective_rpc("cb_freeze_heap")).result(timeout=RPC_TIMEOUT_S)
+                self._workers_frozen = self._rpc("cb_freeze_heap")
             except Exception:  # only speed depends on it
                 logger.warning("could not freeze the workers' startup heap", exc_info=True)
         return True
+
+    def _workers_on_this_host_elsewhere(self) -> bool:
+        """Whether the workers run in other processes of this host: vLLM's multiprocess engine
+        core or its `mp` executor (not in-process, not Ray's)."""
+        core = getattr(self._loop.engine, "engine_core", None)
+        return type(core).__name__ != "InprocClient" and self.config.distributed_executor_backend != "ray"
 
     def _open_capture_rings(self) -> RingReaders | None:
         """Have every worker hand captured values over in shared memory (`engine_ext.capture_ring`)
@@ -229,8 +234,7 @@ class Engine(DynamicControl):
         its `mp` executor); None (values inline in each reply) in-process, with Ray, with
         `capture_ring_bytes=0`, or where any worker's ring cannot be created or mapped here."""
         size = -1 if self.config.capture_ring_bytes is None else int(self.config.capture_ring_bytes)  # -1: auto
-        core = getattr(self._loop.engine, "engine_core", None)
-        if size == 0 or type(core).__name__ == "InprocClient" or self.config.distributed_executor_backend == "ray":
+        if size == 0 or not self._workers_on_this_host_elsewhere():
             return None
         names = self._loop.call(lambda e: e.collective_rpc("cb_capture_ring", args=(size,))).result(timeout=RPC_TIMEOUT_S)
         readers = RingReaders()
