@@ -69,6 +69,36 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
     raise AssertionError(f"timed out after {timeout} s waiting for {message or predicate} (last: {last!r})")
 
 
+def choose(page: Any, button: str, effect: Any, tries: int = 3, timeout_s: float = 15.0) -> None:
+    """Click the choice `button` (a radio-group option: clicking it again is harmless) until
+    `effect` (a locator the choice makes appear) is there. The click is a round trip through the
+    server's session; a CI run once saw its effect never arrive (Chromium ignoring a click on a
+    loaded machine), so a choice gets `tries` clicks of `timeout_s` each before the test fails."""
+    for attempt in range(1, tries + 1):
+        page.get_by_role("button", name=button).click()
+        try:
+            effect.wait_for(timeout=timeout_s * 1000)
+            return
+        except Exception:
+            if attempt == tries:
+                raise
+            print(f"choose({button!r}): no effect after {timeout_s} s (click {attempt} of {tries}); clicking again")
+
+
+def machine_load() -> str:
+    """The load average and the busiest processes: printed when a browser test fails, because
+    every such failure so far was a browser that stopped answering on a loaded machine."""
+    import subprocess
+
+    try:
+        load = Path("/proc/loadavg").read_text().strip()
+        top = subprocess.run(["ps", "-eo", "pid,pcpu,pmem,etimes,args", "--sort=-pcpu"], capture_output=True,
+                             text=True, timeout=10).stdout.splitlines()[:8]
+    except Exception as exc:  # a diagnostic only
+        return f"machine load unavailable: {exc}"
+    return "load average: " + load + "\n" + "\n".join(line[:200] for line in top)
+
+
 _FIGURES_JS = """() => {
   if (typeof Bokeh === 'undefined' || !Bokeh.index) return [];
   const views = [];
@@ -169,6 +199,7 @@ def page(browser, request):
     finally:
         rep = getattr(request.node, "cb_rep_call", None)
         if rep is not None and rep.failed:
+            print(machine_load())
             try:
                 screenshot(pg, f"FAILED-{request.node.name}")
             except Exception as exc:  # the page may be gone; the test's own error matters more

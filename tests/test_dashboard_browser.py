@@ -21,7 +21,7 @@ import pytest
 pytest_plugins = ["tests.browser"]
 pytest.register_assert_rewrite("tests.browser")
 
-from tests.browser import _tab_close_cleanup_s, bokeh_columns, bokeh_figures, drag, screenshot, wait_until  # noqa: E402
+from tests.browser import _tab_close_cleanup_s, bokeh_columns, bokeh_figures, choose, drag, screenshot, wait_until  # noqa: E402
 pytestmark = pytest.mark.browser
 
 SWEEP_TIMEOUT = 120.0
@@ -194,11 +194,11 @@ def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
     # loaded 2-core machine the browser (and Playwright's calls into it) can lag the server by many
     # seconds while the engine runs, and the engine's speed varies several-fold, so the test
     # times its clicks by what the server says is running, never by what the page shows
-    page.get_by_role("button", name="noise on a span").click()
+    prompt = page.get_by_label("Prompt (gets noise on the span)", exact=True)
+    choose(page, "noise on a span", prompt)
     for hook in ("pre_attn", "post_attn"):
         page.get_by_role("button", name=hook).click()
     filler = " ".join(["The capital of Tarn is Tibbet"] * 5)
-    prompt = page.get_by_label("Prompt (gets noise on the span)", exact=True)
     prompt.fill(f"{filler} {prompt.input_value()}")
     prompt.press("Tab")
     for label, value in (("Noise samples", NOISE_SAMPLES), ("Cells in flight", 1)):
@@ -247,9 +247,8 @@ def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
 def test_noise_corruption_of_the_subject_span(page, server_url, http, tasks):
     status = http.get("/v1/status").json()
     open_dashboard(page, server_url, status)
-    page.get_by_role("button", name="noise on a span").click()
     span = page.get_by_label("Noise span (text in the prompt)")
-    span.wait_for()
+    choose(page, "noise on a span", span)
     assert not page.get_by_label("Corrupt prompt", exact=True).is_visible()
     pair = next(p for p in tasks["pairs"] if p["equal_length"] and p.get("hf_top1", True))
     assert span.input_value() == pair["subject_clean"]
