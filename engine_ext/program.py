@@ -232,6 +232,8 @@ def compile_program(spec: Interventions, prompt: PromptInfo, dims: ModelDims, *,
         touched += len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))
         capture_out = {"sites": sites, "pos": pos, "gen": gen, "keep_as": c.keep_as, "return": c.return_values,
                        "values": len(sites) * (len(pos) + (prompt.max_tokens if gen else 0))}
+        if c.lease:
+            capture_out["lease"] = True
     clamp_out = []
     for k, c in enumerate(spec.clamp):
         f = f"clamp[{k}]"
@@ -452,6 +454,8 @@ class WorkerProgram:
     capture_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     capture_gen: bool = False
     keep_as: str | None = None
+    #: lease the run `keep_as` names as it is stored (`Capture.lease`)
+    lease_kept: bool = False
     return_captures: bool = True
     #: (site, position) values the whole capture holds on all stages (what the store charges)
     capture_values: int = 0
@@ -555,5 +559,6 @@ class WorkerProgram:
             prog.capture_pos = np.asarray(cap["pos"], np.int64)
             prog.capture_gen = bool(cap["gen"])
             prog.keep_as = cap["keep_as"]
+            prog.lease_kept = bool(cap.get("lease", False))
             prog.return_captures = bool(cap["return"])
         return prog

@@ -318,23 +318,31 @@ class Capture:
     """Record the stream at `sites` × `positions` (after any intervention at that site).
 
     `keep_as` stores the whole capture on the workers as a named source run for patching;
+    `lease` also leases it there as it is stored (one `Engine.lease_source`, with no moment in
+    which another request's capture could evict it; the caller releases or drops it);
     `return_values` delivers the arrays to the client."""
 
     sites: tuple[Site, ...]
     positions: Positions = "last_prompt"
     keep_as: str | None = None
     return_values: bool = True
+    lease: bool = False
 
     @classmethod
     def make(cls, sites: Any, positions: Any = "last_prompt", *, keep_as: str | None = None,
-             return_values: bool = True, field_name: str = "capture") -> "Capture":
+             return_values: bool = True, lease: bool = False, field_name: str = "capture") -> "Capture":
         check_safe_name(keep_as, f"{field_name}.keep_as", allow_none=True)
+        if lease and keep_as is None:
+            raise SpecError(f"{field_name}.lease", "leases the stored run: it needs keep_as")
         return cls(_sites(sites, f"{field_name}.sites"), positions_from_json(positions, f"{field_name}.positions"),
-                   keep_as, bool(return_values))
+                   keep_as, bool(return_values), bool(lease))
 
     def to_json(self) -> dict:
-        return {"sites": [str(s) for s in self.sites], "positions": positions_to_json(self.positions),
-                "keep_as": self.keep_as, "return_values": self.return_values}
+        out = {"sites": [str(s) for s in self.sites], "positions": positions_to_json(self.positions),
+               "keep_as": self.keep_as, "return_values": self.return_values}
+        if self.lease:  # absent when false: the canonical form of every capture without it is unchanged
+            out["lease"] = True
+        return out
 
 
 @dataclass(frozen=True)

@@ -275,6 +275,31 @@ def test_leased_source_survives_store_pressure(engine, tasks):
             engine.drop_source(f"press-{i}")
 
 
+def test_a_capture_with_lease_is_stored_leased_and_survives_store_pressure(engine, tasks):
+    """`Capture(lease=True)`: the workers lease the run as they store it; a drop removes it
+    leased or not. Without keep_as a lease is a SpecError naming the field."""
+    prompt = fact(tasks, 33)["prompt"]
+    spec = Interventions(capture=Capture.make(["L1.pre_attn"], "all_prompt", keep_as="leased-at-store",
+                                              return_values=False, lease=True))
+    assert engine.generate(prompt, ONE, spec).intervention.stored_as == "leased-at-store"
+    try:
+        assert engine.source_info("leased-at-store")["leases"] == 1
+        sites = [f"L{L}.{h}" for L in range(engine.info.num_layers) for h in ("pre_attn", "post_attn", "post_block")]
+        for i in range(40):
+            engine.capture(prompt, sites, "all_prompt", keep_as=f"press-l-{i}", return_values=False)
+        assert engine.has_source("leased-at-store")
+    finally:
+        assert engine.drop_source("leased-at-store")
+        for i in range(40):
+            engine.drop_source(f"press-l-{i}")
+    assert not engine.has_source("leased-at-store")
+    plain = Capture.make(["L1.pre_attn"], "all_prompt", keep_as="x")
+    assert "lease" not in plain.to_json()  # the canonical form of a capture without it is unchanged
+    with pytest.raises(SpecError) as exc:
+        Capture.make(["L1.pre_attn"], "all_prompt", lease=True)
+    assert exc.value.field == "capture.lease"
+
+
 BAD_SPECS = [
     (Interventions(steer=(Steer.make(["L99.pre_attn"], np.zeros(4)),)), "steer[0].sites[0]"),
     (Interventions(patch=(Patch.make("L1.pre_attn", [{"span": "Atlantis"}], "zeros"),)), "patch[0].positions[0].span"),

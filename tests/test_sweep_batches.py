@@ -96,3 +96,52 @@ def test_the_clean_capture_and_the_corrupt_baselines_are_in_flight_together(http
     assert any(s0 < c1 and c0 < s1 for _, s0, s1 in scores), f"no baseline overlapped the capture: {intervals}"
     assert after["grid"] == before["grid"] and after["corrupt"] == before["corrupt"] and after["clean"] == before["clean"]
     assert engine.in_flight == 0
+
+
+def test_a_sweep_makes_three_control_calls_two_of_them_alongside_other_work(http, engine, tasks, monkeypatch):
+    """Control round trips a sweep with an auto-captured clean run makes (each waits for the
+    engine core's current step): the workers lease the clean run as they store it (no
+    `cb_store lease`), the start's checksum is read while phase 1 computes, and the end drops
+    the run (no `release` first: a drop removes a leased run) while reading the final checksum.
+    The run is leased while the sweep runs and gone after it."""
+    calls: list[tuple[str, tuple, float, float]] = []
+    orig = engine._rpc
+
+    def spy(method, *args):
+        t = time.monotonic()
+        try:
+            return orig(method, *args)
+        finally:
+            calls.append((method, args, t, time.monotonic()))
+
+    pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
+    body = {"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"], "answer_token_id": pair["answer_id"],
+            "foil_token_id": pair["foil_id"], "metric": "recovered", "hooks": ["post_block"], "layers": [0, 1]}
+    before, _ = run_sweep(http, engine, body)
+    monkeypatch.setattr(engine, "_rpc", spy)
+    leases: list[int] = []
+
+    def leased_now() -> None:
+        usage = orig("cb_store", "usage")
+        leases.extend(r["leases"] for u in usage for r in u["runs"] if r["run_id"].startswith("sweep"))
+
+    watcher_stop = threading.Event()
+
+    def watch() -> None:
+        while not watcher_stop.is_set():
+            leased_now()
+            time.sleep(0.002)
+
+    w = threading.Thread(target=watch, daemon=True)
+    w.start()
+    try:
+        after, _ = run_sweep(http, engine, body)
+    finally:
+        watcher_stop.set()
+        w.join()
+    names = [(m, a[0] if a else None) for m, a, _, _ in calls]
+    assert names.count(("cb_status", None)) == 2, names
+    assert [n for n in names if n[0] == "cb_store"] == [("cb_store", "drop")], names
+    assert 1 in leases, "the clean run was never seen leased during the sweep"
+    assert after["grid"] == before["grid"] and after["clean"] == before["clean"] and after["corrupt"] == before["corrupt"]
+    assert after["captured_source_run"] not in [r["run_id"] for u in orig("cb_store", "usage") for r in u["runs"]]

@@ -4,9 +4,10 @@ A sweep has two phases:
 
 1. *Prepare* (`SweepService.start`, awaited by the HTTP handler, so every failure is a plain
    JSON error): plan (`build_plan`), capture the clean run when needed (one request that also
-   scores the clean baseline; captured again, at most `CLEAN_CAPTURE_ATTEMPTS` times in all, when
-   a full store evicted it before it could be leased), lease the source run, score the corrupt baseline alone (one
-   request per noise sample). Then the `start` event is logged.
+   scores the clean baseline and that the workers store *and lease* as they file it, so no other
+   request's capture can evict it first), else lease the given source run; score the corrupt
+   baseline alone (one request per noise sample); read the checksum status (all of these
+   concurrently). Then the `start` event is logged.
 2. *Fan-out* (a background task): one request per cell (x noise samples), submitted in groups
    through `Engine.agenerate_many` (one preparation and one hand-off to the engine loop per
    group, results as each request finishes), at most `max_concurrency` cells in flight, scored
@@ -14,9 +15,9 @@ A sweep has two phases:
    run a second time after all others — the largest deviation (baseline vs its solo run,
    repeat vs first run) is the noise floor. Cells are logged as they complete;
    a cell whose patch could not be applied (source run dropped/evicted, capacity) is voided
-   (`value: null` + `error`), never reported with an unpatched value. Finally the checksum
-   status and the summary are logged, the lease is released and an auto-captured run is
-   dropped unless `keep_source`.
+   (`value: null` + `error`), never reported with an unpatched value. Finally the lease is
+   released — or the auto-captured run dropped (leased or not), unless `keep_source` — while
+   the checksum status is read; then the checksum and the summary are logged.
 
 Cancelling a sweep (client disconnect, `cancel`) aborts its in-flight requests, skips the rest,
 releases the lease and drops the auto-captured run; its log ends with a summary marked
@@ -53,8 +54,6 @@ from app.sweep.schema import (CellEvent, CellRef, CellRepeat, ChecksumEvent, Err
 logger = logging.getLogger("causalboard.sweep")
 
 KEEP_FINISHED = 32
-#: an auto-captured clean run evicted before its lease (a full store) is captured again this often
-CLEAN_CAPTURE_ATTEMPTS = 3
 #: |clean - corrupt| below this makes `recovered` undefined
 RECOVERED_EPS = 1e-6
 PROGRESS_EVERY_S = 0.5
@@ -208,9 +207,12 @@ class SweepService:
         run.segmented = segments_default(eng, plan) if req.prefix_reuse is None else (not req.prefix_reuse and segments_default(eng, plan, short=False))
         run.prefix_reuse = (prefix_reuse_default(eng.info) and not run.segmented) if req.prefix_reuse is None else req.prefix_reuse
         base = _Baselines()
+        # the checksum status is read while phase 1 runs (one control round trip less before the cells)
+        checksum = asyncio.ensure_future(self._read_checksum())
         try:
-            await self._prepare(run, base)
+            await self._prepare(run, base, checksum)
         except BaseException:
+            checksum.cancel()
             await self._cleanup(run, base, keep=False)
             raise
         self._remember(run)
@@ -218,7 +220,7 @@ class SweepService:
         run.task = asyncio.create_task(self._fan_out(run, base), name=f"sweep-{plan.sweep_id}")
         return run
 
-    async def _prepare(self, run: SweepRun, base: _Baselines) -> None:
+    async def _prepare(self, run: SweepRun, base: _Baselines, checksum: asyncio.Future) -> None:
         """Phase 1: the clean side (`_prepare_clean`) and the corrupt prompt's solo baselines run
         concurrently (neither needs the other: one engine step instead of several round trips
         before the fan-out) unless `max_concurrency` is smaller than their number (then one after
@@ -264,37 +266,28 @@ class SweepService:
             run.emit(WarningEvent(message=note))
         for s in plan.skipped_positions:
             run.emit(SkipEvent(**s))
-        await self._emit_checksum(run)
+        self._log_checksum(run, await checksum)
 
     async def _prepare_clean(self, run: SweepRun, base: _Baselines) -> None:
-        """The clean side of phase 1: capture, store and lease the clean run (auto capture), else
-        score the clean prompt when there is one; lease a given source run."""
+        """The clean side of phase 1: capture and store the clean run, leased by the workers as
+        they store it (auto capture), else score the clean prompt when there is one; lease a
+        given source run."""
         plan, eng, req = run.plan, self.engine, run.plan.request
         src = plan.source
         if src.capture:
-            # the stored clean run is leased right after it is stored; other requests' captures
-            # can evict it in between when the store is full, so the capture is retried then
-            field = "noise" if req.noise else "clean_prompt"
-            for attempt in range(1, CLEAN_CAPTURE_ATTEMPTS + 1):
-                sites = [str(site_from_index(i)) for i in src.capture_sites]
-                spec = Interventions(capture=Capture.make(sites, "all_prompt", keep_as=src.run_id, return_values=False),
-                                     score_token_ids=plan.score_ids)
-                base.capture_submitted = True
-                gen = await eng.agenerate(plan.clean_ids, ONE_SCORED_TOKEN, spec)
-                iv = gen.intervention
-                if iv is None or iv.voided or iv.stored_as != src.run_id:
-                    errs = "; ".join(iv.errors) if iv else "no result"
-                    raise PlanError(507, field, f"the clean run could not be stored: {errs}")
-                base.auto_captured = True
-                base.clean = plan.basis_of(gen.scores[0])
-                if await anyio.to_thread.run_sync(eng.lease_source, src.run_id):
-                    base.leased = src.run_id
-                    break
-                logger.warning("sweep %s: the clean run was evicted before it could be leased (attempt %d of %d)",
-                               plan.sweep_id, attempt, CLEAN_CAPTURE_ATTEMPTS)
-            else:
-                raise PlanError(507, field, f"the clean run was evicted from the source store before it could be leased, "
-                                            f"{CLEAN_CAPTURE_ATTEMPTS} times (the store is under pressure); retry later")
+            sites = [str(site_from_index(i)) for i in src.capture_sites]
+            spec = Interventions(capture=Capture.make(sites, "all_prompt", keep_as=src.run_id, return_values=False,
+                                                      lease=True),
+                                 score_token_ids=plan.score_ids)
+            base.capture_submitted = True
+            gen = await eng.agenerate(plan.clean_ids, ONE_SCORED_TOKEN, spec)
+            iv = gen.intervention
+            if iv is None or iv.voided or iv.stored_as != src.run_id:
+                errs = "; ".join(iv.errors) if iv else "no result"
+                raise PlanError(507, "noise" if req.noise else "clean_prompt", f"the clean run could not be stored: {errs}")
+            base.auto_captured = True
+            base.leased = src.run_id  # stored on every worker = leased there
+            base.clean = plan.basis_of(gen.scores[0])
         elif plan.clean_ids is not None:
             base.clean = plan.basis_of(await self._score(run, plan.clean_ids, None))
         if src.run_id is not None and base.leased is None:
@@ -463,9 +456,11 @@ class SweepService:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)  # aborts their engine requests
             keep = state == "done" and plan.request.keep_source
-            await self._cleanup(run, base, keep=keep)
-            if state == "done":
-                await self._emit_checksum(run)
+            if state == "done":  # the lease (or run) goes while the final checksum status is read
+                _, checksum = await asyncio.gather(self._cleanup(run, base, keep=keep), self._read_checksum())
+                self._log_checksum(run, checksum)
+            else:
+                await self._cleanup(run, base, keep=keep)
             run.summary = self._summary(run, base, in_batch, _pairs(raw, repeats), cancelled=state != "done")
             run.emit(SummaryEvent(**dict(run.summary)))
             run.close(state)
@@ -480,21 +475,28 @@ class SweepService:
             logger.exception("sweep %s: cleanup failed", run.sweep_id)
 
     async def _release(self, src, base: _Baselines, keep: bool) -> None:
-        if base.leased is not None:
-            await anyio.to_thread.run_sync(self.engine.release_source, base.leased)
-            base.leased = None
+        """One engine call: drop the auto-captured run (dropping removes a leased run too), else
+        release the lease."""
+        leased, base.leased = base.leased, None
         if src.capture and base.capture_submitted and not keep:
             await anyio.to_thread.run_sync(self.engine.drop_source, src.run_id)
+        elif leased is not None:
+            await anyio.to_thread.run_sync(self.engine.release_source, leased)
 
-    async def _emit_checksum(self, run: SweepRun) -> None:
+    async def _read_checksum(self) -> SweepChecksum:
+        """The engine's checksum status as the sweep reports it (an error in it, never raised)."""
         try:
             status = await anyio.to_thread.run_sync(self.engine.intervention_status)
-            run.checksum = SweepChecksum(**status["determinism"], workers=[
+            return SweepChecksum(**status["determinism"], workers=[
                 WorkerChecksum(**{k: w.get(k) for k in ("tp_rank", "pp_rank", "action_checksum", "action_count")})
                 for w in status["workers"]])
         except Exception as exc:
-            run.checksum = SweepChecksum(consistent=None, error=str(exc))
-        run.emit(ChecksumEvent(**dict(run.checksum)))
+            return SweepChecksum(consistent=None, error=str(exc))
+
+    @staticmethod
+    def _log_checksum(run: SweepRun, checksum: SweepChecksum) -> None:
+        run.checksum = checksum
+        run.emit(ChecksumEvent(**dict(checksum)))
 
     def _metric(self, basis_value: float, base: _Baselines) -> float:
         if base.metric == "recovered":

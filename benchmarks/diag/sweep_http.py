@@ -6,7 +6,7 @@ run the same sweep several times, print cells/s.
         [--pair K] [--hooks pre_attn,post_attn,post_block] [--max-concurrency N] [--words N]
         [--prompt-tokens N] [--prefix-reuse default|on|off|both] [--cpu-threads N]
         [--batch-invariant default|on|off] [--stack-dir DIR] [--multiprocess]
-        [--switch-interval S]
+        [--switch-interval S] [--layers JSON] [--positions JSON]
 
 The sweep: the K-th equal-length clean/corrupt pair of the model's `tasks.json`, padded in front
 with `--words` filler words (8: 13 tokens with the bundled model; 27: 32 tokens, i.e. 768 cells
@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--stack-dir", default=None,
                     help="sample every thread's stack (this process and the engine-core process) during the timed "
                          "sweeps; reports to DIR/stack-<pid>.json (benchmarks/diag/stack_sampler.py)")
+    ap.add_argument("--layers", default=None, help="the sweep's `layers` as JSON (e.g. [0]: with --positions [-1]"
+                    " and one hook, a one-cell sweep, whose time is its setup and teardown)")
+    ap.add_argument("--positions", default=None, help="the sweep's `positions` as JSON")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s) for this process")
     ap.add_argument("--multiprocess", action="store_true", help="CPU: run vLLM's engine core in its own process, as on a GPU")
     ap.add_argument("--batch-invariant", choices=["default", "on", "off"], default="default",
@@ -160,6 +163,9 @@ def main() -> None:
     body.update(metric="logprob", hooks=args.hooks.split(","))
     if args.max_concurrency:
         body["max_concurrency"] = args.max_concurrency
+    for key in ("layers", "positions"):
+        if getattr(args, key) is not None:
+            body[key] = json.loads(getattr(args, key))
 
     url, server, thread = serve_in_thread(eng)
     try:

@@ -473,6 +473,8 @@ class WorkerState:
                 evicted = self.store.put(prog.keep_as, pairs, charge=charge)
                 out["stored_as"] = prog.keep_as
                 out["evicted"] = evicted
+                if prog.lease_kept:  # stored = leased: no other request can evict it in between
+                    self.store.lease(prog.keep_as)
             except SourceStoreFull as exc:
                 out["store_error"] = str(exc)
         if captures:
