@@ -6,6 +6,8 @@ sent the same way, without the loop thread waiting for their replies."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine_ext import GenerationParams
@@ -197,3 +199,64 @@ def test_a_control_call_in_flight_leaves_the_loop_thread_free(mp_engine, monkeyp
         release.set()
         caller.join(30)
     assert replies and replies[0]["determinism"]["consistent"] is True
+
+
+def test_an_async_control_call_is_queued_at_once_and_gives_the_sync_reply(mp_engine, monkeypatch):
+    """`aintervention_status` (`Engine._arpc`) queues its worker call before the coroutine first
+    yields, so a caller that then holds its event loop busy does not delay the call; its reply is
+    the synchronous call's."""
+    import asyncio
+
+    from engine_ext.worker import seam
+
+    sent: list[str] = []
+    real = seam._start_utility
+    monkeypatch.setattr(seam, "_start_utility", lambda core, method, args: (sent.append(args[0]), real(core, method, args))[1])
+    want = mp_engine.intervention_status()
+    sent.clear()
+
+    async def call_then_hog():
+        task = asyncio.ensure_future(mp_engine.aintervention_status())
+        await asyncio.sleep(0)  # the coroutine's first step: the call is queued for the loop thread
+        deadline = time.monotonic() + 5
+        while "cb_status" not in sent and time.monotonic() < deadline:
+            time.sleep(0.005)  # this event loop stays busy: the call must get out without it
+        on_time = "cb_status" in sent
+        return on_time, await task
+
+    on_time, got = asyncio.run(call_then_hog())
+    assert on_time, "the worker call waited for the caller's event loop"
+    assert got["determinism"] == want["determinism"]
+    assert [w["action_checksum"] for w in got["workers"]] == [w["action_checksum"] for w in want["workers"]]
+
+
+def test_handed_over_waits_until_the_requests_before_it_reached_the_core(mp_engine, monkeypatch):
+    """`Engine.handed_over` resolves only after the loop thread has sent every request submitted
+    before it (held back here behind a busy loop thread)."""
+    import asyncio
+    import threading
+
+    from engine_ext.worker import seam
+
+    added: list[int] = []
+    batched = seam.add_requests_batched
+    monkeypatch.setattr(seam, "add_requests_batched", lambda engine, items, **kw: (added.append(len(items)), batched(engine, items, **kw))[1])
+    gate, busy = threading.Event(), threading.Event()
+    mp_engine._loop._queue(lambda: (busy.set(), gate.wait(30)))
+    assert busy.wait(30)
+
+    async def submit_then_wait():
+        tasks = [asyncio.create_task(mp_engine.agenerate(p, GenerationParams(max_tokens=2))) for p in PROMPTS[:2]]
+        await asyncio.sleep(0)  # both prepared and queued
+        waiter = asyncio.ensure_future(mp_engine.handed_over())
+        await asyncio.sleep(0.2)
+        early = waiter.done()
+        gate.set()
+        await waiter
+        sent_when_done = sum(added)
+        await asyncio.gather(*tasks)
+        return early, sent_when_done
+
+    early, sent_when_done = asyncio.run(submit_then_wait())
+    assert not early, "handed_over returned while the loop thread had not sent the requests"
+    assert sent_when_done == 2, added

@@ -104,25 +104,23 @@ def test_a_sweep_makes_three_control_calls_two_of_them_alongside_other_work(http
     `cb_store lease`), the start's checksum is read while phase 1 computes, and the end drops
     the run (no `release` first: a drop removes a leased run) while reading the final checksum.
     The run is leased while the sweep runs and gone after it."""
-    calls: list[tuple[str, tuple, float, float]] = []
+    calls: list[tuple[str, tuple]] = []
+    orig_send = engine._send_rpc  # every control call (`_rpc`, `_arpc`) goes through it
     orig = engine._rpc
 
-    def spy(method, *args):
-        t = time.monotonic()
-        try:
-            return orig(method, *args)
-        finally:
-            calls.append((method, args, t, time.monotonic()))
+    def spy(method, args):
+        calls.append((method, args))
+        return orig_send(method, args)
 
     pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
     body = {"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"], "answer_token_id": pair["answer_id"],
             "foil_token_id": pair["foil_id"], "metric": "recovered", "hooks": ["post_block"], "layers": [0, 1]}
     before, _ = run_sweep(http, engine, body)
-    monkeypatch.setattr(engine, "_rpc", spy)
+    monkeypatch.setattr(engine, "_send_rpc", spy)
     leases: list[int] = []
 
     def leased_now() -> None:
-        usage = orig("cb_store", "usage")
+        usage = orig("cb_store", "usage")  # through the spy too: left out of `names` below
         leases.extend(r["leases"] for u in usage for r in u["runs"] if r["run_id"].startswith("sweep"))
 
     watcher_stop = threading.Event()
@@ -139,9 +137,10 @@ def test_a_sweep_makes_three_control_calls_two_of_them_alongside_other_work(http
     finally:
         watcher_stop.set()
         w.join()
-    names = [(m, a[0] if a else None) for m, a, _, _ in calls]
+    names = [(m, a[0] if a else None) for m, a in list(calls) if a != ("usage",)]
     assert names.count(("cb_status", None)) == 2, names
     assert [n for n in names if n[0] == "cb_store"] == [("cb_store", "drop")], names
     assert 1 in leases, "the clean run was never seen leased during the sweep"
     assert after["grid"] == before["grid"] and after["clean"] == before["clean"] and after["corrupt"] == before["corrupt"]
     assert after["captured_source_run"] not in [r["run_id"] for u in orig("cb_store", "usage") for r in u["runs"]]
+    assert engine.in_flight == 0

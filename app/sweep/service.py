@@ -306,7 +306,8 @@ class SweepService:
         jobs_repeats = _jobs(plan)
         if not _one_group(run, jobs_repeats[0]):
             return
-        await asyncio.sleep(0)  # the clean run's and the baselines' requests first
+        await asyncio.sleep(0)  # the clean run's and the baselines' requests first ...
+        await self.engine.handed_over()  # ... and handed to vLLM before this holds the GIL for a while
         specs, owner = _group_specs(plan, jobs_repeats[0])
         run.prepared_group = (jobs_repeats, specs, owner, self.engine.prepare_cells(plan.corrupt_ids, specs, plan.score_ids))
 
@@ -484,9 +485,11 @@ class SweepService:
             await anyio.to_thread.run_sync(self.engine.release_source, leased)
 
     async def _read_checksum(self) -> SweepChecksum:
-        """The engine's checksum status as the sweep reports it (an error in it, never raised)."""
+        """The engine's checksum status as the sweep reports it (an error in it, never raised).
+        Its call is queued for the engine after whatever the tasks scheduled with it submit."""
+        await asyncio.sleep(0)
         try:
-            status = await anyio.to_thread.run_sync(self.engine.intervention_status)
+            status = await self.engine.aintervention_status()
             return SweepChecksum(**status["determinism"], workers=[
                 WorkerChecksum(**{k: w.get(k) for k in ("tp_rank", "pp_rank", "action_checksum", "action_count")})
                 for w in status["workers"]])

@@ -2,7 +2,7 @@
 
     PYTHONPATH=<tree> python3 benchmarks/diag/sweep_phases.py [--label old|new] [--reps 25]
         [--device cpu|cuda] [--model DIR] [--layers JSON] [--positions JSON] [--hooks a,b]
-        [--in-process] [--timeline]
+        [--words N] [--in-process] [--timeline]
 
 Runs the sweep service (`app.sweep.service.SweepService`, no HTTP) on an engine whose core runs
 in its own process (as on every GPU; `--in-process`: not), on the bundled model's first
@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--layers", default="[0]")
     ap.add_argument("--positions", default="[-1]")
     ap.add_argument("--hooks", default="post_block")
+    ap.add_argument("--words", type=int, default=0, help="filler words in front of both prompts (27 and "
+                    "--layers null --positions '\"all_prompt\"' --hooks pre_attn,post_attn,post_block: 768 cells)")
     ap.add_argument("--in-process", action="store_true")
     ap.add_argument("--timeline", action="store_true")
     args = ap.parse_args()
@@ -52,7 +54,9 @@ def main() -> None:
     with open(f"{args.model or BUNDLED_MODEL_PATH}/tasks.json") as f:
         tasks = json.load(f)
     pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
-    body = {"prompt": pair["corrupt_prompt"], "clean_prompt": pair["clean_prompt"], "answer_token_id": pair["answer_id"],
+    filler = "".join(("and ", "then ")[k % 2] for k in range(args.words))
+    body = {"prompt": filler + pair["corrupt_prompt"], "clean_prompt": filler + pair["clean_prompt"],
+            "answer_token_id": pair["answer_id"],
             "foil_token_id": pair["foil_id"], "metric": "logprob", "hooks": args.hooks.split(","),
             "layers": json.loads(args.layers), "positions": json.loads(args.positions)}
     log: list[tuple[str, float, float]] = []

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -1002,6 +1003,38 @@ class Engine(DynamicControl):
         return state_hygiene_status(self)
 
     # ---- control plane ---------------------------------------------------------------------
+    def _send_rpc(self, method: str, args: tuple) -> Future:
+        """Queue `collective_rpc(method, args)` for the loop thread; the Future holds the replies,
+        or (multiprocess core) a Future of them (see `_rpc`)."""
+        from engine_ext.worker.seam import start_collective_rpc
+
+        def send(engine: Any) -> Any:
+            pending = start_collective_rpc(engine, method, args)
+            return pending if pending is not None else engine.collective_rpc(method, args=args)
+
+        return self._require_loop().call(send)
+
+    async def _arpc(self, method: str, *args: Any) -> list:
+        """`_rpc` for a caller on an asyncio loop: the call is queued for the engine loop at
+        once, before this coroutine first yields (no worker thread to start first, which would
+        wait for the caller's loop to be free), and its reply awaited."""
+        sent = self._send_rpc(method, args)
+        reply = await asyncio.wait_for(asyncio.wrap_future(sent), RPC_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(reply), RPC_TIMEOUT_S) if isinstance(reply, Future) else reply
+
+    async def handed_over(self) -> None:
+        """With the engine core in its own process: wait until everything submitted to this
+        engine before the call has been sent to it (the loop thread runs its commands in order).
+        A caller about to hold the GIL for a while (preparing many requests) thus lets the
+        requests already submitted reach the core first, instead of delaying each of the loop
+        thread's steps in sending them by a GIL switch interval. In-process it returns at once:
+        there the loop thread runs the forward itself, and waiting for it would serialise the
+        caller's work after the step instead of beside it."""
+        loop = self._require_loop()
+        if type(getattr(loop.engine, "engine_core", None)).__name__ == "InprocClient":
+            return
+        await asyncio.wrap_future(loop.call(lambda _engine: None))
+
     def _rpc(self, method: str, *args: Any) -> list:
         """`collective_rpc(method, args)` on every worker: their replies, in rank order. With a
         multiprocess engine core the loop thread only sends the call (`seam.start_collective_rpc`)
@@ -1009,15 +1042,7 @@ class Engine(DynamicControl):
         meanwhile (a call waits for the core's current step to end: up to a sweep's whole step);
         in-process the loop thread runs it. The core takes the call before anything sent after
         it, as before. An engine-core death fails the wait (`loop.wake_blocked_calls`)."""
-        from concurrent.futures import Future
-
-        from engine_ext.worker.seam import start_collective_rpc
-
-        def send(engine: Any) -> Any:
-            pending = start_collective_rpc(engine, method, args)
-            return pending if pending is not None else engine.collective_rpc(method, args=args)
-
-        reply = self._require_loop().call(send).result(timeout=RPC_TIMEOUT_S)
+        reply = self._send_rpc(method, args).result(timeout=RPC_TIMEOUT_S)
         return reply.result(timeout=RPC_TIMEOUT_S) if isinstance(reply, Future) else reply
 
     def register_vector(self, name: str, vector: Any) -> None:
@@ -1162,9 +1187,15 @@ class Engine(DynamicControl):
         """Every worker's checksum and action count, and the comparison within each pipeline
         stage (its tensor-parallel ranks must agree). A mismatch is logged as an error (at most
         once a minute) and reported, never raised."""
+        return self._checksum_status(self._rpc("cb_status"))
+
+    async def aintervention_status(self) -> dict:
+        """`intervention_status` for a caller on an asyncio loop (`_arpc`)."""
+        return self._checksum_status(await self._arpc("cb_status"))
+
+    def _checksum_status(self, workers: list) -> dict:
         from engine_ext.worker.checksum import compare_ranks
 
-        workers = self._rpc("cb_status")
         determinism = compare_ranks(workers)
         if not determinism["consistent"]:
             now = time.monotonic()
