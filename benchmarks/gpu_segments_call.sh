@@ -13,6 +13,9 @@
 #   CALL=sweep bash benchmarks/gpu_segments_call.sh
 #       the matrix alone, then the HTTP sweep against the same in groups of 256 (its path before the
 #       cells were prepared during the clean run) and `agenerate_cells`, interleaved, then batched HF.
+#   CALL=phases bash benchmarks/gpu_segments_call.sh
+#       benchmarks/diag/sweep_phases.py: a one-cell sweep (its setup and teardown), then the 768-cell
+#       sweep, each phase and engine call timed (the sweep service without HTTP).
 # segment_cells.py and p1_stacks.py run vLLM's V1 runner, or (SEG_V2=1) the V2 runner (a GPU's default);
 # both offer segments (docs/segmented-cells.md).
 # Results: every step's .out / .err in $OUT/segments-call.tgz; $OUT keeps only it, steps.txt and smi.txt.
@@ -44,9 +47,15 @@ case "${CALL:-check}" in
     left=$(( ${CALL_BUDGET:-570} - SECONDS ))
     [ "$left" -gt 30 ] && step hf "$left" python3 benchmarks/compare/hf_patch.py --model "$M" --reps 5 --chunks 256 --variants batched
     ;;
+  phases)  # the sweep's fixed costs, phase by phase (sweep_phases.py): one cell, then the 768-cell sweep
+    step phases-1 "${PH1_LIMIT:-150}" "${SEG[@]}" python3 benchmarks/diag/sweep_phases.py --device cuda --model "$M" --reps 25 --timeline
+    left=$(( ${CALL_BUDGET:-570} - SECONDS ))
+    [ "$left" -gt 60 ] && step phases-768 "$left" "${SEG[@]}" python3 benchmarks/diag/sweep_phases.py --device cuda --model "$M" \
+      --layers null --positions '"all_prompt"' --hooks pre_attn,post_attn,post_block --reps 9 --timeline
+    ;;
 esac
 tar -czf "$OUT/segments-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
 cat "$OUT/steps.txt"
-for f in "$OUT"/seg-*.out "$OUT"/p1-*.out "$OUT"/hf.out "$OUT"/dyn-check.out; do [ -f "$f" ] && grep -h '"bench"\|passed\|failed' "$f" | tail -12 | sed "s/^/$(basename "$f" .out): /"; done
+for f in "$OUT"/seg-*.out "$OUT"/p1-*.out "$OUT"/phases-*.out "$OUT"/hf.out "$OUT"/dyn-check.out; do [ -f "$f" ] && grep -h '"bench"\|passed\|failed' "$f" | tail -12 | sed "s/^/$(basename "$f" .out): /"; done
 tail -6 "$OUT/matrix.out" 2>/dev/null
 keep_only segments-call.tgz

@@ -6,7 +6,8 @@
 
 Runs the sweep service (`app.sweep.service.SweepService`, no HTTP) on an engine whose core runs
 in its own process (as on every GPU; `--in-process`: not), on the bundled model's first
-equal-length pair, by default a **one-cell** sweep (layer 0, the last position, `post_block`):
+equal-length pair (a model folder without `tasks.json`, the benchmark model of
+`benchmarks/compare/`: `sweep_http.py`'s word prompts, `--prompt-tokens` long), by default a **one-cell** sweep (layer 0, the last position, `post_block`):
 its time is the sweep's setup and teardown, not its cells. Each phase of the service and each
 engine call it makes is timed (wrapped; the wrappers cost microseconds): the JSON line reports
 the medians over `--reps` sweeps after 3 warm-ups of
@@ -26,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import random
 import statistics
 import time
 
@@ -41,6 +44,8 @@ def main() -> None:
     ap.add_argument("--hooks", default="post_block")
     ap.add_argument("--words", type=int, default=0, help="filler words in front of both prompts (27 and "
                     "--layers null --positions '\"all_prompt\"' --hooks pre_attn,post_attn,post_block: 768 cells)")
+    ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length for a model without tasks.json "
+                    "(the benchmark model: 16 tokens x 16 layers x 3 hooks = 768 cells)")
     ap.add_argument("--in-process", action="store_true")
     ap.add_argument("--timeline", action="store_true")
     args = ap.parse_args()
@@ -49,16 +54,25 @@ def main() -> None:
     from app.sweep.service import SweepService
     from engine_ext import BUNDLED_MODEL_PATH, Engine
 
-    kw = {} if args.device == "cpu" else {"device": args.device, "enforce_eager": False, "gpu_memory_utilization": 0.8}
+    kw = {} if args.device == "cpu" else {"device": args.device, "enforce_eager": False, "max_model_len": 4096,
+                                          "gpu_memory_utilization": 0.8}
     eng = Engine(model=args.model, multiprocess=not args.in_process, **kw).start()
-    with open(f"{args.model or BUNDLED_MODEL_PATH}/tasks.json") as f:
-        tasks = json.load(f)
-    pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
-    filler = "".join(("and ", "then ")[k % 2] for k in range(args.words))
-    body = {"prompt": filler + pair["corrupt_prompt"], "clean_prompt": filler + pair["clean_prompt"],
-            "answer_token_id": pair["answer_id"],
-            "foil_token_id": pair["foil_id"], "metric": "logprob", "hooks": args.hooks.split(","),
-            "layers": json.loads(args.layers), "positions": json.loads(args.positions)}
+    tasks_path = os.path.join(args.model or str(BUNDLED_MODEL_PATH), "tasks.json")
+    if os.path.exists(tasks_path):
+        with open(tasks_path) as f:
+            pair = [p for p in json.load(f)["pairs"] if p["equal_length"]][0]
+        filler = "".join(("and ", "then ")[k % 2] for k in range(args.words))
+        body = {"prompt": filler + pair["corrupt_prompt"], "clean_prompt": filler + pair["clean_prompt"],
+                "answer_token_id": pair["answer_id"], "foil_token_id": pair["foil_id"]}
+    else:  # the benchmark model of benchmarks/compare (word-level tokenizer "t<id>"): sweep_http.py's prompts
+        rng = random.Random(0)
+        clean = [rng.randrange(1000, 128000) for _ in range(args.prompt_tokens)]
+        corrupt = list(clean)
+        corrupt[3:6] = [9001, 9002, 9003]
+        body = {"prompt": " ".join(f"t{i}" for i in corrupt), "clean_prompt": " ".join(f"t{i}" for i in clean),
+                "answer_token_id": 1000, "foil_token_id": 2000}
+    body.update(metric="logprob", hooks=args.hooks.split(","), layers=json.loads(args.layers),
+                positions=json.loads(args.positions))
     log: list[tuple[str, float, float]] = []
     t0 = [0.0]
 
