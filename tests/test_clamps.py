@@ -465,39 +465,3 @@ def test_chat_completions_take_clamps_too(http, engine):
     bad = http.post("/v1/chat/completions", json={**base, "steering_clamps": {"post_block": {"1": [{"vector": u.tolist(), "value": 0.0,
                                                                                                     "strength": 3}]}}})
     assert bad.status_code == 400 and bad.json()["field"] == "steering_clamps.post_block.1[0].strength"
-
-
-# ---- several ranks ----------------------------------------------------------------------------------
-from tests.test_multirank import ranked  # noqa: E402,F401  (the TP=2 / PP=2 engine fixture)
-
-
-@pytest.mark.multirank
-def test_clamps_equal_one_rank_on_every_stage(ranked, engine, tasks):  # noqa: F811
-    """Request and global clamps on a TP=2 and a PP=2 engine (layers on both stages) against the
-    one-rank engine (tolerances of tests/test_multirank.py)."""
-    from tests.test_multirank import CAPTURE_ATOL, CAPTURE_RTOL, LOGPROB_ATOL as RANK_ATOL
-
-    prompt = fact(tasks, 23)["prompt"]
-    u = _unit(engine, 57)
-    last = engine.info.num_layers - 1
-    sites = ["L0.post_block", f"L{last}.post_attn"]
-    spec = Interventions(clamp=(Clamp.make(["L0.post_block", f"L{last}.mlp_in"], u, max=0.0),
-                                Clamp.make(f"L{last}.post_attn", u, value=0.0, phase="decode")),
-                         capture=Capture.make(sites, "all"))
-    one, two = (e.generate(prompt, GEN4, spec) for e in (engine, ranked))
-    assert two.intervention.status == "ok", two.intervention.errors
-    assert two.token_ids == one.token_ids and np.allclose(two.logprobs, one.logprobs, atol=RANK_ATOL)
-    assert one.captures.keys() == two.captures.keys()
-    for key, v in one.captures.items():
-        assert np.all(np.abs(two.captures[key] - v) <= CAPTURE_ATOL + CAPTURE_RTOL * np.abs(v)), key
-    assert abs(_proj(two.captures, (last, "post_attn"), u)[len(two.prompt_token_ids) + 1]) < 1e-4  # decode: ablated
-    plain = ranked.generate(prompt, GEN4)
-    try:
-        for e in (engine, ranked):
-            e.set_global_steer([], [Clamp.make(f"L{last}.post_block", u, value=0.0)])
-        a, b = (e.generate(prompt, GEN4) for e in (engine, ranked))
-    finally:
-        for e in (engine, ranked):
-            e.clear_global_steer()
-    assert b.token_ids == a.token_ids and np.allclose(b.logprobs, a.logprobs, atol=RANK_ATOL)
-    assert b.logprobs != plain.logprobs

@@ -24,7 +24,7 @@ import pytest
 
 from engine_ext import GenerationParams
 from engine_ext.sites import HOOKS
-from engine_ext.specs import Capture, Interventions, Noise, Patch, Steer
+from engine_ext.specs import Capture, Clamp, Interventions, Noise, Patch, Steer
 from tests.conftest import (capture_until_evicted, drop_captures_until_evicted, free_port, model_path, serve_in_thread,
                             wait_healthy)
 
@@ -493,3 +493,37 @@ def test_segmented_cells_on_two_ranks_equal_cells_run_alone(ranked, engine, task
         assert seg[i].scores[0] == alone[i].scores[0], (ranked.name, i, seg[i].scores, alone[i].scores)
         diff = max(abs(seg[i].scores[0][t] - one[i].scores[0][t]) for t in scores)
         assert diff <= LOGPROB_ATOL, (ranked.name, i, diff)
+
+
+def test_clamps_equal_one_rank_on_every_stage(ranked, engine, tasks):
+    """Request and global clamps (tests/test_clamps.py) on a TP=2 and a PP=2 engine (layers on both
+    stages) against the one-rank engine. Here, not in test_clamps.py, so that it shares this
+    module's two-rank engines instead of starting its own (~1 min of CI)."""
+    from tests.test_clamps import GEN4, _proj, _unit
+    from tests.test_interventions import fact
+
+    RANK_ATOL = LOGPROB_ATOL
+    prompt = fact(tasks, 23)["prompt"]
+    u = _unit(engine, 57)
+    last = engine.info.num_layers - 1
+    sites = ["L0.post_block", f"L{last}.post_attn"]
+    spec = Interventions(clamp=(Clamp.make(["L0.post_block", f"L{last}.mlp_in"], u, max=0.0),
+                                Clamp.make(f"L{last}.post_attn", u, value=0.0, phase="decode")),
+                         capture=Capture.make(sites, "all"))
+    one, two = (e.generate(prompt, GEN4, spec) for e in (engine, ranked))
+    assert two.intervention.status == "ok", two.intervention.errors
+    assert two.token_ids == one.token_ids and np.allclose(two.logprobs, one.logprobs, atol=RANK_ATOL)
+    assert one.captures.keys() == two.captures.keys()
+    for key, v in one.captures.items():
+        assert np.all(np.abs(two.captures[key] - v) <= CAPTURE_ATOL + CAPTURE_RTOL * np.abs(v)), key
+    assert abs(_proj(two.captures, (last, "post_attn"), u)[len(two.prompt_token_ids) + 1]) < 1e-4  # decode: ablated
+    plain = ranked.generate(prompt, GEN4)
+    try:
+        for e in (engine, ranked):
+            e.set_global_steer([], [Clamp.make(f"L{last}.post_block", u, value=0.0)])
+        a, b = (e.generate(prompt, GEN4) for e in (engine, ranked))
+    finally:
+        for e in (engine, ranked):
+            e.clear_global_steer()
+    assert b.token_ids == a.token_ids and np.allclose(b.logprobs, a.logprobs, atol=RANK_ATOL)
+    assert b.logprobs != plain.logprobs

@@ -98,17 +98,17 @@ def test_a_cancel_while_a_finished_sweep_logs_its_summary_does_not_leave_it_runn
         service = SweepService(engine)
         reached, gate = asyncio.Event(), asyncio.Event()
         calls = 0
-        emit_checksum = service._emit_checksum
+        read_checksum = service._read_checksum
 
-        async def paused_checksum(run):
+        async def paused_checksum():
             nonlocal calls
             calls += 1
-            if calls == 2:  # the final checksum, logged in the fan-out's cleanup
+            if calls == 2:  # the final checksum, read in the fan-out's cleanup
                 reached.set()
                 await gate.wait()
-            await emit_checksum(run)
+            return await read_checksum()
 
-        service._emit_checksum = paused_checksum
+        service._read_checksum = paused_checksum
         run = await service.start(PatchSweepRequest(prompt="Garrow is ruled by", clean_prompt="Guzar is ruled by",
                                                     answer_token=" Hadrian", layers=[0, 1], stream=True))
         await asyncio.wait_for(reached.wait(), 120)
