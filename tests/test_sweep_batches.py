@@ -144,3 +144,28 @@ def test_a_sweep_makes_three_control_calls_two_of_them_alongside_other_work(http
     assert after["grid"] == before["grid"] and after["clean"] == before["clean"] and after["corrupt"] == before["corrupt"]
     assert after["captured_source_run"] not in [r["run_id"] for u in orig("cb_store", "usage") for r in u["runs"]]
     assert engine.in_flight == 0
+
+
+def test_a_segmented_sweeps_cell_group_is_built_off_the_event_loop(http, engine, tasks, monkeypatch):
+    """The one group of a segmented sweep's cells (`Engine.prepare_cells`) is built in a worker
+    thread, not on the API's event loop (which keeps serving other requests meanwhile); the grid
+    is the same."""
+    pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
+    filler = "".join(("and ", "then ")[k % 2] for k in range(27))  # 32 tokens: whole KV blocks on the CPU
+    body = {"prompt": filler + pair["corrupt_prompt"], "clean_prompt": filler + pair["clean_prompt"],
+            "answer_token_id": pair["answer_id"], "foil_token_id": pair["foil_id"], "metric": "logprob",
+            "hooks": ["post_block"], "layers": [0], "prefix_reuse": False}
+    assert engine.segment_layout(len(engine.tokenize(body["prompt"]))) is not None, "the sweep would not be segmented"
+    seen: list[str] = []
+    orig = engine.prepare_cells
+
+    def spy(*a, **k):
+        seen.append(threading.current_thread().name)
+        return orig(*a, **k)
+
+    before, _ = run_sweep(http, engine, body)
+    monkeypatch.setattr(engine, "prepare_cells", spy)
+    after, _ = run_sweep(http, engine, body)
+    assert len(seen) == 1, f"the sweep did not prepare its cells as one group: {seen}"
+    assert seen[0].startswith("AnyIO worker thread"), seen
+    assert after["grid"] == before["grid"] and after["cells_done"] == after["cells_total"] >= 30

@@ -299,7 +299,9 @@ class SweepService:
         """A segmented sweep that submits all its jobs as one group (`_one_group`): its requests
         are built here, on the host, while the engine computes the clean run and the baselines
         (this coroutine runs after theirs have been submitted), so the fan-out submits them at
-        once (`run.prepared_group`)."""
+        once (`run.prepared_group`). They are built in a worker thread: up to `SEGMENTED_GROUP_MAX`
+        cells take tens of milliseconds (more on a slow CPU), which would otherwise keep the API's
+        event loop from every other request and stream meanwhile."""
         plan = run.plan
         if not run.segmented:
             return
@@ -308,8 +310,12 @@ class SweepService:
             return
         await asyncio.sleep(0)  # the clean run's and the baselines' requests first ...
         await self.engine.handed_over()  # ... and handed to vLLM before this holds the GIL for a while
-        specs, owner = _group_specs(plan, jobs_repeats[0])
-        run.prepared_group = (jobs_repeats, specs, owner, self.engine.prepare_cells(plan.corrupt_ids, specs, plan.score_ids))
+
+        def build() -> tuple:
+            specs, owner = _group_specs(plan, jobs_repeats[0])
+            return jobs_repeats, specs, owner, self.engine.prepare_cells(plan.corrupt_ids, specs, plan.score_ids)
+
+        run.prepared_group = await anyio.to_thread.run_sync(build)
 
     async def _score(self, run: SweepRun, ids: list[int], noise) -> dict[int, float]:
         # a baseline is computed like the cells: from the prefix cache with prefix reuse, else fresh

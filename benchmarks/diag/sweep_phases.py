@@ -15,7 +15,9 @@ the medians over `--reps` sweeps after 3 warm-ups of
 * `total_ms`: `start` to the end of the fan-out task (the summary logged);
 * `until_fan_out_ms`: `start` to the fan-out's start (plan, clean run, baselines, lease, checksum);
 * `cleanup_to_end_ms`: from the cleanup (lease release / run drop) to the end (with the final
-  checksum read).
+  checksum read);
+* `loop_lag_max_ms`: the longest the event loop was unavailable during a sweep (how late a 1 ms
+  sleep beside it woke): what every other request and stream of the API process waits for.
 
 `--timeline` also prints every timed call of the last sweep (name, start and end in ms since
 `start`). To compare two trees, run this file against each (`PYTHONPATH=/tmp/old-tree`), in
@@ -107,11 +109,27 @@ def main() -> None:
         if hasattr(eng, name):
             timed(eng, name)
 
+    lags: list[float] = []
+
+    async def ticker(stop: asyncio.Event) -> None:
+        """The event loop's responsiveness: the longest a 1 ms sleep overran during the sweep."""
+        worst = 0.0
+        while not stop.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - t - 0.001)
+        lags.append(worst * 1e3)
+
     async def one() -> float:
+        stop = asyncio.Event()
+        tick = asyncio.ensure_future(ticker(stop))
         t0[0] = time.perf_counter()
         run = await svc.start(PatchSweepRequest(**body))
         await run.task
-        return (time.perf_counter() - t0[0]) * 1e3
+        ms = (time.perf_counter() - t0[0]) * 1e3
+        stop.set()
+        await tick
+        return ms
 
     loop = asyncio.new_event_loop()
     total, setup, tail = [], [], []
@@ -131,7 +149,8 @@ def main() -> None:
     med = statistics.median
     print(json.dumps({"bench": "sweep_phases", "label": args.label, "reps": len(total), "multiprocess": not args.in_process,
                       "total_ms": round(med(total), 2), "min_ms": round(min(total), 2),
-                      "until_fan_out_ms": round(med(setup), 2), "cleanup_to_end_ms": round(med(tail), 2)}), flush=True)
+                      "until_fan_out_ms": round(med(setup), 2), "cleanup_to_end_ms": round(med(tail), 2),
+                      "loop_lag_max_ms": round(med(lags[3:]), 2)}), flush=True)
     if args.timeline:
         for e in sorted(log, key=lambda e: e[1]):
             print(json.dumps({"call": e[0], "start_ms": e[1], "end_ms": e[2]}))
