@@ -49,6 +49,26 @@ import subprocess
 import time
 
 
+def sweep_pair_body(model_dir: str, pair: int = 0, words: int = 0, prompt_tokens: int = 16) -> dict:
+    """A sweep's prompts and scored ids: the `pair`-th equal-length pair of the model folder's
+    `tasks.json`, padded in front with `words` filler words; without `tasks.json` (the benchmark
+    model of benchmarks/compare, word-level tokenizer "t<id>"), cb_bench.py p1http's
+    `prompt_tokens`-long word prompts and answer/foil ids. (Also used by sweep_phases.py.)"""
+    tasks_path = os.path.join(model_dir, "tasks.json")
+    if os.path.exists(tasks_path):
+        with open(tasks_path) as f:
+            chosen = [p for p in json.load(f)["pairs"] if p["equal_length"]][pair]
+        filler = "".join(("and ", "then ")[k % 2] for k in range(words))
+        return {"prompt": filler + chosen["corrupt_prompt"], "clean_prompt": filler + chosen["clean_prompt"],
+                "answer_token_id": chosen["answer_id"], "foil_token_id": chosen["foil_id"]}
+    rng = random.Random(0)
+    clean = [rng.randrange(1000, 128000) for _ in range(prompt_tokens)]
+    corrupt = list(clean)
+    corrupt[3:6] = [9001, 9002, 9003]
+    return {"prompt": " ".join(f"t{i}" for i in corrupt), "clean_prompt": " ".join(f"t{i}" for i in clean),
+            "answer_token_id": 1000, "foil_token_id": 2000}
+
+
 def emit(tag: str, **kw) -> None:
     print(json.dumps({"bench": tag, **kw}, default=str), flush=True)
 
@@ -145,21 +165,7 @@ def main() -> None:
     mode = "fast" if tok_s > 300 else "slow"
     emit("probe", decode_tok_s=round(tok_s, 1), mode=mode, **common)
 
-    tasks_path = os.path.join(args.model or str(BUNDLED_MODEL_PATH), "tasks.json")
-    if os.path.exists(tasks_path):
-        with open(tasks_path) as f:
-            tasks = json.load(f)
-        pair = [p for p in tasks["pairs"] if p["equal_length"]][args.pair]
-        filler = "".join(("and ", "then ")[k % 2] for k in range(args.words))
-        body = {"prompt": filler + pair["corrupt_prompt"], "clean_prompt": filler + pair["clean_prompt"],
-                "answer_token_id": pair["answer_id"], "foil_token_id": pair["foil_id"]}
-    else:  # the benchmark model of benchmarks/compare (word-level tokenizer "t<id>"): cb_bench.py p1http's body
-        rng = random.Random(0)
-        clean = [rng.randrange(1000, 128000) for _ in range(args.prompt_tokens)]
-        corrupt = list(clean)
-        corrupt[3:6] = [9001, 9002, 9003]
-        body = {"prompt": " ".join(f"t{i}" for i in corrupt), "clean_prompt": " ".join(f"t{i}" for i in clean),
-                "answer_token_id": 1000, "foil_token_id": 2000}
+    body = sweep_pair_body(args.model or str(BUNDLED_MODEL_PATH), args.pair, args.words, args.prompt_tokens)
     body.update(metric="logprob", hooks=args.hooks.split(","))
     if args.max_concurrency:
         body["max_concurrency"] = args.max_concurrency

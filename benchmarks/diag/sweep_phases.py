@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import random
 import statistics
 import time
 
@@ -59,20 +57,9 @@ def main() -> None:
     kw = {} if args.device == "cpu" else {"device": args.device, "enforce_eager": False, "max_model_len": 4096,
                                           "gpu_memory_utilization": 0.8}
     eng = Engine(model=args.model, multiprocess=not args.in_process, **kw).start()
-    tasks_path = os.path.join(args.model or str(BUNDLED_MODEL_PATH), "tasks.json")
-    if os.path.exists(tasks_path):
-        with open(tasks_path) as f:
-            pair = [p for p in json.load(f)["pairs"] if p["equal_length"]][0]
-        filler = "".join(("and ", "then ")[k % 2] for k in range(args.words))
-        body = {"prompt": filler + pair["corrupt_prompt"], "clean_prompt": filler + pair["clean_prompt"],
-                "answer_token_id": pair["answer_id"], "foil_token_id": pair["foil_id"]}
-    else:  # the benchmark model of benchmarks/compare (word-level tokenizer "t<id>"): sweep_http.py's prompts
-        rng = random.Random(0)
-        clean = [rng.randrange(1000, 128000) for _ in range(args.prompt_tokens)]
-        corrupt = list(clean)
-        corrupt[3:6] = [9001, 9002, 9003]
-        body = {"prompt": " ".join(f"t{i}" for i in corrupt), "clean_prompt": " ".join(f"t{i}" for i in clean),
-                "answer_token_id": 1000, "foil_token_id": 2000}
+    from sweep_http import sweep_pair_body  # this file's sibling (benchmarks/diag), whatever tree PYTHONPATH names
+
+    body = sweep_pair_body(args.model or str(BUNDLED_MODEL_PATH), 0, args.words, args.prompt_tokens)
     body.update(metric="logprob", hooks=args.hooks.split(","), layers=json.loads(args.layers),
                 positions=json.loads(args.positions))
     log: list[tuple[str, float, float]] = []
