@@ -502,7 +502,6 @@ def test_clamps_equal_one_rank_on_every_stage(ranked, engine, tasks):
     from tests.test_clamps import GEN4, _proj, _unit
     from tests.test_interventions import fact
 
-    RANK_ATOL = LOGPROB_ATOL
     prompt = fact(tasks, 23)["prompt"]
     u = _unit(engine, 57)
     last = engine.info.num_layers - 1
@@ -512,7 +511,7 @@ def test_clamps_equal_one_rank_on_every_stage(ranked, engine, tasks):
                          capture=Capture.make(sites, "all"))
     one, two = (e.generate(prompt, GEN4, spec) for e in (engine, ranked))
     assert two.intervention.status == "ok", two.intervention.errors
-    assert two.token_ids == one.token_ids and np.allclose(two.logprobs, one.logprobs, atol=RANK_ATOL)
+    assert two.token_ids == one.token_ids and np.allclose(two.logprobs, one.logprobs, atol=LOGPROB_ATOL)
     assert one.captures.keys() == two.captures.keys()
     for key, v in one.captures.items():
         assert np.all(np.abs(two.captures[key] - v) <= CAPTURE_ATOL + CAPTURE_RTOL * np.abs(v)), key
@@ -525,5 +524,5 @@ def test_clamps_equal_one_rank_on_every_stage(ranked, engine, tasks):
     finally:
         for e in (engine, ranked):
             e.clear_global_steer()
-    assert b.token_ids == a.token_ids and np.allclose(b.logprobs, a.logprobs, atol=RANK_ATOL)
+    assert b.token_ids == a.token_ids and np.allclose(b.logprobs, a.logprobs, atol=LOGPROB_ATOL)
     assert b.logprobs != plain.logprobs

@@ -223,11 +223,14 @@ class Engine(DynamicControl):
                 logger.warning("could not freeze the workers' startup heap", exc_info=True)
         return True
 
+    def _core_in_this_process(self) -> bool:
+        """Whether vLLM's engine core runs in this process (its in-process client)."""
+        return type(getattr(self._require_loop().engine, "engine_core", None)).__name__ == "InprocClient"
+
     def _workers_on_this_host_elsewhere(self) -> bool:
         """Whether the workers run in other processes of this host: vLLM's multiprocess engine
         core or its `mp` executor (not in-process, not Ray's)."""
-        core = getattr(self._loop.engine, "engine_core", None)
-        return type(core).__name__ != "InprocClient" and self.config.distributed_executor_backend != "ray"
+        return not self._core_in_this_process() and self.config.distributed_executor_backend != "ray"
 
     def _open_capture_rings(self) -> RingReaders | None:
         """Have every worker hand captured values over in shared memory (`engine_ext.capture_ring`)
@@ -237,7 +240,7 @@ class Engine(DynamicControl):
         size = -1 if self.config.capture_ring_bytes is None else int(self.config.capture_ring_bytes)  # -1: auto
         if size == 0 or not self._workers_on_this_host_elsewhere():
             return None
-        names = self._loop.call(lambda e: e.collective_rpc("cb_capture_ring", args=(size,))).result(timeout=RPC_TIMEOUT_S)
+        names = self._rpc("cb_capture_ring", size)
         readers = RingReaders()
         if all(names) and all(readers.open(n) for n in names):
             logger.info("captured values reach this process through %d shared-memory ring(s)", len(names))
@@ -1030,10 +1033,8 @@ class Engine(DynamicControl):
         thread's steps in sending them by a GIL switch interval. In-process it returns at once:
         there the loop thread runs the forward itself, and waiting for it would serialise the
         caller's work after the step instead of beside it."""
-        loop = self._require_loop()
-        if type(getattr(loop.engine, "engine_core", None)).__name__ == "InprocClient":
-            return
-        await asyncio.wrap_future(loop.call(lambda _engine: None))
+        if not self._core_in_this_process():
+            await asyncio.wrap_future(self._require_loop().call(lambda _engine: None))
 
     def _rpc(self, method: str, *args: Any) -> list:
         """`collective_rpc(method, args)` on every worker: their replies, in rank order. With a
