@@ -116,3 +116,40 @@ def test_the_gc_stats_diagnostic_records_collections_only_when_asked(tmp_path):
     assert got["per_generation"]["2"]["collections"] >= 2 and len(got["oldest_ms"]) >= 2 and got["frozen"] >= 0
     subprocess.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=60)
     assert len(list(tmp_path.glob("gc.*"))) == 1, "without the variable nothing is written"
+
+
+def test_summary_compares_servers_over_their_processes(tmp_path):
+    """`http_summary.py` over a call's files: each process's median per task, the median over a
+    server's processes, and causalboard over stock both from those medians and per round."""
+    import json
+
+    from benchmarks.compare.http_summary import read, summarise
+
+    def write(name, b1, b32, p1=None):
+        lines = ['{"bench": "http_x", "step": "ready", "seconds": 80.0}', "INFO some server log line"]
+        if p1 is not None:
+            lines.append(json.dumps({"bench": "http_x", "task": "p1", "requests": 768, "median_s": p1}))
+        lines += [json.dumps({"bench": "http_x", "task": "p2", "batch": 32, "median_s": b32}),
+                  json.dumps({"bench": "http_x", "task": "p2", "batch": 1, "median_s": b1})]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+
+    write("http-stock-r1.out", 0.40, 0.60, p1=0.8)
+    write("http-cb-r1.out", 0.50, 0.60, p1=0.4)
+    write("http-stock-r2.out", 0.55, 0.80)
+    write("http-cb-r2.out", 0.44, 0.50)
+    write("http-cb-CAUSALBOARD_WAKE_LOOP_0-r1.out", 0.42, 0.55)
+    rows = {(r["task"], r["server"]): r for r in summarise(read(sorted(str(p) for p in tmp_path.iterdir())))}
+    b1 = rows[("p2_b1", "cb")]
+    assert b1["process_medians_s"] == [0.50, 0.44] and b1["median_s"] == 0.47
+    assert b1["vs_stock"] == round(0.475 / 0.47, 3)  # stock's median over its two processes
+    assert b1["paired_ratios"] == [0.8, 1.25] and b1["paired_geomean"] == 1.0
+    assert rows[("p2_b32", "cb")]["paired_ratios"] == [1.0, 1.6]
+    assert rows[("p2_b1", "cb-CAUSALBOARD_WAKE_LOOP_0")]["paired_ratios"] == [round(0.40 / 0.42, 3)]
+    assert rows[("p1", "cb")]["vs_stock"] == 2.0 and "vs_stock" not in rows[("p1", "stock")]
+    # one process per server (no -rN): the same figures, one round
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "http-stock.out").write_text((tmp_path / "http-stock-r1.out").read_text())
+    (single / "http-cb.out").write_text((tmp_path / "http-cb-r1.out").read_text())
+    rows = {(r["task"], r["server"]): r for r in summarise(read([str(single / "http-stock.out"), str(single / "http-cb.out")]))}
+    assert rows[("p2_b1", "cb")]["paired_ratios"] == [0.8]

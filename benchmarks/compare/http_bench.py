@@ -140,10 +140,16 @@ async def http_client(url: str, kind: str, connections: int):
     the fourteenth to eighteenth sessions' calls used: at 768 concurrent requests it cost more than
     the servers themselves, ~9 ms a request on the GPU host, so P1 over HTTP measured ~110 req/s
     for both servers)."""
+    from app.client.http import KEEPALIVE_EXPIRY_S
+
     if kind == "aiohttp":
         import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections)
+        # aiohttp reuses its oldest idle connection first: one idle past the server's keep-alive
+        # (uvicorn's 5 s, both servers) can be closed under the request (ServerDisconnectedError, seen
+        # at P2 batch 1 after P1's 776 connections idled ~5.6 s). Retire them first, as our client does.
+        connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections,
+                                         keepalive_timeout=KEEPALIVE_EXPIRY_S)
         async with aiohttp.ClientSession(base_url=url, connector=connector,
                                          timeout=aiohttp.ClientTimeout(total=600)) as session:
             async def post(path, body):
@@ -155,7 +161,8 @@ async def http_client(url: str, kind: str, connections: int):
     else:
         import httpx
 
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
             async def post(path, body):
                 r = await client.post(path, json=body)
