@@ -77,3 +77,29 @@ def test_a_port_in_use_fails_before_the_engine_starts(tmp_path):
     assert out.returncode == 1, text
     assert "address already in use" in text.lower(), text
     assert "Loading" not in text and "engine ready" not in text, text  # failed before the model loaded
+
+
+def test_the_server_raises_the_young_gc_threshold_and_names_a_bad_value():
+    """`causalboard serve` sets its process's youngest-generation GC threshold (fewer collections
+    per sweep: docs/performance.md, "Twenty-second session"); CAUSALBOARD_GC_THRESHOLD overrides it,
+    and a bad value stops the server before the engine starts, naming the variable."""
+    import gc
+
+    from app.cli.main import SERVER_GC_THRESHOLD, apply_server_gc_threshold
+
+    before = gc.get_threshold()
+    try:
+        assert apply_server_gc_threshold({}) == SERVER_GC_THRESHOLD == gc.get_threshold()[0]
+        assert gc.get_threshold()[1:] == before[1:]
+        assert apply_server_gc_threshold({"CAUSALBOARD_GC_THRESHOLD": " 700 "}) == 700 == gc.get_threshold()[0]
+        for bad in ("0", "-5", "fast", "1e4"):
+            with pytest.raises(ValueError, match="CAUSALBOARD_GC_THRESHOLD"):
+                apply_server_gc_threshold({"CAUSALBOARD_GC_THRESHOLD": bad})
+        assert gc.get_threshold()[0] == 700  # unchanged by the refused values
+    finally:
+        gc.set_threshold(*before)
+    exe = Path(sys.executable).parent / "causalboard"
+    r = subprocess.run([str(exe), "serve", "--port", "0"], env={**os.environ, "CAUSALBOARD_GC_THRESHOLD": "0"},
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and "CAUSALBOARD_GC_THRESHOLD must be a whole number" in r.stderr, r.stderr[-2000:]
+    assert "starting the engine" not in r.stdout

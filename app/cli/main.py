@@ -69,11 +69,41 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                      help="how the ranks run (default: vLLM's choice; 'ray' for several nodes; CPU: 'mp' only)")
 
 
+#: the server process's youngest-generation collection threshold (CPython's default: 700); env
+#: CAUSALBOARD_GC_THRESHOLD overrides it (700 restores CPython's)
+SERVER_GC_THRESHOLD = 20_000
+
+
+def apply_server_gc_threshold(environ=os.environ) -> int:
+    """Set this process's youngest-generation garbage-collection threshold for serving and return
+    it: `CAUSALBOARD_GC_THRESHOLD`, else `SERVER_GC_THRESHOLD`. A 768-cell sweep allocates enough
+    short-lived containers for ~28 young collections at CPython's 700 (6-8 ms of pauses on the
+    2-core CPU, on the API's threads); at 20,000 about one (1.4-1.9 ms). The startup heap is frozen
+    (`Engine.start`), so a collection walks only what serving allocated. Raises ValueError naming
+    the variable for anything but a whole number >= 1 (0 would turn automatic collection off)."""
+    import gc
+
+    raw = environ.get("CAUSALBOARD_GC_THRESHOLD", "").strip()
+    try:
+        value = int(raw) if raw else SERVER_GC_THRESHOLD
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"CAUSALBOARD_GC_THRESHOLD must be a whole number >= 1 (700 is CPython's default), got {raw!r}")
+    gc.set_threshold(value, *gc.get_threshold()[1:])
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.api.app import create_app
 
+    try:
+        apply_server_gc_threshold()
+    except ValueError as e:
+        print(f"causalboard: {e}", file=sys.stderr, flush=True)
+        return 2
     app = create_app(config=_engine_config(args), api_key=args.api_key, capture_dir=args.capture_dir,
                      capture_log=args.capture_log, dashboard=args.dashboard)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)

@@ -2,7 +2,7 @@
 
     PYTHONPATH=<tree> python3 benchmarks/diag/sweep_phases.py [--label old|new] [--reps 25]
         [--device cpu|cuda] [--model DIR] [--layers JSON] [--positions JSON] [--hooks a,b]
-        [--words N] [--in-process] [--timeline]
+        [--words N] [--in-process] [--timeline] [--gc-threshold N]
 
 Runs the sweep service (`app.sweep.service.SweepService`, no HTTP) on an engine whose core runs
 in its own process (as on every GPU; `--in-process`: not), on the bundled model's first
@@ -17,7 +17,10 @@ the medians over `--reps` sweeps after 3 warm-ups of
 * `cleanup_to_end_ms`: from the cleanup (lease release / run drop) to the end (with the final
   checksum read);
 * `loop_lag_max_ms`: the longest the event loop was unavailable during a sweep (how late a 1 ms
-  sleep beside it woke): what every other request and stream of the API process waits for.
+  sleep beside it woke): what every other request and stream of the API process waits for;
+* `gc_ms`, `gc_collections`: the garbage collector's pauses in this process during a sweep (any
+  thread's; `gc.callbacks`), their sum and their count per generation. `--gc-threshold N` sets the
+  youngest generation's threshold (CPython's default 700) for an A/B.
 
 `--timeline` also prints every timed call of the last sweep (name, start and end in ms since
 `start`). To compare two trees, run this file against each (`PYTHONPATH=/tmp/old-tree`), in
@@ -48,7 +51,13 @@ def main() -> None:
                     "(the benchmark model: 16 tokens x 16 layers x 3 hooks = 768 cells)")
     ap.add_argument("--in-process", action="store_true")
     ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--gc-threshold", type=int, default=None,
+                    help="the youngest generation's collection threshold in this process (CPython's default: 700)")
     args = ap.parse_args()
+    import gc
+
+    if args.gc_threshold is not None:
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
 
     from app.sweep.schema import PatchSweepRequest
     from app.sweep.service import SweepService
@@ -97,6 +106,17 @@ def main() -> None:
             timed(eng, name)
 
     lags: list[float] = []
+    gc_now = {"ms": 0.0, "n": [0, 0, 0], "t": 0.0}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_now["t"] = time.perf_counter()
+        else:
+            gc_now["ms"] += (time.perf_counter() - gc_now["t"]) * 1e3
+            gc_now["n"][info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+    gc_per_sweep: list[tuple[float, list[int]]] = []
 
     async def ticker(stop: asyncio.Event) -> None:
         """The event loop's responsiveness: the longest a 1 ms sleep overran during the sweep."""
@@ -110,10 +130,12 @@ def main() -> None:
     async def one() -> float:
         stop = asyncio.Event()
         tick = asyncio.ensure_future(ticker(stop))
+        gc_now.update(ms=0.0, n=[0, 0, 0])
         t0[0] = time.perf_counter()
         run = await svc.start(PatchSweepRequest(**body))
         await run.task
         ms = (time.perf_counter() - t0[0]) * 1e3
+        gc_per_sweep.append((gc_now["ms"], list(gc_now["n"])))
         stop.set()
         await tick
         return ms
@@ -137,7 +159,10 @@ def main() -> None:
     print(json.dumps({"bench": "sweep_phases", "label": args.label, "reps": len(total), "multiprocess": not args.in_process,
                       "total_ms": round(med(total), 2), "min_ms": round(min(total), 2),
                       "until_fan_out_ms": round(med(setup), 2), "cleanup_to_end_ms": round(med(tail), 2),
-                      "loop_lag_max_ms": round(med(lags[3:]), 2)}), flush=True)
+                      "loop_lag_max_ms": round(med(lags[3:]), 2),
+                      "gc_ms": round(med(g[0] for g in gc_per_sweep[3:]), 2),
+                      "gc_collections": [med(g[1][k] for g in gc_per_sweep[3:]) for k in range(3)],
+                      "gc_threshold": gc.get_threshold()[0]}), flush=True)
     if args.timeline:
         for e in sorted(log, key=lambda e: e[1]):
             print(json.dumps({"call": e[0], "start_ms": e[1], "end_ms": e[2]}))
