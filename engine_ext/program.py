@@ -22,12 +22,15 @@ import numpy as np
 
 from engine_ext.errors import SpecError
 from engine_ext.specs import InlineSource, Interventions, MeanSource, Positions, RunSource, ZeroSource, canonical_json, decode_vector, encode_vector, spec_hash
-from engine_ext.sites import Site, Span, site_from_index
+from engine_ext.sites import Site, Span, site_from_index, site_index
 
 PROGRAM_VERSION = 1
 EXTRA_ARGS_KEY = "causalboard"
 #: `extra_args` key of `[first modified position, salt]` (see `program_to_extra_args`)
 KV_SALT_KEY = "causalboard_kv"
+#: `extra_args` key of a segmented request that enters the forward at a layer (the layer): the
+#: scheduler-side patch keeps each step to one such layer (`seam._hold_other_entries`)
+ENTRY_KEY = "causalboard_entry"
 
 
 @dataclass(frozen=True)
@@ -467,6 +470,9 @@ class WorkerProgram:
     segment_len: int = 0
     score_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     score_ids: list[int] = field(default_factory=list)
+    #: a segmented request whose every segment enters the forward at this layer (`entry_layer`:
+    #: each real position's `pre_attn` pair there replaced from a stored run); 0 otherwise
+    entry_layer: int = 0
 
     @property
     def voided(self) -> bool:
@@ -552,6 +558,7 @@ class WorkerProgram:
             prog.segment_len = int(seg["len"])
             prog.score_pos = np.unique(np.asarray(seg["score_pos"], np.int64))
             prog.score_ids = [int(t) for t in seg["ids"]]
+            prog.entry_layer = entry_layer(prog, int(seg.get("entry", 0)))
         cap = data.get("capture")
         if cap:
             prog.capture_sites = [site for site in cap["sites"] if owns_site(site)]
@@ -562,3 +569,22 @@ class WorkerProgram:
             prog.lease_kept = bool(cap.get("lease", False))
             prog.return_captures = bool(cap["return"])
         return prog
+
+
+def entry_layer(prog: WorkerProgram, layer: int) -> int:
+    """`layer` if a segmented request may enter the forward there, else 0: every real position of
+    every segment (from the segment's start to its scored position) has its `pre_attn` pair at
+    `layer` replaced outright from a stored run (alpha 1, no mask), so nothing computed below
+    `layer` can reach the segment's score (docs/segmented-cells.md, "Layer skipping"). Checked
+    here, on the worker, so a request that does not hold this runs every layer."""
+    if layer <= 0 or not prog.segment_len or prog.voided:
+        return 0
+    site = site_index(layer, "pre_attn")
+    length = prog.segment_len
+    for end in prog.score_pos.tolist():
+        for dst in range(end - end % length, end + 1):
+            rep = prog.replaces.get((site, dst))
+            if rep is None or rep[0] != 1.0 or rep[2] is not None or not hasattr(rep[1], "run"):
+                return 0
+    return layer
+

@@ -376,3 +376,67 @@ def test_segments_are_offered_on_vllms_runners_unless_opted_out(engine, monkeypa
             return "FULL"
     runner.compilation_config = SimpleNamespace(cudagraph_mode=FullMixed())
     assert segments_offered(runner) is False
+
+
+def _worker_counts(engine) -> tuple[int, int]:
+    workers = engine.intervention_status()["workers"]
+    return sum(w["entered_steps"] for w in workers), sum(w["layers_skipped"] for w in workers)
+
+
+def test_cells_entering_at_their_layer_skip_the_layers_below_with_the_same_scores(engine, prompts):
+    """Layer skipping (`agenerate_cells(entry_run=...)`; docs/segmented-cells.md): cells that patch
+    only layer s and above, given the corrupt prompt's own run stored with `pre_attn` at every
+    layer, enter the forward at s; their scores equal the cells run alone bit for bit, and the
+    worker counts the steps that skipped layers. Entering from another prompt's run changes the
+    scores (the stored values are what the skipped layers' output is replaced by), and a missing
+    entry run voids the cells instead of scoring them wrongly."""
+    clean, corrupt = prompts
+    n, L = len(corrupt), engine.info.num_layers
+    engine.capture(corrupt, [f"L{layer}.pre_attn" for layer in range(L)], "all_prompt", keep_as="seg-corrupt",
+                   return_values=False)
+    engine.capture(clean, [f"L{layer}.pre_attn" for layer in range(L)], "all_prompt", keep_as="seg-clean-entry",
+                   return_values=False)
+    try:
+        s = L // 2
+        cells = [Interventions(patch=(Patch.make(f"L{s}.{h}", [p], RunSource("seg-clean")),))
+                 for h in HOOKS for p in range(n)]
+        alone = run(engine, corrupt, cells, segmented=False)
+        steps0, skipped0 = _worker_counts(engine)
+        entered = run(engine, corrupt, cells, segmented=True, entry_run="seg-corrupt")
+        steps1, skipped1 = _worker_counts(engine)
+        for i in range(len(cells)):
+            assert not isinstance(entered[i], Exception), entered[i]
+            assert not entered[i].intervention.voided, entered[i].intervention.errors
+            assert entered[i].scores[0] == alone[i].scores[0], (i, entered[i].scores, alone[i].scores)  # bit for bit
+        assert steps1 > steps0 and skipped1 - skipped0 >= s * len(cells) * n, (steps0, steps1, skipped0, skipped1)
+        # the patches took effect (not every cell scores like the first)
+        assert len({tuple(alone[i].scores[0].values()) for i in range(len(cells))}) > 1
+
+        # cells of several layers in one call: the scheduler keeps each step to one entry layer
+        # (layer 0's cells enter nowhere), so layers 1 and L-1 both skip; the same scores again
+        mixed = [c for layer in (0, 1, L - 1) for c in
+                 (Interventions(patch=(Patch.make(f"L{layer}.{h}", [p], RunSource("seg-clean")),))
+                  for h in HOOKS for p in range(n))]
+        a = run(engine, corrupt, mixed, segmented=False)
+        steps1, skipped1 = _worker_counts(engine)
+        b = run(engine, corrupt, mixed, segmented=True, entry_run="seg-corrupt")
+        steps2, skipped2 = _worker_counts(engine)
+        assert all(a[i].scores[0] == b[i].scores[0] for i in range(len(mixed)))
+        assert steps2 - steps1 >= 2 and skipped2 - skipped1 >= (1 + (L - 1)) * len(HOOKS) * n * n, (steps1, steps2)
+        # bands of two layers: layer L-1's cells enter at L-2 (one layer more to compute), same scores
+        c = run(engine, corrupt, mixed, segmented=True, entry_run="seg-corrupt", entry_band=2)
+        assert all(a[i].scores[0] == c[i].scores[0] for i in range(len(mixed)))
+        with pytest.raises(SpecError) as e:
+            run(engine, corrupt, mixed[:2], segmented=True, entry_run="seg-corrupt", entry_band=0)
+        assert e.value.field == "entry_band"
+
+        # entering from the clean prompt's run: what lies below layer s is that run's, so scores move
+        wrong = run(engine, corrupt, cells, segmented=True, entry_run="seg-clean-entry")
+        assert any(wrong[i].scores[0] != alone[i].scores[0] for i in range(len(cells)))
+        # a missing entry run voids every cell that needed it
+        gone = run(engine, corrupt, cells[:4], segmented=True, entry_run="no-such-run")
+        assert all(g.intervention.voided and "no-such-run" in g.intervention.errors[0] for g in gone.values()), gone
+    finally:
+        engine.drop_source("seg-corrupt")
+        engine.drop_source("seg-clean-entry")
+    assert engine.in_flight == 0

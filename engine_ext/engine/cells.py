@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engine_ext.generation import Generation, InterventionResult
 from engine_ext.program import PromptInfo, resolve_positions
+from engine_ext.sites import Site
 from engine_ext.specs import Interventions, Patch, RunSource
 
 #: at most this many cells in one request (bounds a request's programme and result sizes)
@@ -85,28 +86,69 @@ def segments_per_request(n_prompt: int, block_size: int, max_model_len: int, ste
 
 
 def pack(prompt: Sequence[int], cells: Sequence[Interventions | None], score_ids: Sequence[int], length: int,
-         per_request: int, pad_id: int) -> list[Carrier]:
+         per_request: int, pad_id: int, entry_run: str | None = None, entry_band: int = 1) -> list[Carrier]:
     """The carriers for `cells` (all `packable`) on `prompt`: as few as `per_request` cells each
-    allow, their sizes within one of each other (not a full request and a nearly empty one)."""
+    allow, their sizes within one of each other (not a full request and a nearly empty one).
+
+    `entry_run`: a stored run of `prompt` itself, with no patches (a sweep's corrupt baseline),
+    holding `pre_attn` at every layer and prompt position. Then each carrier holds cells of one
+    *entry layer* (`entry_layer`: the lowest layer a cell patches; below it a cell equals that
+    run) and enters the forward there: every segment's `pre_attn` pairs at that layer come from
+    `entry_run` (where the cell patches that site and position itself, its own patch), and a step
+    that schedules only such carriers of one layer skips the layers below
+    (docs/segmented-cells.md, "Layer skipping"). Same scores; cells with entry layer 0 are packed
+    as without `entry_run`. `entry_band`: cells enter at the first layer of their band of that
+    many layers (fewer, larger steps; each cell computes up to `entry_band - 1` layers more)."""
+    if entry_band < 1:
+        from engine_ext.errors import SpecError
+
+        raise SpecError("entry_band", f"must be a whole number >= 1, got {entry_band!r}")
     n = len(prompt)
     info = PromptInfo(list(prompt), None, None, 1)
     padded = list(prompt) + [pad_id] * (length - n)
-    count = -(-len(cells) // per_request)
-    q, r = divmod(len(cells), count) if count else (0, 0)
+    groups: dict[int, list[int]] = {}
+    for i, cell in enumerate(cells):
+        groups.setdefault(entry_layer(cell) // entry_band * entry_band if entry_run is not None else 0, []).append(i)
     out = []
-    first = 0
-    for c in range(count):
-        idx = list(range(first, first + q + (1 if c < r else 0)))
-        first = idx[-1] + 1
-        patches: list[Patch] = []
-        for j, i in enumerate(idx):
-            for k, p in enumerate(cells[i].patch if cells[i] is not None else ()):
-                patches.append(_moved(p, j * length, info, f"cells[{i}].patch[{k}]"))
-        out.append(Carrier(ids=padded * len(idx), spec=Interventions(patch=tuple(patches)),
-                           segments={"len": length, "score_pos": [j * length + n - 1 for j in range(len(idx))],
-                                     "ids": [int(t) for t in score_ids]},
-                           cells=idx))
+    for layer in sorted(groups):
+        members = groups[layer]
+        count = -(-len(members) // per_request)
+        q, r = divmod(len(members), count)
+        first = 0
+        for c in range(count):
+            idx = members[first: first + q + (1 if c < r else 0)]
+            first += len(idx)
+            patches: list[Patch] = []
+            for j, i in enumerate(idx):
+                moved = [_moved(p, j * length, info, f"cells[{i}].patch[{k}]")
+                         for k, p in enumerate(cells[i].patch if cells[i] is not None else ())]
+                entry = _entry_patch(layer, entry_run, n, j * length, moved) if layer else None
+                if entry is not None:
+                    patches.append(entry)
+                patches += moved
+            segments = {"len": length, "score_pos": [j * length + n - 1 for j in range(len(idx))],
+                        "ids": [int(t) for t in score_ids]}
+            if layer:
+                segments["entry"] = layer
+            out.append(Carrier(ids=padded * len(idx), spec=Interventions(patch=tuple(patches)), segments=segments,
+                               cells=idx))
     return out
+
+
+def entry_layer(cell: Interventions | None) -> int:
+    """The lowest layer any patch of `cell` touches (0 without patches): below it the cell's
+    forward is the prompt's own."""
+    return min((p.site.layer for p in cell.patch), default=0) if cell is not None else 0
+
+
+def _entry_patch(layer: int, run: str, n: int, offset: int, own: list[Patch]) -> Patch | None:
+    """The patch that gives a segment (carrier positions `offset` .. `offset + n - 1`) the stored
+    `run`'s `pre_attn` pairs at `layer`, except where the cell's own patches (`own`, already moved)
+    replace that site and position."""
+    site = Site(layer, "pre_attn")
+    taken = {int(x) - offset for p in own if p.site == site for x in p.positions}
+    keep = tuple(q for q in range(n) if q not in taken)
+    return Patch(site, tuple(offset + q for q in keep), RunSource(run, keep)) if keep else None
 
 
 def _moved(p: Patch, offset: int, info: PromptInfo, field: str) -> Patch:

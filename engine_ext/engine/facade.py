@@ -41,7 +41,7 @@ from engine_ext.engine.outputs import AsyncSink, BatchSink, Prepared, QueueSink,
 from engine_ext.generation import Generation, GenerationDelta, GenerationParams
 from engine_ext.dynamic.engine import DynamicControl
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY
-from engine_ext.program import (KV_SALT_KEY, TEMPLATE_KEY, ModelDims, ProgramTemplate, PromptInfo, check_clamp_directions,
+from engine_ext.program import (ENTRY_KEY, KV_SALT_KEY, TEMPLATE_KEY, ModelDims, ProgramTemplate, PromptInfo, check_clamp_directions,
                                 check_score_token_ids, compile_program, program_to_extra_args)
 from engine_ext.specs import Clamp, Interventions, Steer, canonical_json, positions_from_json, spec_hash
 
@@ -598,6 +598,8 @@ class Engine(DynamicControl):
                 program["hash"] = spec_hash([program["hash"], segments])
                 extra_args = program_to_extra_args(program)
                 extra_args[KV_SALT_KEY] = [0, f"cb-{program['hash']}-{prep.key}"]  # every block, from position 0
+                if segments.get("entry"):
+                    extra_args[ENTRY_KEY] = int(segments["entry"])
             elif template is not None:
                 program = template.program
                 extra_args = template.extra_args(prep.key, kv_salt=f"cb-{template.hash}-{prep.key}")
@@ -846,7 +848,8 @@ class Engine(DynamicControl):
         return (length, k) if packing.worth_it(n_prompt, length, k) else None
 
     async def agenerate_cells(self, prompt: Sequence[int], cells: Sequence[Interventions | None],
-                              score_token_ids: Sequence[int], *, segmented: bool | None = None
+                              score_token_ids: Sequence[int], *, segmented: bool | None = None,
+                              entry_run: str | None = None, entry_band: int = 1
                               ) -> AsyncIterator[tuple[int, Generation | Exception]]:
         """Score many *cells* — one forward each of the same `prompt` (token ids), each with its
         own patches (None: none, a baseline) — at `score_token_ids` at the last prompt token.
@@ -863,14 +866,24 @@ class Engine(DynamicControl):
         Cells with anything but patches, and all of them when one fails validation, run as
         requests of their own. Leaving early aborts what is unfinished.
 
+        `entry_run`: a stored run of `prompt` with no patches (a sweep's corrupt baseline,
+        captured with `keep_as`) that holds `pre_attn` at every layer and prompt position. Then
+        segmented cells are grouped by the lowest layer they patch, enter the forward there from
+        that run's values, and a step holding only cells of one such layer skips the layers
+        below (`cells.pack`; docs/segmented-cells.md, "Layer skipping"): the same scores.
+        Missing values void the cells that need them, as any missing patch source does.
+        `entry_band`: cells enter at the first layer of their band of that many layers.
+
         The same in two steps: `prepare_cells` (validation, packing, the vLLM requests: host work
         that needs nothing from the engine's state, so a caller can do it while the engine computes
         something else, e.g. a sweep's clean run) and `arun_cells`."""
-        async for item in self.arun_cells(self.prepare_cells(prompt, cells, score_token_ids, segmented=segmented)):
+        async for item in self.arun_cells(self.prepare_cells(prompt, cells, score_token_ids, segmented=segmented,
+                                                             entry_run=entry_run, entry_band=entry_band)):
             yield item
 
     def prepare_cells(self, prompt: Sequence[int], cells: Sequence[Interventions | None],
-                      score_token_ids: Sequence[int], *, segmented: bool | None = None) -> PreparedCells:
+                      score_token_ids: Sequence[int], *, segmented: bool | None = None,
+                      entry_run: str | None = None, entry_band: int = 1) -> PreparedCells:
         """The first step of `agenerate_cells` (same arguments): every cell validated and packed
         into the vLLM requests that `arun_cells` submits. Raises `SpecError` only for `segmented`
         (as `agenerate_cells`); a cell's own error is kept and yielded by `arun_cells`. A patch's
@@ -880,6 +893,10 @@ class Engine(DynamicControl):
         params = GenerationParams(max_tokens=1, detokenize=False)
         ids = [int(i) for i in prompt]
         score_ids = tuple(int(t) for t in score_token_ids)
+        if not isinstance(entry_band, int) or isinstance(entry_band, bool) or entry_band < 1:
+            raise SpecError("entry_band", f"must be a whole number >= 1, got {entry_band!r}")
+        if entry_run is not None and (not isinstance(entry_run, str) or not entry_run):
+            raise SpecError("entry_run", f"must be a stored run's name, got {entry_run!r}")
         can = self.segment_block is not None
         if segmented and not can:
             raise SpecError("segmented", "this engine cannot run segmented requests (vLLM's V1 runner with "
@@ -898,7 +915,8 @@ class Engine(DynamicControl):
             try:
                 if k >= 2:
                     check_score_token_ids(list(score_ids), self.info.vocab_size)
-                    carriers = packing.pack(ids, [cells[i] for i in packed], score_ids, length, k, ids[-1])
+                    carriers = packing.pack(ids, [cells[i] for i in packed], score_ids, length, k, ids[-1],
+                                            entry_run=entry_run, entry_band=entry_band)
             except SpecError:  # a bad cell (or bad ids): every cell as a request of its own reports its own error
                 carriers = []
         in_carriers = {packed[j] for car in carriers for j in car.cells}

@@ -43,7 +43,14 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
 * V1 `GPUModelRunner._model_forward`: plan the step from `input_batch.req_ids`,
   `query_start_loc.np` and `input_batch.num_computed_tokens_cpu`, right before the forward
   (eager, compiled or graph replay); after it, score the step's segment ends of segmented
-  requests from its output (`engine_ext.worker.segments`; none: nothing done).
+  requests from its output (`engine_ext.worker.segments`; none: nothing done). A step whose
+  every row belongs to segmented requests entering at one layer (`segments.step_entry`) runs
+  from there: for its forward the decoder stack's `start_layer` (the attribute vLLM's model
+  forwards loop `islice(self.layers, self.start_layer, ...)` from) is set to that layer and
+  `ForwardContext.skip_compiled` to True (vLLM's own switch to the model's uncompiled forward;
+  `_entered_at`), both restored after; with one pipeline stage only. At the entry layer the
+  `pre_attn` op runs on a residual of zeros (`_pre_attn_sites`), and the requests' programs
+  replace each scored row's pair there (`program.entry_layer` checks that they do).
 * V1 `GPUModelRunner._prepare_inputs`, after it (positions and slot mapping computed): the rows of
   segmented requests get segment-local positions and the step's attention split is set; and
   `CommonAttentionMetadata` as `vllm.v1.worker.gpu_model_runner` names it (the class its
@@ -87,6 +94,12 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   never reused by a request that computes them differently. Inert for other requests. Installed
   also by `register_plugin`, because with several workers the scheduler runs in a process that
   never imports the worker extension.
+* `vllm.v1.core.sched.scheduler.Scheduler.add_request` / `.schedule`, in the scheduler's process
+  (installed with the previous one): a request whose `extra_args["causalboard_entry"]` names a
+  layer (a segmented request that enters the forward there) is noted; while any are waiting, each
+  `schedule` call takes out of the waiting queue those entering at another layer than the step's
+  and puts them back after it (`_hold_other_entries`), so a step holds one entry layer. Inert
+  for an engine that never saw such a request.
 
 Private vLLM API replicated (not patched), engine-client side
 -------------------------------------------------------------
@@ -145,6 +158,7 @@ Public (non-patched) vLLM API used elsewhere in engine_ext
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -326,6 +340,17 @@ def _pre_attn_sites(layer, hidden_states, residual):
     import torch
 
     sid, base = layer._cb_state, layer._cb_layer * SITES_PER_LAYER
+    if residual is None and layer._cb_layer > 0:
+        # the step entered the forward here (`_entered_at`: only eagerly, with one pipeline stage):
+        # every scored row's pair is replaced by this site's op, the other rows' (padding) are
+        # the embedding and zeros; the previous layer, whose merged call would do this site, did not run
+        residual = torch.zeros_like(hidden_states)
+        torch.ops.vllm.causalboard_site(hidden_states, residual, sid, base + _PRE_ATTN)
+        state = _STATES.get(sid)
+        if state is not None:  # what `cb_status` reports: the layers below did not run
+            state.entered_steps += 1
+            state.layers_skipped += hidden_states.shape[0] * layer._cb_layer
+        return layer.input_layernorm(hidden_states, residual)
     if residual is None:
         torch.ops.vllm.causalboard_embed_site(hidden_states, sid, base + _PRE_ATTN)
         return layer.input_layernorm(hidden_states), hidden_states
@@ -508,14 +533,46 @@ def _wrap_execute_model(cls: Any) -> None:
     _wrap_method(cls, "execute_model", make)
 
 
+@contextlib.contextmanager
+def _entered_at(runner: Any, layer: int):
+    """Run the step's forward from decoder layer `layer` (`segments.step_entry`: every row's
+    segment has its `pre_attn` pair there replaced from a stored run, so the layers below cannot
+    reach a score): the model's `start_layer` moved there for the forward, and a compiled model's
+    uncompiled forward called instead (vLLM's `ForwardContext.skip_compiled`: the compiled graph
+    fixed `start_layer`). Nothing changes (every layer runs) where the model has no such loop,
+    several pipeline stages split it, or `layer` is outside it. The entry layer's `pre_attn`
+    counts the step and the rows x layers skipped (`cb_status`: `entered_steps`,
+    `layers_skipped`)."""
+    from vllm.distributed import get_pp_group
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    inner = getattr(getattr(runner, "model", None), "model", None)
+    if (layer <= 0 or inner is None or getattr(inner, "start_layer", None) != 0
+            or not 0 < layer < getattr(inner, "end_layer", 0) or get_pp_group().world_size != 1
+            or not is_forward_context_available()):
+        yield
+        return
+    ctx = get_forward_context()
+    skip = ctx.skip_compiled
+    inner.start_layer, ctx.skip_compiled = layer, True
+    try:
+        yield
+    finally:
+        inner.start_layer, ctx.skip_compiled = 0, skip
+
+
 def _wrap_v1_model_forward(cls: Any) -> None:
+    from engine_ext.worker import segments
+
     def make(orig):
         def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
             state = runner_state(self)
             if state is not None:
                 ib, n = self.input_batch, self.input_batch.num_reqs
                 state.plan_step(ib.req_ids[:n], self.query_start_loc.np[: n + 1], ib.num_computed_tokens_cpu[:n])
-            out = orig(self, input_ids, positions, *args, **kwargs)
+            entry = segments.step_entry() if state is not None else 0
+            with _entered_at(self, entry) if entry else contextlib.nullcontext():
+                out = orig(self, input_ids, positions, *args, **kwargs)
             if state is not None and state.step_scores:
                 state.score_segments(out, self.model)
             return out
@@ -767,10 +824,67 @@ def _rebind_block_hash_extra_keys(module: Any) -> None:
     module.generate_block_hash_extra_keys = kv_cache_utils.generate_block_hash_extra_keys
 
 
-#: the scheduler-side patch (also installed by `register_plugin` in every vLLM process)
+def _entry_of(request: Any) -> int | None:
+    """The layer a segmented request enters the forward at (`program.ENTRY_KEY`), or None."""
+    from engine_ext.program import ENTRY_KEY
+
+    sp = getattr(request, "sampling_params", None)
+    extra = sp.extra_args if sp is not None else None
+    return extra.get(ENTRY_KEY) if extra else None
+
+
+def _hold_other_entries(sched: Any) -> list:
+    """Before a step is scheduled: take out of the waiting queue every request that enters the
+    forward at another layer than this step's, and return them. The step's layer: that of a
+    running request still in its prompt, else that of the first waiting request (None when that
+    one enters nowhere: then every request that enters at a layer waits, and the others go). So
+    each step holds requests of one entry layer and can skip the layers below
+    (`segments.step_entry`); in first-come order, nothing waits for more than the steps of the
+    requests before it. Scans only while the scheduler has seen such requests since the last scan
+    that found none."""
+    if not getattr(sched, "_cb_entries_seen", False) or not sched.waiting:
+        return []
+    running = [e for r in sched.running if (e := _entry_of(r)) is not None and r.num_computed_tokens < r.num_prompt_tokens]
+    entries = [(r, _entry_of(r)) for r in sched.waiting]
+    layer = running[0] if running else entries[0][1]
+    held = [r for r, e in entries if e != layer]
+    sched._cb_entries_seen = bool(running) or any(e is not None for _, e in entries) or \
+        any(_entry_of(r) is not None for r in sched.running)
+    if held:
+        sched.waiting.remove_requests(held)
+    return held
+
+
+def _wrap_scheduler_entries(cls: Any) -> None:
+    """`Scheduler.add_request` notes a request that enters at a layer; `Scheduler.schedule` holds
+    back those of other layers for the step (`_hold_other_entries`) and puts them back after it,
+    in their order, behind the waiting requests (also when scheduling raises)."""
+    def make_add(orig):
+        def add_request(self, request, *args, **kwargs):
+            if _entry_of(request) is not None:
+                self._cb_entries_seen = True
+            return orig(self, request, *args, **kwargs)
+        return add_request
+
+    def make_schedule(orig):
+        def schedule(self, *args, **kwargs):
+            held = _hold_other_entries(self)
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                for r in held:
+                    self.waiting.add_request(r)
+        return schedule
+
+    _wrap_method(cls, "add_request", make_add)
+    _wrap_method(cls, "schedule", make_schedule)
+
+
+#: the scheduler-side patches (also installed by `register_plugin` in every vLLM process)
 KV_SALT_PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.core.kv_cache_utils", None, ("generate_block_hash_extra_keys",), _wrap_block_hash_extra_keys),
     Patch("vllm.v1.core.block_pool", None, ("generate_block_hash_extra_keys",), _rebind_block_hash_extra_keys),
+    Patch("vllm.v1.core.sched.scheduler", "Scheduler", ("add_request", "schedule"), _wrap_scheduler_entries),
 )
 
 #: recurrent-state hygiene for hybrids (`state_hygiene.py`): zero-on-realloc, and the sentinel

@@ -49,6 +49,14 @@ def active_split() -> tuple[dict[int, int], int] | None:
 
 def clear_step() -> None:
     _STEP.split = None
+    _STEP.entry = 0
+
+
+def step_entry() -> int:
+    """The layer at which the step this thread is preparing may enter the forward: > 0 when every
+    row it schedules belongs to segmented requests that all enter at that layer (their programs'
+    `entry_layer`: below it nothing reaches their scores); 0 otherwise (every layer runs)."""
+    return getattr(_STEP, "entry", 0)
 
 
 def set_carriers_scheduled(scheduled: bool) -> None:
@@ -62,22 +70,27 @@ def carriers_scheduled() -> bool:
 
 
 def begin_step(req_ids, query_start_loc: np.ndarray, num_computed: np.ndarray, positions: torch.Tensor,
-               segmented: dict[str, tuple[int, np.ndarray]], block_size: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
+               segmented: dict[str, tuple[int, np.ndarray, int]], block_size: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """Right after the runner computed the step's positions and slot mapping: the carriers' rows
-    get segment-local positions and the step's split is recorded for the attention metadata.
-    `segmented`: request id -> (S, sorted score positions). Returns the rows to score after the
-    forward: (request id, carrier positions, rows)."""
+    get segment-local positions and the step's split is recorded for the attention metadata, with
+    the layer the step may enter at (`step_entry`). `segmented`: request id -> (S, sorted score
+    positions, entry layer). Returns the rows to score after the forward: (request id, carrier
+    positions, rows)."""
     carriers: dict[int, int] = {}
     to_score = []
+    entries: set[int] = set()
     for i, rid in enumerate(req_ids):
         seg = segmented.get(rid)
-        if seg is None:
-            continue
-        length, score_pos = seg
-        row0, p0 = int(query_start_loc[i]), int(num_computed[i])
+        row0 = int(query_start_loc[i])
         n = int(query_start_loc[i + 1]) - row0
         if n <= 0:
             continue
+        if seg is None:
+            entries.add(0)
+            continue
+        length, score_pos, entry = seg
+        entries.add(entry)
+        p0 = int(num_computed[i])
         carriers[i] = length
         positions[row0: row0 + n] = positions[row0: row0 + n] % length
         a, z = np.searchsorted(score_pos, (p0, p0 + n))
@@ -85,6 +98,7 @@ def begin_step(req_ids, query_start_loc: np.ndarray, num_computed: np.ndarray, p
             pos = score_pos[a:z]
             to_score.append((rid, pos, row0 + (pos - p0)))
     _STEP.split = (carriers, block_size) if carriers else None
+    _STEP.entry = entries.pop() if len(entries) == 1 else 0
     return to_score
 
 

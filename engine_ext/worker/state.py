@@ -236,7 +236,11 @@ class WorkerState:
         self.defer_plan = True
         self._value_bytes = 2 * hidden * torch.empty((), dtype=dtype, device="cpu").element_size()
         #: segmented requests (`engine_ext.worker.segments`) by vLLM request id: (S, score positions)
-        self.segmented: dict[str, tuple[int, np.ndarray]] = {}
+        self.segmented: dict[str, tuple[int, np.ndarray, int]] = {}
+        #: steps that entered the forward above layer 0 (`segments.step_entry`) and the rows x
+        #: layers they did not compute
+        self.entered_steps = 0
+        self.layers_skipped = 0
         #: the step's rows to score after its forward: (request id, carrier positions, rows)
         self.step_scores: list[tuple[str, np.ndarray, np.ndarray]] = []
 
@@ -291,7 +295,7 @@ class WorkerState:
         self.requests[req_id] = st
         self.by_key[prog.key] = st
         if prog.segment_len:
-            self.segmented[req_id] = (prog.segment_len, prog.score_pos)
+            self.segmented[req_id] = (prog.segment_len, prog.score_pos, prog.entry_layer)
         if DYNAMIC_ARGS_KEY in extra_args:
             self.dynamic.register(req_id, prog.key, prog.n_prompt, extra_args[DYNAMIC_ARGS_KEY], prog.errors)
         self._compose(req_id)
@@ -571,7 +575,8 @@ class WorkerState:
                 "named_vectors": sorted(self.named), "store": self.store.usage(), "steps": self.planner.steps,
                 "steps_with_interventions": self.planner.applied_steps, "slots_in_use": len(self.slots),
                 "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status(),
-                "capture_ring": None if self.ring is None else self.ring.status()}
+                "capture_ring": None if self.ring is None else self.ring.status(),
+                "entered_steps": self.entered_steps, "layers_skipped": self.layers_skipped}
 
 
 def _segment_scores(st: RequestState) -> dict:
