@@ -475,6 +475,15 @@ def test_segmented_cells_on_two_ranks_equal_cells_run_alone(ranked, engine, task
                                                               segmented=segmented)}
         return asyncio.run(go())
 
+    def run_entering(eng, cells):  # layer skipping: the corrupt prompt's own run as the entry
+        async def go():
+            return {i: r async for i, r in eng.agenerate_cells(eng.tokenize(pair["corrupt_prompt"]), cells, scores,
+                                                              segmented=True, entry_run="mr-seg-corrupt")}
+        return asyncio.run(go())
+
+    def entered(eng) -> list[int]:
+        return [w["entered_steps"] for w in eng.intervention_status()["workers"]]
+
     out = {}
     for name, eng in (("ranked", ranked), ("one", engine)):
         eng.capture(pair["clean_prompt"], [f"L{layer}.post_block" for layer in range(L)], "all_prompt",
@@ -483,16 +492,29 @@ def test_segmented_cells_on_two_ranks_equal_cells_run_alone(ranked, engine, task
         cells = [None] + [Interventions(patch=(Patch.make(f"L{layer}.post_block", [p], RunSource("mr-seg-clean")),))
                           for layer in range(L) for p in range(n)]
         try:
+            if name == "ranked":
+                eng.capture(pair["corrupt_prompt"], [f"L{layer}.pre_attn" for layer in range(L)], "all_prompt",
+                            keep_as="mr-seg-corrupt", return_values=False)
+                before = entered(eng)
+                entering = run_entering(eng, cells)
+                steps = [b - a for a, b in zip(before, entered(eng))]
             out[name] = (run(eng, cells, True), run(eng, cells, False) if name == "ranked" else None)
         finally:
             eng.drop_source("mr-seg-clean")
+            eng.drop_source("mr-seg-corrupt")
     (seg, alone), (one, _) = out["ranked"], out["one"]
-    assert sorted(seg) == sorted(alone) == sorted(one)
+    assert sorted(seg) == sorted(alone) == sorted(one) == sorted(entering)
     for i in seg:
         assert not isinstance(seg[i], Exception), seg[i]
         assert seg[i].scores[0] == alone[i].scores[0], (ranked.name, i, seg[i].scores, alone[i].scores)
+        assert entering[i].scores[0] == alone[i].scores[0], (ranked.name, i, entering[i].scores, alone[i].scores)
         diff = max(abs(seg[i].scores[0][t] - one[i].scores[0][t]) for t in scores)
         assert diff <= LOGPROB_ATOL, (ranked.name, i, diff)
+    # TP=2: both ranks skip the same steps; PP=2: skipping needs one stage, every layer runs
+    if ranked.name == "tp2":
+        assert len(steps) == 2 and steps[0] == steps[1] > 0, steps
+    else:
+        assert steps and all(s == 0 for s in steps), steps
 
 
 def test_clamps_equal_one_rank_on_every_stage(ranked, engine, tasks):

@@ -245,9 +245,10 @@ def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells
     summary, far fewer requests); `prefix_reuse: false` keeps them segmented; `prefix_reuse: true`
     runs one request per cell. All three grids are equal; the segmented sweep submits all its
     cells in one group (`service.SEGMENTED_GROUP_MAX`), built (`Engine.prepare_cells`) while the
-    clean run and the baselines are in the engine, and run as built (`Engine.arun_cells`). (The
-    bundled pair's few tokens in a 32-token block are too much padding for the default: the test
-    allows any.)"""
+    clean run and the baselines are in the engine, and run as built (`Engine.arun_cells`), skipping
+    the layers below each cell's (the corrupt baseline's run stored for it and dropped at the end;
+    docs/segmented-cells.md, "Layer skipping"). (The bundled pair's few tokens in a 32-token block
+    are too much padding for the default: the test allows any.)"""
     from engine_ext.engine import cells as packing
 
     pair = [p for p in tasks["pairs"] if p["equal_length"]][0]
@@ -269,9 +270,14 @@ def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells
         sizes.clear()
         groups.clear()
         ran.clear()
+        entered = _worker_counts(engine)[0]
         r = http.post("/v1/patch_sweep", json={**body, **extra})
         assert r.status_code == 200, r.text
         runs[name] = (r.json(), sum(sizes))
+        if name in ("default", "no_reuse", "roomy_limit"):  # one group: its cells skip the layers below theirs
+            assert engine.layer_entry_offered and _worker_counts(engine)[0] > entered, name
+        runs_left = [run["run_id"] for w in engine.intervention_status()["workers"] for run in w["store"]["runs"]]
+        assert not any(run.endswith("-entry") for run in runs_left), runs_left  # dropped at the sweep's end
         if name == "default":  # a segmented sweep submits all its jobs (cells, baselines, repeats) as one group,
             # prepared while the clean run and the corrupt baseline(s) computed
             assert len(groups) == 1 and groups[0][0] > r.json()["cells_total"] and groups[0][1] >= 2, groups

@@ -165,6 +165,8 @@ class _Baselines:
         self.auto_captured = False
         self.capture_submitted = False
         self.leased: str | None = None
+        #: the corrupt prompt's run stored for layer skipping (`_entry_run`), to drop at the end
+        self.entry_run: str | None = None
 
 
 class SweepService:
@@ -228,10 +230,12 @@ class SweepService:
         plan, eng, req = run.plan, self.engine, run.plan.request
         noises = [plan.noise_for(k) for k in range(plan.noise_samples)]
         # with prefix reuse, the solo baselines write the blocks the cells read (the fan-out starts after them)
+        entry = _entry_run(run, self.engine)
         if req.max_concurrency is None or req.max_concurrency >= 1 + len(noises):
             _, *scores = await _all_or_none(self._prepare_clean(run, base),
-                                            *(self._score(run, plan.corrupt_ids, n) for n in noises),
-                                            self._prepare_group(run))
+                                            *(self._score(run, plan.corrupt_ids, n, entry if k == 0 else None, base)
+                                              for k, n in enumerate(noises)),
+                                            self._prepare_group(run, entry))
             scores = scores[:len(noises)]
         else:
             await self._prepare_clean(run, base)
@@ -295,13 +299,14 @@ class SweepService:
                 raise PlanError(404, "source_run", f"run {src.run_id!r} vanished from the source store before it could be leased")
             base.leased = src.run_id
 
-    async def _prepare_group(self, run: SweepRun) -> None:
+    async def _prepare_group(self, run: SweepRun, entry_run: str | None = None) -> None:
         """A segmented sweep that submits all its jobs as one group (`_one_group`): its requests
         are built here, on the host, while the engine computes the clean run and the baselines
         (this coroutine runs after theirs have been submitted), so the fan-out submits them at
         once (`run.prepared_group`). They are built in a worker thread: up to `SEGMENTED_GROUP_MAX`
         cells take tens of milliseconds (more on a slow CPU), which would otherwise keep the API's
-        event loop from every other request and stream meanwhile."""
+        event loop from every other request and stream meanwhile. With `entry_run` (the corrupt
+        baseline's stored run, `_entry_run`) the cells skip the layers below their own."""
         plan = run.plan
         if not run.segmented:
             return
@@ -313,14 +318,24 @@ class SweepService:
 
         def build() -> tuple:
             specs, owner = _group_specs(plan, jobs_repeats[0])
-            return jobs_repeats, specs, owner, self.engine.prepare_cells(plan.corrupt_ids, specs, plan.score_ids)
+            return jobs_repeats, specs, owner, self.engine.prepare_cells(plan.corrupt_ids, specs, plan.score_ids,
+                                                                         entry_run=entry_run)
 
         run.prepared_group = await anyio.to_thread.run_sync(build)
 
-    async def _score(self, run: SweepRun, ids: list[int], noise) -> dict[int, float]:
+    async def _score(self, run: SweepRun, ids: list[int], noise, keep_as: str | None = None,
+                     base: _Baselines | None = None) -> dict[int, float]:
+        """A baseline's scores. With `keep_as` (the corrupt baseline of a sweep that skips layers):
+        also stores (leased) its `pre_attn` at every layer and position under that name, noted in
+        `base` for the cleanup."""
         # a baseline is computed like the cells: from the prefix cache with prefix reuse, else fresh
-        gen = await self.engine.agenerate(ids, ONE_SCORED_TOKEN, _spec(run.plan, noise),
-                                          fresh=not run.prefix_reuse)
+        spec = _spec(run.plan, noise)
+        if keep_as is not None:
+            sites = [f"L{layer}.pre_attn" for layer in range(self.engine.info.num_layers)]
+            spec = Interventions(noise=noise, score_token_ids=run.plan.score_ids,
+                                 capture=Capture.make(sites, "all_prompt", keep_as=keep_as, return_values=False, lease=True))
+            base.entry_run = keep_as
+        gen = await self.engine.agenerate(ids, ONE_SCORED_TOKEN, spec, fresh=not run.prefix_reuse)
         if gen.intervention is not None and gen.intervention.voided:
             raise _Voided("; ".join(gen.intervention.errors) or "voided")
         run.reused_tokens += gen.num_cached_tokens
@@ -483,12 +498,18 @@ class SweepService:
 
     async def _release(self, src, base: _Baselines, keep: bool) -> None:
         """One engine call: drop the auto-captured run (dropping removes a leased run too), else
-        release the lease."""
+        release the lease; and beside it, drop the run stored for layer skipping."""
         leased, base.leased = base.leased, None
+        entry, base.entry_run = base.entry_run, None
+        calls = []
         if src.capture and base.capture_submitted and not keep:
-            await anyio.to_thread.run_sync(self.engine.drop_source, src.run_id)
+            calls.append(anyio.to_thread.run_sync(self.engine.drop_source, src.run_id))
         elif leased is not None:
-            await anyio.to_thread.run_sync(self.engine.release_source, leased)
+            calls.append(anyio.to_thread.run_sync(self.engine.release_source, leased))
+        if entry is not None:
+            calls.append(anyio.to_thread.run_sync(self.engine.drop_source, entry))
+        if calls:
+            await asyncio.gather(*calls)
 
     async def _read_checksum(self) -> SweepChecksum:
         """The engine's checksum status as the sweep reports it (an error in it, never raised).
@@ -660,6 +681,19 @@ def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int,
     """Repeated cells whose both runs have a value (basis units)."""
     return [CellRepeat(hook=k[0], layer=k[1], position=k[2], first=raw[k], repeat=v)
             for k, v in sorted(repeats.items()) if k in raw]
+
+
+def _entry_run(run: SweepRun, engine: Engine) -> str | None:
+    """The name under which a segmented sweep stores its corrupt baseline's `pre_attn` at every
+    layer, so that its cells skip the layers below their own (`Engine.agenerate_cells(entry_run=)`;
+    docs/segmented-cells.md, "Layer skipping"), or None: the sweep is not segmented, has noise
+    (its baselines are noise samples, not the corrupt prompt's own run), does not submit its
+    cells as one prepared group (`_one_group`), or the engine does not offer it
+    (`Engine.layer_entry_offered`)."""
+    if not run.segmented or run.plan.request.noise or not engine.layer_entry_offered \
+            or not _one_group(run, _jobs(run.plan)[0]):
+        return None
+    return f"{run.plan.sweep_id}-entry"
 
 
 def _spec(plan: SweepPlan, noise, patch=None) -> Interventions:

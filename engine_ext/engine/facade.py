@@ -824,6 +824,18 @@ class Engine(DynamicControl):
         this engine cannot run them (a hybrid model; CAUSALBOARD_SEGMENTS=0; `extension.segments_offered`)."""
         return self._segments_block if self._segments_ok and not getattr(self, "is_hybrid", False) else None
 
+    @property
+    def layer_entry_offered(self) -> bool:
+        """Whether segmented cells here skip the layers below their entry layer when given an
+        `entry_run` (`agenerate_cells`; docs/segmented-cells.md, "Layer skipping"): a CPU engine
+        (vLLM's V1 runner) with one pipeline stage that can segment, unless
+        `CAUSALBOARD_LAYER_ENTRY=0`. GPU engines run every layer until the GPU matrix has checked
+        skipped cells (V1 runner: the uncompiled forward) and the V2 runner does it."""
+        from engine_ext.switches import env_switch
+
+        return (self.segment_block is not None and self.info.device == "cpu"
+                and self.config.pipeline_parallel_size == 1 and env_switch("CAUSALBOARD_LAYER_ENTRY", True))
+
     def _segments_blocked(self) -> str | None:
         """Why cells cannot be segments now (None: they can): global steering, clamps or dynamic
         policies apply to every request at its own positions, which in a segmented request would
