@@ -21,9 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from segment_cells import p1_pair  # noqa: E402 (this file's sibling)
 
 
 def main() -> None:
@@ -44,19 +48,7 @@ def main() -> None:
         kw["model"] = args.model
     eng = Engine(device=args.device, **kw).start()
     L, hooks = eng.info.num_layers, ("pre_attn", "post_attn", "post_block")
-    if args.model:
-        rng = random.Random(7)
-        hi = min(eng.info.vocab_size - 1, 16000)
-        clean = [rng.randrange(4, hi) for _ in range(args.prompt_tokens)]
-        corrupt = list(clean)
-        corrupt[3:6] = [rng.randrange(4, hi) for _ in range(3)]
-        score_ids = (1000 % hi, 2000 % hi)
-    else:
-        from pathlib import Path
-
-        pair = next(p for p in json.loads((Path(eng.model_path) / "tasks.json").read_text())["pairs"] if p["equal_length"])
-        clean, corrupt = eng.tokenize(pair["clean_prompt"]), eng.tokenize(pair["corrupt_prompt"])
-        score_ids = (pair["answer_id"], pair["foil_id"])
+    clean, corrupt, score_ids = p1_pair(eng, args.model is not None, args.prompt_tokens)
     eng.capture(clean, [f"L{layer}.{h}" for layer in range(L) for h in hooks], "all_prompt", keep_as="entry-clean",
                 return_values=False)
     eng.capture(corrupt, [f"L{layer}.pre_attn" for layer in range(L)], "all_prompt", keep_as="entry-corrupt",

@@ -22,6 +22,23 @@ import statistics
 import time
 
 
+def p1_pair(eng, random_prompt: bool, tokens: int = 16) -> tuple[list[int], list[int], tuple[int, int]]:
+    """(clean, corrupt, score ids) of these benchmarks: on a model folder of the benchmark
+    (`random_prompt`), a random `tokens`-token prompt (seed 7) whose positions 3-5 differ in the
+    corrupt one, scored at ids 1000 and 2000; else the model's first equal-length pair of `tasks.json`."""
+    if random_prompt:
+        rng = random.Random(7)
+        hi = min(eng.info.vocab_size - 1, 16000)
+        clean = [rng.randrange(4, hi) for _ in range(tokens)]
+        corrupt = list(clean)
+        corrupt[3:6] = [rng.randrange(4, hi) for _ in range(3)]
+        return clean, corrupt, (1000 % hi, 2000 % hi)
+    from pathlib import Path
+
+    pair = next(p for p in json.loads((Path(eng.model_path) / "tasks.json").read_text())["pairs"] if p["equal_length"])
+    return eng.tokenize(pair["clean_prompt"]), eng.tokenize(pair["corrupt_prompt"]), (pair["answer_id"], pair["foil_id"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -49,20 +66,7 @@ def main() -> None:
         kw["engine_kwargs"] = {**kw.get("engine_kwargs", {}), "block_size": args.block_size}
     eng = Engine(device=args.device, **kw).start()
     L, hooks = eng.info.num_layers, ("pre_attn", "post_attn", "post_block")
-    if args.model:
-        rng = random.Random(7)
-        hi = min(eng.info.vocab_size - 1, 16000)
-        clean = [rng.randrange(4, hi) for _ in range(16)]
-        corrupt = list(clean)
-        corrupt[3:6] = [rng.randrange(4, hi) for _ in range(3)]
-        score_ids = (1000 % hi, 2000 % hi)
-    else:
-        import json as _json
-        from pathlib import Path
-
-        pair = next(p for p in _json.loads((Path(eng.model_path) / "tasks.json").read_text())["pairs"] if p["equal_length"])
-        clean, corrupt = eng.tokenize(pair["clean_prompt"]), eng.tokenize(pair["corrupt_prompt"])
-        score_ids = (pair["answer_id"], pair["foil_id"])
+    clean, corrupt, score_ids = p1_pair(eng, args.model is not None)
     eng.capture(clean, [f"L{layer}.{h}" for layer in range(L) for h in hooks], "all_prompt", keep_as="seg-bench",
                 return_values=False)
     cells = [Interventions(patch=(Patch.make(f"L{layer}.{h}", [p], RunSource("seg-bench")),))
