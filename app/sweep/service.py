@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -230,12 +231,13 @@ class SweepService:
         plan, eng, req = run.plan, self.engine, run.plan.request
         noises = [plan.noise_for(k) for k in range(plan.noise_samples)]
         # with prefix reuse, the solo baselines write the blocks the cells read (the fan-out starts after them)
-        entry = _entry_run(run, self.engine)
+        group = _group_jobs(run)
+        entry = _entry_run(run, self.engine) if group is not None else None
         if req.max_concurrency is None or req.max_concurrency >= 1 + len(noises):
             _, *scores = await _all_or_none(self._prepare_clean(run, base),
                                             *(self._score(run, plan.corrupt_ids, n, entry if k == 0 else None, base)
                                               for k, n in enumerate(noises)),
-                                            self._prepare_group(run, entry))
+                                            self._prepare_group(run, group, entry))
             scores = scores[:len(noises)]
         else:
             await self._prepare_clean(run, base)
@@ -299,8 +301,9 @@ class SweepService:
                 raise PlanError(404, "source_run", f"run {src.run_id!r} vanished from the source store before it could be leased")
             base.leased = src.run_id
 
-    async def _prepare_group(self, run: SweepRun, entry_run: str | None = None) -> None:
-        """A segmented sweep that submits all its jobs as one group (`_one_group`): its requests
+    async def _prepare_group(self, run: SweepRun, jobs_repeats: tuple | None, entry_run: str | None = None) -> None:
+        """A segmented sweep that submits all its jobs as one group (`_group_jobs`: its `_jobs`,
+        None for other sweeps, which have nothing to prepare here): its requests
         are built here, on the host, while the engine computes the clean run and the baselines
         (this coroutine runs after theirs have been submitted), so the fan-out submits them at
         once (`run.prepared_group`). They are built in a worker thread: up to `SEGMENTED_GROUP_MAX`
@@ -308,10 +311,7 @@ class SweepService:
         event loop from every other request and stream meanwhile. With `entry_run` (the corrupt
         baseline's stored run, `_entry_run`) the cells skip the layers below their own."""
         plan = run.plan
-        if not run.segmented:
-            return
-        jobs_repeats = _jobs(plan)
-        if not _one_group(run, jobs_repeats[0]):
+        if jobs_repeats is None:
             return
         await asyncio.sleep(0)  # the clean run's and the baselines' requests first ...
         await self.engine.handed_over()  # ... and handed to vLLM before this holds the GIL for a while
@@ -332,8 +332,8 @@ class SweepService:
         spec = _spec(run.plan, noise)
         if keep_as is not None:
             sites = [f"L{layer}.pre_attn" for layer in range(self.engine.info.num_layers)]
-            spec = Interventions(noise=noise, score_token_ids=run.plan.score_ids,
-                                 capture=Capture.make(sites, "all_prompt", keep_as=keep_as, return_values=False, lease=True))
+            spec = dataclasses.replace(spec, capture=Capture.make(sites, "all_prompt", keep_as=keep_as,
+                                                                  return_values=False, lease=True))
             base.entry_run = keep_as
         gen = await self.engine.agenerate(ids, ONE_SCORED_TOKEN, spec, fresh=not run.prefix_reuse)
         if gen.intervention is not None and gen.intervention.voided:
@@ -607,6 +607,14 @@ class SweepService:
         )
 
 
+def _group_jobs(run: SweepRun) -> tuple | None:
+    """The `_jobs` of a sweep that submits them as one prepared group (`_one_group`), else None."""
+    if not run.segmented:
+        return None
+    jobs_repeats = _jobs(run.plan)
+    return jobs_repeats if _one_group(run, jobs_repeats[0]) else None
+
+
 def _one_group(run: SweepRun, jobs: list) -> bool:
     """Whether a sweep submits all its `jobs` as one group: segmented, at most
     `SEGMENTED_GROUP_MAX` of them, and a `max_concurrency` (if any) that allows them all at once."""
@@ -687,11 +695,10 @@ def _entry_run(run: SweepRun, engine: Engine) -> str | None:
     """The name under which a segmented sweep stores its corrupt baseline's `pre_attn` at every
     layer, so that its cells skip the layers below their own (`Engine.agenerate_cells(entry_run=)`;
     docs/segmented-cells.md, "Layer skipping"), or None: the sweep is not segmented, has noise
-    (its baselines are noise samples, not the corrupt prompt's own run), does not submit its
-    cells as one prepared group (`_one_group`), or the engine does not offer it
-    (`Engine.layer_entry_offered`)."""
-    if not run.segmented or run.plan.request.noise or not engine.layer_entry_offered \
-            or not _one_group(run, _jobs(run.plan)[0]):
+    (its baselines are noise samples, not the corrupt prompt's own run), or the engine does not
+    offer it (`Engine.layer_entry_offered`). For a sweep that submits its cells as one prepared
+    group (`_group_jobs`)."""
+    if not run.segmented or run.plan.request.noise or not engine.layer_entry_offered:
         return None
     return f"{run.plan.sweep_id}-entry"
 

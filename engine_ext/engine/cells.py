@@ -92,23 +92,20 @@ def pack(prompt: Sequence[int], cells: Sequence[Interventions | None], score_ids
 
     `entry_run`: a stored run of `prompt` itself, with no patches (a sweep's corrupt baseline),
     holding `pre_attn` at every layer and prompt position. Then each carrier holds cells of one
-    *entry layer* (`entry_layer`: the lowest layer a cell patches; below it a cell equals that
+    *entry layer* (`lowest_patched_layer`; below it a cell equals that
     run) and enters the forward there: every segment's `pre_attn` pairs at that layer come from
     `entry_run` (where the cell patches that site and position itself, its own patch), and a step
     that schedules only such carriers of one layer skips the layers below
     (docs/segmented-cells.md, "Layer skipping"). Same scores; cells with entry layer 0 are packed
     as without `entry_run`. `entry_band`: cells enter at the first layer of their band of that
-    many layers (fewer, larger steps; each cell computes up to `entry_band - 1` layers more)."""
-    if entry_band < 1:
-        from engine_ext.errors import SpecError
-
-        raise SpecError("entry_band", f"must be a whole number >= 1, got {entry_band!r}")
+    many layers (fewer, larger steps; each cell computes up to `entry_band - 1` layers more;
+    `Engine.prepare_cells` checks it)."""
     n = len(prompt)
     info = PromptInfo(list(prompt), None, None, 1)
     padded = list(prompt) + [pad_id] * (length - n)
     groups: dict[int, list[int]] = {}
     for i, cell in enumerate(cells):
-        groups.setdefault(entry_layer(cell) // entry_band * entry_band if entry_run is not None else 0, []).append(i)
+        groups.setdefault(lowest_patched_layer(cell) // entry_band * entry_band if entry_run is not None else 0, []).append(i)
     out = []
     for layer in sorted(groups):
         members = groups[layer]
@@ -135,7 +132,7 @@ def pack(prompt: Sequence[int], cells: Sequence[Interventions | None], score_ids
     return out
 
 
-def entry_layer(cell: Interventions | None) -> int:
+def lowest_patched_layer(cell: Interventions | None) -> int:
     """The lowest layer any patch of `cell` touches (0 without patches): below it the cell's
     forward is the prompt's own."""
     return min((p.site.layer for p in cell.patch), default=0) if cell is not None else 0

@@ -848,8 +848,7 @@ def _hold_other_entries(sched: Any) -> list:
     entries = [(r, _entry_of(r)) for r in sched.waiting]
     layer = running[0] if running else entries[0][1]
     held = [r for r, e in entries if e != layer]
-    sched._cb_entries_seen = bool(running) or any(e is not None for _, e in entries) or \
-        any(_entry_of(r) is not None for r in sched.running)
+    sched._cb_entries_seen = any(e is not None for _, e in entries) or any(_entry_of(r) is not None for r in sched.running)
     if held:
         sched.waiting.remove_requests(held)
     return held

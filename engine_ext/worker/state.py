@@ -235,7 +235,8 @@ class WorkerState:
         #: (`plan_step(defer=True)`, vLLM's V2 runner)? A benchmarking switch (`cb_set_defer_plan`)
         self.defer_plan = True
         self._value_bytes = 2 * hidden * torch.empty((), dtype=dtype, device="cpu").element_size()
-        #: segmented requests (`engine_ext.worker.segments`) by vLLM request id: (S, score positions)
+        #: segmented requests (`engine_ext.worker.segments`) by vLLM request id: (S, score positions,
+        #: entry layer: `WorkerProgram.entry_layer`)
         self.segmented: dict[str, tuple[int, np.ndarray, int]] = {}
         #: steps that entered the forward above layer 0 (`segments.step_entry`) and the rows x
         #: layers they did not compute
