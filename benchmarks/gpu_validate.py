@@ -26,7 +26,11 @@ Checks (bf16; tolerances printed in the result):
 * the reference fork's `this_token` probe gate (the Triton op's row gate): a gate whose threshold is
   the plain run's score at the first gated position (g near 0.5 there), steering at the probe's
   site, vs the oracle's `RefEdit.gate`: the third token's top-20 logprobs (and the ungated steer's
-  are further off than the tolerance, so the check tells the rules apart).
+  are further off than the tolerance, so the check tells the rules apart);
+* segmented sweep cells (every layer x hook x position of the corrupt prompt) equal the same cells
+  run one request each, bit for bit; and with layer skipping (the corrupt run's `pre_attn` stored
+  at every layer: each cell's steps start at its layer) equal again, with the skipped steps counted
+  wherever the engine offers it (`Engine.layer_entry_offered`).
 Throughput: decode tokens/s with CUDA graphs, vanilla vs every request steered, batch 1 and 32.
 """
 
@@ -371,16 +375,17 @@ def run_checks(args, eng=None) -> dict:
         cells = [Interventions(patch=(Patch.make(f"L{l}.{h}", [p], RunSource("seg")),))
                  for l in range(L) for h in hooks for p in range(len(corrupt))] + [None]  # and one baseline
 
-        async def run(segmented):
+        async def run(segmented, entry_run=None):
             out = {}
-            async for i, res in eng.agenerate_cells(corrupt, cells, [P["ans"], P["foil"]], segmented=segmented):
+            async for i, res in eng.agenerate_cells(corrupt, cells, [P["ans"], P["foil"]], segmented=segmented,
+                                                    entry_run=entry_run):
                 if isinstance(res, Exception):
                     raise res
                 out[i] = (res.scores[0], bool(getattr(res.intervention, "voided", False)))
             return out
 
         seg, alone = asyncio.run(run(True)), asyncio.run(run(False))
-        eng.drop_source("seg")
+        seg_cells.update(run=run, seg=seg, corrupt=corrupt)  # for `layer_skipping`, which drops "seg"
         diff = max(abs(seg[i][0][t] - alone[i][0][t]) for i in alone for t in alone[i][0])
         values["segmented_cells"] = {"first": seg[0][0], "baseline": seg[len(cells) - 1][0]}
         differ = [i for i in alone if seg[i] != alone[i]]
@@ -390,6 +395,36 @@ def run_checks(args, eng=None) -> dict:
                 "cells_differing": len(differ), "first_differing": [names[i] for i in differ[:8]],
                 "segment_block": eng.segment_block}
 
+    def layer_skipping():
+        # the segmented cells above, given the corrupt run's `pre_attn` at every layer, enter the
+        # forward at their layer (docs/segmented-cells.md, "Layer skipping"; the workers count those
+        # steps where the engine offers it): bit for bit the scores of the cells that ran every layer
+        import asyncio
+
+        if "seg" not in seg_cells:
+            return {"ok": not eng.segment_block, "note": "segmented cells did not run"}
+        run, seg = seg_cells["run"], seg_cells["seg"]
+
+        def entered() -> int:
+            return sum(w["entered_steps"] for w in eng.intervention_status()["workers"])
+
+        try:
+            eng.capture(seg_cells["corrupt"], [f"L{l}.pre_attn" for l in range(L)], "all_prompt", keep_as="seg-entry",
+                        return_values=False)
+            before = entered()
+            entry = asyncio.run(run(True, "seg-entry"))
+            steps = entered() - before
+        finally:
+            eng.drop_source("seg")
+            eng.drop_source("seg-entry")
+        differ = [i for i in seg if entry.get(i) != seg[i]]
+        values["layer_skipping"] = {"first": entry[0][0], "entered_steps": steps}
+        return {"ok": len(entry) == len(seg) and not differ and (steps > 0) == eng.layer_entry_offered,
+                "offered": eng.layer_entry_offered, "entered_steps": steps, "cells_differing": len(differ),
+                "max_abs_diff": max((abs(entry[i][0][t] - seg[i][0][t]) for i in differ for t in seg[i][0]), default=0.0),
+                "first_differing": differ[:8]}
+
+    seg_cells: dict = {}
     for name, fn in [("captures_vs_oracle", captures), ("self_patch_bit_exact", self_patch), ("steering_vs_oracle", steering),
                      ("corrupt_to_clean_bit_exact", corrupt_to_clean), ("neighbours_bit_exact", neighbours),
                      ("prefix_cache_isolation", prefix_cache), ("missing_source_voided", voided),
@@ -397,7 +432,7 @@ def run_checks(args, eng=None) -> dict:
                      ("mlp_out_steer_equals_post_block", mlp_out_steer_equals_post_block), ("mlp_in_steer_vs_oracle", mlp_in_steer),
                      ("masked_patch_bit_exact", masked_patch), ("masked_steer_vs_oracle", masked_steer),
                      ("clamps_vs_oracle", clamps), ("row_gate_vs_oracle", row_gate),
-                     ("segmented_cells_bit_exact", segmented_cells)]:
+                     ("segmented_cells_bit_exact", segmented_cells), ("layer_skipping_bit_exact", layer_skipping)]:
         check(name, fn)
     res["all_ok"] = all(c.get("ok") for c in checks.values())
     ref = None  # free the oracle's GPU memory (the checks above are done with it)

@@ -239,6 +239,46 @@ def test_a_step_with_a_segmented_request_never_takes_a_full_cuda_graph():
     assert seen == [("v1", None), ("v1", True), ("v2", 1), ("v1", False), ("v1", True), ("v2", None)]
 
 
+def test_the_v2_runner_enters_a_step_inside_its_forward_context(monkeypatch):
+    """V2 `execute_model` calls `set_forward_context` (as its module names it) around the forward,
+    without the runner: the wrapped one enters the step at `segments.step_entry` (`_entered_at`,
+    with the runner the wrapped `prepare_attn` saw) inside vLLM's context, after it is set, and only
+    when the step has an entry layer."""
+    import contextlib
+    import types
+
+    from engine_ext.worker import seam, segments
+
+    seen = []
+
+    @contextlib.contextmanager
+    def vllm_context(*args, **kwargs):
+        seen.append(("enter", kwargs.get("skip_compiled")))
+        yield "ctx"
+        seen.append(("exit",))
+
+    @contextlib.contextmanager
+    def entered_at(runner, layer):
+        seen.append(("entered", runner, layer))
+        yield
+
+    monkeypatch.setattr(seam, "_entered_at", entered_at)
+    mod = types.SimpleNamespace(set_forward_context=vllm_context)
+    seam._wrap_v2_forward_context(mod)
+    seam._wrap_v2_forward_context(mod)  # installed once
+    try:
+        seam._V2_STEP.runner = "runner"
+        for entry in (0, 3):
+            segments._STEP.entry = entry
+            with mod.set_forward_context(None, None, skip_compiled=False) as ctx:
+                seen.append(("forward", ctx))
+    finally:
+        segments.clear_step()
+        seam._V2_STEP.runner = None
+    assert seen == [("enter", False), ("forward", "ctx"), ("exit",),
+                    ("enter", False), ("entered", "runner", 3), ("forward", "ctx"), ("exit",)]
+
+
 def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells_run_alone(http, engine, tasks, monkeypatch):
     """The sweep service's default for a prompt shorter than two KV blocks, where padding it to a
     whole block is cheap (`cells.MAX_PADDING`): cells as segments (`segmented: true` in the

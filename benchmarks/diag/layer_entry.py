@@ -13,6 +13,7 @@ clean run), run as segmented requests three ways, alternating, in one process:
 Every cell's scores are compared with `segmented`'s, bit for bit. One JSON line.
 
     PYTHONPATH=. python3 benchmarks/diag/layer_entry.py [--model DIR] [--device cpu|cuda] [--reps 5]
+        [--bands 2,4] [--no-batch-invariant]
 
 Without `--model`, the bundled model and its first equal-length clean/corrupt pair.
 """
@@ -38,11 +39,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--bands", type=lambda t: [int(x) for x in t.split(",") if x], default=[4],
                     help="entry bands to run as variants too (entry_once_bandN), comma-separated")
+    ap.add_argument("--no-batch-invariant", action="store_true", help="cuda: vLLM's batch-invariant kernels off")
     args = ap.parse_args()
     from engine_ext import Engine
     from engine_ext.specs import Interventions, Patch, RunSource
 
-    kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8, batch_invariant=True) \
+    kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8,
+              batch_invariant=not args.no_batch_invariant) \
         if args.device == "cuda" else {}
     if args.model:
         kw["model"] = args.model
@@ -88,6 +91,7 @@ def main() -> None:
     after = eng.intervention_status()["workers"][0]
     med = {k: statistics.median(v) for k, v in times.items()}
     print(json.dumps({"bench": "layer_entry", "model": args.model or "bundled", "device": args.device, "layers": L,
+                      "runner": eng.info.runner, "batch_invariant": eng.info.batch_invariant,
                       "cells": len(cells), "prompt_tokens": n, "equal_scores": equal,
                       "entered_steps": after["entered_steps"] - before["entered_steps"],
                       "layers_skipped": after["layers_skipped"] - before["layers_skipped"],

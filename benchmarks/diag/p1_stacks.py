@@ -13,6 +13,7 @@ tokenizer, `logprob_token_ids`), variant `stock`. `cb`: causalboard's `Engine`, 
 position) of 16 x 3 x 16 from a stored clean run, as `cb_bench.py p1`), and with `--http` `sweep_http`
 (the same cells as one `POST /v1/patch_sweep`, as `cb_bench.py p1http`; `--wake-ab` adds
 `sweep_http_nowake`, the same with the engine loop's thread never woken for a command,
+`--entry-ab` adds `sweep_http_noentry`, the sweep with every layer run (no layer skipping),
 `--chunk-ab` adds `<variant>_onemsg`, each batch in one message to the core instead of
 `seam.BATCH_CHUNKS`, `--sweep-groups 256,768` adds `sweep_http_g256`, ..., the sweep's fan-out in groups of that many
 cells, `--compilation-config JSON` passes vLLM's `compilation_config` to either engine (CUDA-graph
@@ -114,6 +115,8 @@ def cb_variants(args, prompt):
             from app.sweep import service
 
             variants["sweep_http_noseg"] = _with_attributes(sweep, service, segments_default=lambda *a, **k: False)
+        if args.entry_ab:  # the same sweep with every layer run (no layer skipping)
+            variants["sweep_http_noentry"] = _with_attributes(sweep, type(eng), layer_entry_offered=False)
         if args.chunk_ab:
             variants["sweep_http_onemsg"] = _with_attributes(sweep, seam, BATCH_CHUNKS=(1 << 30,))
 
@@ -182,6 +185,9 @@ def main():
     ap.add_argument("--seg-ab", action="store_true",
                     help="cb --http: also the sweep with every cell its own request (sweep_http_noseg; "
                          "segments where the engine runs them: docs/segmented-cells.md)")
+    ap.add_argument("--entry-ab", action="store_true",
+                    help="cb --http: also the sweep with every layer run (sweep_http_noentry; layer skipping "
+                         "where the engine offers it: docs/segmented-cells.md)")
     ap.add_argument("--interleave", action="store_true",
                     help="timed repetitions round-robin over the variants (then the sampled windows)")
     ap.add_argument("--compilation-config", default="",

@@ -827,14 +827,13 @@ class Engine(DynamicControl):
     @property
     def layer_entry_offered(self) -> bool:
         """Whether segmented cells here skip the layers below their entry layer when given an
-        `entry_run` (`agenerate_cells`; docs/segmented-cells.md, "Layer skipping"): a CPU engine
-        (vLLM's V1 runner) with one pipeline stage that can segment, unless
-        `CAUSALBOARD_LAYER_ENTRY=0`. GPU engines run every layer until the GPU matrix has checked
-        skipped cells (V1 runner: the uncompiled forward) and the V2 runner does it."""
+        `entry_run` (`agenerate_cells`; docs/segmented-cells.md, "Layer skipping"): an engine with
+        one pipeline stage that can segment (CPU, and both GPU runners: a skipped step runs the
+        model's uncompiled forward from its entry layer), unless `CAUSALBOARD_LAYER_ENTRY=0`."""
         from engine_ext.switches import env_switch
 
-        return (self.segment_block is not None and self.info.device == "cpu"
-                and self.config.pipeline_parallel_size == 1 and env_switch("CAUSALBOARD_LAYER_ENTRY", True))
+        return (self.segment_block is not None and self.config.pipeline_parallel_size == 1
+                and env_switch("CAUSALBOARD_LAYER_ENTRY", True))
 
     def _segments_blocked(self) -> str | None:
         """Why cells cannot be segments now (None: they can): global steering, clamps or dynamic

@@ -65,7 +65,10 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   positions and split as V1's `_prepare_inputs`; `CommonAttentionMetadata` as
   `vllm.v1.worker.gpu.attn_utils` names it (`build_attn_metadata`): the same factory;
   `dispatch_cg_and_sync_dp` as `vllm.v1.worker.gpu.model_runner` names it: no uniform token count
-  for a step with a segmented request (no FULL graph). The scores of a V2 step are taken after
+  for a step with a segmented request (no FULL graph); `set_forward_context` as that module names
+  it (called only by V2 `execute_model`, around the forward): a step entering at a layer runs from
+  there inside it, as V1's `_model_forward` (`_entered_at`; not with V2's breakable CUDA graphs).
+  The scores of a V2 step are taken after
   `execute_model` from its `execute_model_state.hidden_states` (the last pipeline stage's).
 * V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
   `query_start_loc_np`, `num_computed_tokens_np`). A step with dynamic steering is left open
@@ -166,6 +169,7 @@ import inspect
 import logging
 import os
 import textwrap
+import threading
 from importlib import metadata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -549,7 +553,9 @@ def _entered_at(runner: Any, layer: int):
     inner = getattr(getattr(runner, "model", None), "model", None)
     if (layer <= 0 or inner is None or getattr(inner, "start_layer", None) != 0
             or not 0 < layer < getattr(inner, "end_layer", 0) or get_pp_group().world_size != 1
-            or not is_forward_context_available()):
+            or not is_forward_context_available()
+            # V2's breakable CUDA graphs replay piecewise graphs without torch.compile: not skipped
+            or getattr(getattr(runner, "cudagraph_manager", None), "use_breakable_cg", False)):
         yield
         return
     ctx = get_forward_context()
@@ -579,6 +585,35 @@ def _wrap_v1_model_forward(cls: Any) -> None:
         return _model_forward
 
     _wrap_method(cls, "_model_forward", make)
+
+
+#: the V2 runner whose step is being prepared on this thread (set by the wrapped `prepare_attn`,
+#: read by the wrapped `set_forward_context`, which vLLM calls without the runner)
+_V2_STEP = threading.local()
+
+
+def _wrap_v2_forward_context(module: Any) -> None:
+    """`set_forward_context` as the V2 runner's module names it (only V2 `execute_model` calls it
+    there, once per step, around the forward): inside it, a step that may enter the forward at a
+    layer (`segments.step_entry`) runs from there (`_entered_at`, as V1's `_model_forward`). A FULL
+    graph replay is not entered (it runs outside this context), nor can a segmented step replay one
+    (`_wrap_v2_dispatch`)."""
+    from engine_ext.worker import segments
+
+    orig = module.set_forward_context
+    if getattr(orig, "_cb_wrapped", False):
+        return
+
+    @contextlib.contextmanager
+    def set_forward_context(*args, **kwargs):
+        with orig(*args, **kwargs) as ctx:
+            entry = segments.step_entry()
+            runner = getattr(_V2_STEP, "runner", None) if entry else None
+            with _entered_at(runner, entry) if runner is not None else contextlib.nullcontext():
+                yield ctx
+
+    set_forward_context._cb_wrapped = True
+    module.set_forward_context = set_forward_context
 
 
 def _wrap_v1_prepare_inputs(cls: Any) -> None:
@@ -638,6 +673,7 @@ def _wrap_v2_prepare_attn(cls: Any) -> None:
     def make(orig):
         def prepare_attn(self, input_batch, *args, **kwargs):
             segments.clear_step()
+            _V2_STEP.runner = self
             out = orig(self, input_batch, *args, **kwargs)
             n = input_batch.num_reqs
             _begin_segment_step(self, lambda: (input_batch.req_ids[:n], input_batch.query_start_loc_np[: n + 1],
@@ -904,6 +940,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", ("execute_model", "prepare_inputs", "prepare_attn"),
           lambda c: (_wrap_execute_model(c), _wrap_v2_prepare_inputs(c), _wrap_v2_prepare_attn(c)), optional=True),
     Patch("vllm.v1.worker.gpu.model_runner", None, ("dispatch_cg_and_sync_dp",), _wrap_v2_dispatch, optional=True),
+    Patch("vllm.v1.worker.gpu.model_runner", None, ("set_forward_context",), _wrap_v2_forward_context, optional=True),
     Patch("vllm.v1.worker.gpu.attn_utils", None, ("CommonAttentionMetadata",), _wrap_common_attn_metadata,
           optional=True),
     Patch("vllm.v1.worker.gpu.eplb_utils", "EPLBController", ("prepare_forward",), _wrap_v2_prepare_forward,
