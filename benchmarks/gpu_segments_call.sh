@@ -15,8 +15,9 @@
 #       cells were prepared during the clean run) and `agenerate_cells`, interleaved, then batched HF.
 #   CALL=entry bash benchmarks/gpu_segments_call.sh
 #       layer skipping on the GPU: the matrix alone (its layer_skipping_bit_exact check, four
-#       configurations), then benchmarks/diag/layer_entry.py on the V2 runner and on the V1 runner
-#       (batch invariance on: every variant's scores equal bit for bit), then V2 without it (speed).
+#       configurations), then benchmarks/diag/layer_entry.py on eager engines (skipping needs an
+#       eager forward), V2 and V1 runners with batch invariance on (every variant's scores equal
+#       bit for bit), then V2 without it.
 #   CALL=phases bash benchmarks/gpu_segments_call.sh
 #       benchmarks/diag/sweep_phases.py: a one-cell sweep (its setup and teardown), then the 768-cell
 #       sweep, each phase and engine call timed (the sweep service without HTTP).
@@ -54,13 +55,13 @@ case "${CALL:-check}" in
   entry)
     CB_PARALLEL=1 CB_RUN_TIMEOUT="${MATRIX_LIMIT:-240}" step matrix "$(( ${MATRIX_LIMIT:-240} + 20 ))" \
       bash benchmarks/gpu_matrix.sh bundled checks
-    for r in v2 v1; do
-      step "entry-$r" "${ENTRY_LIMIT:-120}" env VLLM_USE_V2_MODEL_RUNNER=$([ $r = v2 ] && echo 1 || echo 0) \
-        python3 benchmarks/diag/layer_entry.py --model "$M" --device cuda --reps 3 --bands 2,4
+    for r in v2 v1; do  # layer skipping needs an eager forward (compiled engines run every layer)
+      step "entry-eager-$r" "${ENTRY_LIMIT:-120}" env VLLM_USE_V2_MODEL_RUNNER=$([ $r = v2 ] && echo 1 || echo 0) \
+        python3 benchmarks/diag/layer_entry.py --model "$M" --device cuda --reps 5 --bands 2,4 --eager
     done
     left=$(( ${CALL_BUDGET:-570} - SECONDS ))
-    [ "$left" -gt 60 ] && step entry-v2-nobi "$left" env VLLM_USE_V2_MODEL_RUNNER=1 \
-      python3 benchmarks/diag/layer_entry.py --model "$M" --device cuda --reps 5 --bands 2,4 --no-batch-invariant
+    [ "$left" -gt 60 ] && step entry-eager-v2-nobi "$left" env VLLM_USE_V2_MODEL_RUNNER=1 \
+      python3 benchmarks/diag/layer_entry.py --model "$M" --device cuda --reps 5 --bands 2,4 --eager --no-batch-invariant
     ;;
   phases)  # the sweep's fixed costs, phase by phase (sweep_phases.py): one cell, then the 768-cell sweep
     step phases-1 "${PH1_LIMIT:-150}" "${SEG[@]}" python3 benchmarks/diag/sweep_phases.py --device cuda --model "$M" --reps 25 --timeline

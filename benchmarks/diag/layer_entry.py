@@ -13,7 +13,7 @@ clean run), run as segmented requests three ways, alternating, in one process:
 Every cell's scores are compared with `segmented`'s, bit for bit. One JSON line.
 
     PYTHONPATH=. python3 benchmarks/diag/layer_entry.py [--model DIR] [--device cpu|cuda] [--reps 5]
-        [--bands 2,4] [--no-batch-invariant]
+        [--bands 2,4] [--no-batch-invariant] [--eager]
 
 Without `--model`, the bundled model and its first equal-length clean/corrupt pair.
 """
@@ -40,11 +40,13 @@ def main() -> None:
     ap.add_argument("--bands", type=lambda t: [int(x) for x in t.split(",") if x], default=[4],
                     help="entry bands to run as variants too (entry_once_bandN), comma-separated")
     ap.add_argument("--no-batch-invariant", action="store_true", help="cuda: vLLM's batch-invariant kernels off")
+    ap.add_argument("--eager", action="store_true",
+                    help="cuda: enforce_eager (layer skipping needs an eager forward; compiled engines run every layer)")
     args = ap.parse_args()
     from engine_ext import Engine
     from engine_ext.specs import Interventions, Patch, RunSource
 
-    kw = dict(enforce_eager=False, max_model_len=4096, gpu_memory_utilization=0.8,
+    kw = dict(enforce_eager=args.eager, max_model_len=4096, gpu_memory_utilization=0.8,
               batch_invariant=not args.no_batch_invariant) \
         if args.device == "cuda" else {}
     if args.model:
@@ -92,6 +94,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(json.dumps({"bench": "layer_entry", "model": args.model or "bundled", "device": args.device, "layers": L,
                       "runner": eng.info.runner, "batch_invariant": eng.info.batch_invariant,
+                      "enforce_eager": eng.info.enforce_eager, "layer_entry_offered": eng.layer_entry_offered,
                       "cells": len(cells), "prompt_tokens": n, "equal_scores": equal,
                       "entered_steps": after["entered_steps"] - before["entered_steps"],
                       "layers_skipped": after["layers_skipped"] - before["layers_skipped"],

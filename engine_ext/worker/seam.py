@@ -46,9 +46,9 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   requests from its output (`engine_ext.worker.segments`; none: nothing done). A step whose
   every row belongs to segmented requests entering at one layer (`segments.step_entry`) runs
   from there: for its forward the decoder stack's `start_layer` (the attribute vLLM's model
-  forwards loop `islice(self.layers, self.start_layer, ...)` from) is set to that layer and
-  `ForwardContext.skip_compiled` to True (vLLM's own switch to the model's uncompiled forward;
-  `_entered_at`), both restored after; with one pipeline stage only. At the entry layer the
+  forwards loop `islice(self.layers, self.start_layer, ...)` from) is set to that layer
+  (`_entered_at`), restored after; with one pipeline stage and an eager forward (compilation mode
+  NONE) only. At the entry layer the
   `pre_attn` op runs on a residual of zeros (`_pre_attn_sites`), and the requests' programs
   replace each scored row's pair there (`program.entry_layer` checks that they do).
 * V1 `GPUModelRunner._prepare_inputs`, after it (positions and slot mapping computed): the rows of
@@ -67,7 +67,7 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   `dispatch_cg_and_sync_dp` as `vllm.v1.worker.gpu.model_runner` names it: no uniform token count
   for a step with a segmented request (no FULL graph); `set_forward_context` as that module names
   it (called only by V2 `execute_model`, around the forward): a step entering at a layer runs from
-  there inside it, as V1's `_model_forward` (`_entered_at`; not with V2's breakable CUDA graphs).
+  there inside it, as V1's `_model_forward` (`_entered_at`).
   The scores of a V2 step are taken after
   `execute_model` from its `execute_model_state.hidden_states` (the last pipeline stage's).
 * V2 `GPUModelRunner.prepare_inputs`: the same, from the returned `InputBatch` (`req_ids`,
@@ -541,30 +541,27 @@ def _wrap_execute_model(cls: Any) -> None:
 def _entered_at(runner: Any, layer: int):
     """Run the step's forward from decoder layer `layer` (`segments.step_entry`: every row's
     segment has its `pre_attn` pair there replaced from a stored run, so the layers below cannot
-    reach a score): the model's `start_layer` moved there for the forward, and a compiled model's
-    uncompiled forward called instead (vLLM's `ForwardContext.skip_compiled`: the compiled graph
-    fixed `start_layer`). Nothing changes (every layer runs) where the model has no such loop,
-    several pipeline stages split it, or `layer` is outside it. The entry layer's `pre_attn`
-    counts the step and the rows x layers skipped (`cb_status`: `entered_steps`,
-    `layers_skipped`)."""
+    reach a score): the model's `start_layer` moved there for the forward, restored after. Only
+    where the forward runs eagerly (vLLM's compilation mode NONE: `enforce_eager`, the CPU engine's
+    default): a compiled graph and its CUDA graphs fix the layers a forward runs. Nothing changes
+    (every layer runs, the same scores) where the model is compiled, has no such loop, several
+    pipeline stages split it, or `layer` is outside it. The entry layer's `pre_attn` counts the
+    step and the rows x layers skipped (`cb_status`: `entered_steps`, `layers_skipped`)."""
+    from vllm.config import CompilationMode
     from vllm.distributed import get_pp_group
-    from vllm.forward_context import get_forward_context, is_forward_context_available
 
     inner = getattr(getattr(runner, "model", None), "model", None)
+    config = getattr(runner, "vllm_config", None)
     if (layer <= 0 or inner is None or getattr(inner, "start_layer", None) != 0
             or not 0 < layer < getattr(inner, "end_layer", 0) or get_pp_group().world_size != 1
-            or not is_forward_context_available()
-            # V2's breakable CUDA graphs replay piecewise graphs without torch.compile: not skipped
-            or getattr(getattr(runner, "cudagraph_manager", None), "use_breakable_cg", False)):
+            or config is None or config.compilation_config.mode != CompilationMode.NONE):
         yield
         return
-    ctx = get_forward_context()
-    skip = ctx.skip_compiled
-    inner.start_layer, ctx.skip_compiled = layer, True
+    inner.start_layer = layer
     try:
         yield
     finally:
-        inner.start_layer, ctx.skip_compiled = 0, skip
+        inner.start_layer = 0
 
 
 def _wrap_v1_model_forward(cls: Any) -> None:
