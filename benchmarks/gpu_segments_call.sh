@@ -18,6 +18,10 @@
 #       configurations), then benchmarks/diag/layer_entry.py on eager engines (skipping needs an
 #       eager forward), V2 and V1 runners with batch invariance on (every variant's scores equal
 #       bit for bit), then V2 without it.
+#   CALL=entry-stacks bash benchmarks/gpu_segments_call.sh
+#       layer_entry.py (V2, batch invariance off) with the engine core sampled (stack_sampler.py and
+#       its step timeline): an eager engine (segmented vs entering) and a compiled one (segmented vs
+#       one call per layer), for where a step's fixed time goes.
 #   CALL=phases bash benchmarks/gpu_segments_call.sh
 #       benchmarks/diag/sweep_phases.py: a one-cell sweep (its setup and teardown), then the 768-cell
 #       sweep, each phase and engine call timed (the sweep service without HTTP).
@@ -62,6 +66,14 @@ case "${CALL:-check}" in
     left=$(( ${CALL_BUDGET:-570} - SECONDS ))
     [ "$left" -gt 60 ] && step entry-eager-v2-nobi "$left" env VLLM_USE_V2_MODEL_RUNNER=1 \
       python3 benchmarks/diag/layer_entry.py --model "$M" --device cuda --reps 5 --bands 2,4 --eager --no-batch-invariant
+    ;;
+  entry-stacks)  # where a step of segmented cells spends its time: eager (entering) and compiled, sampled
+    step entry-stacks-eager "${ENTRY_LIMIT:-150}" env VLLM_USE_V2_MODEL_RUNNER=1 python3 benchmarks/diag/layer_entry.py \
+      --model "$M" --device cuda --reps 3 --bands 4 --eager --no-batch-invariant --stacks "$OUT/stacks-eager"
+    left=$(( ${CALL_BUDGET:-570} - SECONDS ))
+    [ "$left" -gt 60 ] && step entry-stacks-graphs "$left" env VLLM_USE_V2_MODEL_RUNNER=1 python3 benchmarks/diag/layer_entry.py \
+      --model "$M" --device cuda --reps 3 --bands 4 --no-batch-invariant --stacks "$OUT/stacks-graphs" \
+      --stack-variants segmented,waves
     ;;
   phases)  # the sweep's fixed costs, phase by phase (sweep_phases.py): one cell, then the 768-cell sweep
     step phases-1 "${PH1_LIMIT:-150}" "${SEG[@]}" python3 benchmarks/diag/sweep_phases.py --device cuda --model "$M" --reps 25 --timeline

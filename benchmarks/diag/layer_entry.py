@@ -28,7 +28,12 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from segment_cells import p1_pair  # noqa: E402 (this file's sibling)
+
+from benchmarks.diag.stack_sampler import arm_children, arm_spawned_child, sampled_window  # noqa: E402
+
+arm_spawned_child()  # a spawned engine core (GPU) samples too when --stacks arms it
 
 
 def main() -> None:
@@ -42,7 +47,15 @@ def main() -> None:
     ap.add_argument("--no-batch-invariant", action="store_true", help="cuda: vLLM's batch-invariant kernels off")
     ap.add_argument("--eager", action="store_true",
                     help="cuda: enforce_eager (layer skipping needs an eager forward; compiled engines run every layer)")
+    ap.add_argument("--stacks", default="",
+                    help="a folder: after the timed runs, one sampled window per --stack-variants variant "
+                         "(stack_sampler.py: client-<variant>.json, the engine core's stack-<pid>-<variant>.json "
+                         "with its step timeline)")
+    ap.add_argument("--stack-variants", default="segmented,entry_once")
     args = ap.parse_args()
+    flag = os.path.join(args.stacks, "sampling") if args.stacks else ""
+    if args.stacks:
+        arm_children(args.stacks, flag)
     from engine_ext import Engine
     from engine_ext.specs import Interventions, Patch, RunSource
 
@@ -102,6 +115,8 @@ def main() -> None:
                       "entry_vs_waves": round(med["waves"] / med["entry"], 3),
                       **{f"{k}_vs_segmented": round(med["segmented"] / med[k], 3) for k in med if k.startswith("entry")}}),
           flush=True)
+    for name in (v for v in args.stack_variants.split(",") if v and args.stacks):
+        sampled_window(args.stacks, flag, name, lambda fn=variants[name]: asyncio.run(fn()), 3, "layer_entry_sampled")
     eng.close()
 
 
