@@ -22,6 +22,9 @@
 #       layer_entry.py (V2, batch invariance off) with the engine core sampled (stack_sampler.py and
 #       its step timeline): an eager engine (segmented vs entering) and a compiled one (segmented vs
 #       one call per layer), for where a step's fixed time goes.
+#   CALL=cgsizes SEG_V2=1 bash benchmarks/gpu_segments_call.sh
+#       segmented cells (`agenerate_cells`) and the HTTP sweep with vLLM's default CUDA-graph sizes
+#       (to 512 tokens: the cells' one big step runs without a graph), then with sizes to 16,384.
 #   CALL=phases bash benchmarks/gpu_segments_call.sh
 #       benchmarks/diag/sweep_phases.py: a one-cell sweep (its setup and teardown), then the 768-cell
 #       sweep, each phase and engine call timed (the sweep service without HTTP).
@@ -75,6 +78,14 @@ case "${CALL:-check}" in
       --model "$M" --device cuda --reps 3 --bands 4 --no-batch-invariant --stacks "$OUT/stacks-graphs" \
       --stack-variants segmented,waves
     ;;
+  cgsizes)  # the segmented cells' big steps with CUDA graphs of their size: default sizes, then up to 16,384 tokens
+    CS=$(python3 -c "import json; print(json.dumps({'cudagraph_capture_sizes': [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16)) + [768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384]}))")
+    step cg-default "${CG_LIMIT:-150}" "${SEG[@]}" python3 benchmarks/diag/p1_stacks.py --engine cb --http --interleave \
+      --variants cells_seg,sweep_http --model "$M" --reps 7 --dir "$OUT/cg-default"
+    left=$(( ${CALL_BUDGET:-570} - SECONDS ))
+    [ "$left" -gt 60 ] && step cg-large "$left" "${SEG[@]}" python3 benchmarks/diag/p1_stacks.py --engine cb --http --interleave \
+      --variants cells_seg,sweep_http --model "$M" --reps 7 --dir "$OUT/cg-large" --compilation-config "$CS"
+    ;;
   phases)  # the sweep's fixed costs, phase by phase (sweep_phases.py): one cell, then the 768-cell sweep
     step phases-1 "${PH1_LIMIT:-150}" "${SEG[@]}" python3 benchmarks/diag/sweep_phases.py --device cuda --model "$M" --reps 25 --timeline
     left=$(( ${CALL_BUDGET:-570} - SECONDS ))
@@ -84,6 +95,6 @@ case "${CALL:-check}" in
 esac
 tar -czf "$OUT/segments-call.tgz" -C "$OUT" $(cd "$OUT" && ls | grep -v '\.tgz$') 2>/dev/null
 cat "$OUT/steps.txt"
-for f in "$OUT"/seg-*.out "$OUT"/entry-*.out "$OUT"/p1-*.out "$OUT"/phases-*.out "$OUT"/hf.out "$OUT"/dyn-check.out; do [ -f "$f" ] && grep -h '"bench"\|passed\|failed' "$f" | tail -12 | sed "s/^/$(basename "$f" .out): /"; done
+for f in "$OUT"/seg-*.out "$OUT"/entry-*.out "$OUT"/cg-*.out "$OUT"/p1-*.out "$OUT"/phases-*.out "$OUT"/hf.out "$OUT"/dyn-check.out; do [ -f "$f" ] && grep -h '"bench"\|passed\|failed' "$f" | tail -12 | sed "s/^/$(basename "$f" .out): /"; done
 tail -6 "$OUT/matrix.out" 2>/dev/null
 keep_only segments-call.tgz
