@@ -30,7 +30,8 @@ Checks (bf16; tolerances printed in the result):
 * segmented sweep cells (every layer x hook x position of the corrupt prompt) equal the same cells
   run one request each, bit for bit; and with layer skipping (the corrupt run's `pre_attn` stored
   at every layer: each cell's steps start at its layer) equal again, with the skipped steps counted
-  wherever the engine offers it (`Engine.layer_entry_offered`).
+  wherever the engine offers it (`Engine.layer_entry_offered`, switched on for the check: eager
+  engines; a compiled one runs every layer).
 Throughput: decode tokens/s with CUDA graphs, vanilla vs every request steered, batch 1 and 32.
 """
 
@@ -397,9 +398,22 @@ def run_checks(args, eng=None) -> dict:
 
     def layer_skipping():
         # the segmented cells above, given the corrupt run's `pre_attn` at every layer, enter the
-        # forward at their layer (docs/segmented-cells.md, "Layer skipping"; the workers count those
-        # steps where the engine offers it): bit for bit the scores of the cells that ran every layer
+        # forward at their layer (docs/segmented-cells.md, "Layer skipping"; switched on here for an
+        # eager GPU engine too, the workers count those steps where the engine offers it): bit for
+        # bit the scores of the cells that ran every layer
         import asyncio
+
+        saved_switch = os.environ.get("CAUSALBOARD_LAYER_ENTRY")
+        os.environ["CAUSALBOARD_LAYER_ENTRY"] = "1"
+        try:
+            return _layer_skipping(asyncio)
+        finally:
+            if saved_switch is None:
+                del os.environ["CAUSALBOARD_LAYER_ENTRY"]
+            else:
+                os.environ["CAUSALBOARD_LAYER_ENTRY"] = saved_switch
+
+    def _layer_skipping(asyncio):
 
         if "seg" not in seg_cells:
             return {"ok": not eng.segment_block, "note": "segmented cells did not run"}

@@ -828,15 +828,17 @@ class Engine(DynamicControl):
     def layer_entry_offered(self) -> bool:
         """Whether segmented cells given an `entry_run` skip the layers below their entry layer here
         (`agenerate_cells`; docs/segmented-cells.md, "Layer skipping"): an engine that can segment,
-        with one pipeline stage and an eager forward (`enforce_eager`: the CPU engine's default, a
-        GPU engine's when asked), unless `CAUSALBOARD_LAYER_ENTRY=0`. A compiled engine (the GPU's
-        default) runs every layer: its compiled graph fixes the layers a forward runs, and the
-        uncompiled forward from the entry layer measured 0.16-0.42x of its compiled cells on an
-        H200, with scores up to 0.06 apart (docs/segmented-cells.md)."""
+        with one pipeline stage and an eager forward (`enforce_eager`), and by default only on the
+        CPU (`CAUSALBOARD_LAYER_ENTRY`: 0 turns it off, 1 turns it on for an eager GPU engine too).
+        Measured on an H200 (docs/segmented-cells.md): a step of one entry layer's cells costs
+        ~24 ms of host time however few tokens it holds, so the cells entering at their layers ran
+        0.22-0.49x of the same cells in one step that runs every layer; a compiled engine's graph
+        fixes the layers a forward runs (its uncompiled forward gave scores up to 0.06 apart)."""
         from engine_ext.switches import env_switch
 
         return (self.segment_block is not None and bool(self.enforce_eager)
-                and self.config.pipeline_parallel_size == 1 and env_switch("CAUSALBOARD_LAYER_ENTRY", True))
+                and self.config.pipeline_parallel_size == 1
+                and env_switch("CAUSALBOARD_LAYER_ENTRY", self.info.device == "cpu"))
 
     def _segments_blocked(self) -> str | None:
         """Why cells cannot be segments now (None: they can): global steering, clamps or dynamic
