@@ -287,7 +287,7 @@ def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells
     cells in one group (`service.SEGMENTED_GROUP_MAX`), built (`Engine.prepare_cells`) while the
     clean run and the baselines are in the engine, and run as built (`Engine.arun_cells`), skipping
     the layers below each cell's (the corrupt baseline's run stored for it and dropped at the end;
-    docs/segmented-cells.md, "Layer skipping"). (The bundled pair's few tokens in a 32-token block
+    `layer_entry: true` in the summary; docs/segmented-cells.md, "Layer skipping"). (The bundled pair's few tokens in a 32-token block
     are too much padding for the default: the test allows any.)"""
     from engine_ext.engine import cells as packing
 
@@ -316,6 +316,9 @@ def test_a_short_prompts_sweep_runs_its_cells_in_segments_with_the_grid_of_cells
         runs[name] = (r.json(), sum(sizes))
         if name in ("default", "no_reuse", "roomy_limit"):  # one group: its cells skip the layers below theirs
             assert engine.layer_entry_offered and _worker_counts(engine)[0] > entered, name
+            assert r.json()["layer_entry"] is True, name
+        else:  # several groups (tight limit) or one request per cell (reuse): every layer runs
+            assert r.json()["layer_entry"] is False and _worker_counts(engine)[0] == entered, name
         runs_left = [run["run_id"] for w in engine.intervention_status()["workers"] for run in w["store"]["runs"]]
         assert not any(run.endswith("-entry") for run in runs_left), runs_left  # dropped at the sweep's end
         if name == "default":  # a segmented sweep submits all its jobs (cells, baselines, repeats) as one group,

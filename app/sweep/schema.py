@@ -306,6 +306,12 @@ class SweepSetup(_Wire):
                                                      "their own (docs/segmented-cells.md): the default for prompts shorter "
                                                      "than two KV blocks without noise, and with `prefix_reuse: false`, "
                                                      "where the engine can.")
+    layer_entry: bool | None = Field(None, description="Whether the segmented cells started their forward at the lowest "
+                                                       "layer they patch, from the corrupt baseline's run stored at every "
+                                                       "layer, the layers below not computed, with the same scores (layer "
+                                                       "skipping, docs/segmented-cells.md): segmented sweeps without noise "
+                                                       "on engines that offer it (eager, one pipeline stage; by default "
+                                                       "the CPU).")
 
 
 class SweepSummary(SweepSetup):

@@ -99,6 +99,8 @@ class SweepRun:
         self.prefix_reuse = False
         #: cells run as the segments of shared requests (`Engine.agenerate_cells`)
         self.segmented = False
+        #: those segments start their forward at their lowest patched layer (`_entry_run`)
+        self.layer_entry = False
         #: a segmented sweep's one group of jobs, prepared while the clean run computes
         #: (`_prepare_group`): (`_jobs`, their requests' specs and owners, `Engine.prepare_cells`)
         self.prepared_group: tuple | None = None
@@ -233,6 +235,7 @@ class SweepService:
         # with prefix reuse, the solo baselines write the blocks the cells read (the fan-out starts after them)
         group = _group_jobs(run)
         entry = _entry_run(run, self.engine) if group is not None else None
+        run.layer_entry = entry is not None
         if req.max_concurrency is None or req.max_concurrency >= 1 + len(noises):
             _, *scores = await _all_or_none(self._prepare_clean(run, base),
                                             *(self._score(run, plan.corrupt_ids, n, entry if k == 0 else None, base)
@@ -569,7 +572,7 @@ class SweepService:
             foil_token_id=plan.foil_id, foil_token=eng.token_strings([plan.foil_id])[0] if plan.foil_id is not None else None,
             alpha=req.alpha, source=SweepSource(**src.to_json()), subject_positions=plan.subject_positions,
             mask=plan.mask.to_json() if plan.mask is not None else None,
-            prefix_reuse=run.prefix_reuse, segmented=run.segmented,
+            prefix_reuse=run.prefix_reuse, segmented=run.segmented, layer_entry=run.layer_entry,
             noise=(SweepNoise(positions=plan.noise_positions, scale=req.noise.scale, seed=req.noise.seed,
                               samples=req.noise.samples) if req.noise else None),
         )

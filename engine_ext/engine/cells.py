@@ -94,7 +94,8 @@ def pack(prompt: Sequence[int], cells: Sequence[Interventions | None], score_ids
     holding `pre_attn` at every layer and prompt position. Then each carrier holds cells of one
     *entry layer* (`lowest_patched_layer`; below it a cell equals that
     run) and enters the forward there: every segment's `pre_attn` pairs at that layer come from
-    `entry_run` (where the cell patches that site and position itself, its own patch), and a step
+    `entry_run` (where the cell patches that site and position itself, its own patch; one patch
+    per carrier, first in its list), and a step
     that schedules only such carriers of one layer skips the layers below
     (docs/segmented-cells.md, "Layer skipping"). Same scores; cells with entry layer 0 are packed
     as without `entry_run`. `entry_band`: cells enter at the first layer of their band of that
@@ -116,13 +117,18 @@ def pack(prompt: Sequence[int], cells: Sequence[Interventions | None], score_ids
             idx = members[first: first + q + (1 if c < r else 0)]
             first += len(idx)
             patches: list[Patch] = []
+            entry_dst: list[int] = []  # the carrier's one entry patch: destinations, stored positions
+            entry_src: list[int] = []
             for j, i in enumerate(idx):
                 moved = [_moved(p, j * length, info, f"cells[{i}].patch[{k}]")
                          for k, p in enumerate(cells[i].patch if cells[i] is not None else ())]
-                entry = _entry_patch(layer, entry_run, n, j * length, moved) if layer else None
-                if entry is not None:
-                    patches.append(entry)
+                if layer:
+                    keep = _entry_positions(layer, n, j * length, moved)
+                    entry_dst += [j * length + q for q in keep]
+                    entry_src += keep
                 patches += moved
+            if entry_dst:
+                patches.insert(0, Patch(Site(layer, "pre_attn"), tuple(entry_dst), RunSource(entry_run, tuple(entry_src))))
             segments = {"len": length, "score_pos": [j * length + n - 1 for j in range(len(idx))],
                         "ids": [int(t) for t in score_ids]}
             if layer:
@@ -138,14 +144,14 @@ def lowest_patched_layer(cell: Interventions | None) -> int:
     return min((p.site.layer for p in cell.patch), default=0) if cell is not None else 0
 
 
-def _entry_patch(layer: int, run: str, n: int, offset: int, own: list[Patch]) -> Patch | None:
-    """The patch that gives a segment (carrier positions `offset` .. `offset + n - 1`) the stored
-    `run`'s `pre_attn` pairs at `layer`, except where the cell's own patches (`own`, already moved)
-    replace that site and position."""
+def _entry_positions(layer: int, n: int, offset: int, own: list[Patch]) -> list[int]:
+    """The prompt positions of a segment (carrier positions `offset` .. `offset + n - 1`) whose
+    `pre_attn` pairs at `layer` come from the entry run: all but those where the cell's own patches
+    (`own`, already moved) replace that site and position. The carrier's entry patch gathers them
+    for all its segments (one patch per carrier, not one per segment)."""
     site = Site(layer, "pre_attn")
     taken = {int(x) - offset for p in own if p.site == site for x in p.positions}
-    keep = tuple(q for q in range(n) if q not in taken)
-    return Patch(site, tuple(offset + q for q in keep), RunSource(run, keep)) if keep else None
+    return [q for q in range(n) if q not in taken]
 
 
 def _moved(p: Patch, offset: int, info: PromptInfo, field: str) -> Patch:
