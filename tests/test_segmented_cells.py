@@ -489,3 +489,53 @@ def test_cells_entering_at_their_layer_skip_the_layers_below_with_the_same_score
         engine.drop_source("seg-corrupt")
         engine.drop_source("seg-clean-entry")
     assert engine.in_flight == 0
+
+
+def test_layer_skipping_is_offered_where_the_forward_is_eager_and_ignored_elsewhere(engine, prompts, monkeypatch):
+    """`Engine.layer_entry_offered`: one pipeline stage, segments, an eager forward (a compiled
+    graph fixes the layers it runs), and by default the CPU only (on an H200 skipping was slower;
+    `CAUSALBOARD_LAYER_ENTRY=1` offers it on an eager GPU engine, `0` nowhere). Where it is not
+    offered, `prepare_cells` ignores `entry_run`: no entry patches, no entry layer for the
+    scheduler, every layer runs, the same scores."""
+    import types
+
+    from engine_ext import Engine
+
+    def offered(device="cpu", eager=True, stages=1, block=32, switch=None):
+        if switch is None:
+            monkeypatch.delenv("CAUSALBOARD_LAYER_ENTRY", raising=False)
+        else:
+            monkeypatch.setenv("CAUSALBOARD_LAYER_ENTRY", switch)
+        fake = types.SimpleNamespace(segment_block=block, enforce_eager=eager, info=types.SimpleNamespace(device=device),
+                                     config=types.SimpleNamespace(pipeline_parallel_size=stages))
+        return Engine.layer_entry_offered.fget(fake)
+
+    assert offered() and offered(switch="1") and not offered(switch="0")
+    assert not offered(device="cuda") and offered(device="cuda", switch="1")
+    assert not offered(device="cuda", eager=False, switch="1") and not offered(eager=False)
+    assert not offered(stages=2) and not offered(block=None)
+    monkeypatch.delenv("CAUSALBOARD_LAYER_ENTRY", raising=False)
+
+    clean, corrupt = prompts
+    n, L = len(corrupt), engine.info.num_layers
+    cells = [Interventions(patch=(Patch.make(f"L{L - 1}.{h}", [p], RunSource("seg-clean")),)) for h in HOOKS for p in range(n)]
+
+    def entry_patches(prepared) -> tuple[int, int, bool]:
+        """(carriers, patches beyond the cells' own, whether any carrier enters at a layer)"""
+        carriers = [what for _, _, what, _ in prepared.requests if hasattr(what, "segments")]
+        return (len(carriers), sum(len(c.spec.patch) for c in carriers) - len(cells),
+                any("entry" in c.segments for c in carriers))
+
+    assert engine.layer_entry_offered
+    carriers, extra, enters = entry_patches(engine.prepare_cells(corrupt, cells, SCORE_IDS, segmented=True,
+                                                                 entry_run="no-such-run"))
+    assert carriers >= 2 and extra == carriers and enters  # one entry patch per carrier
+    monkeypatch.setenv("CAUSALBOARD_LAYER_ENTRY", "0")
+    assert not engine.layer_entry_offered
+    assert entry_patches(engine.prepare_cells(corrupt, cells, SCORE_IDS, segmented=True,
+                                              entry_run="no-such-run")) == (carriers, 0, False)
+    steps = _worker_counts(engine)[0]
+    ignored = run(engine, corrupt, cells, segmented=True, entry_run="no-such-run")  # a missing run voids nothing here
+    assert _worker_counts(engine)[0] == steps
+    plain = run(engine, corrupt, cells, segmented=True)
+    assert all(not ignored[i].intervention.voided and ignored[i].scores[0] == plain[i].scores[0] for i in range(len(cells)))
