@@ -402,18 +402,7 @@ def run_checks(args, eng=None) -> dict:
         # eager GPU engine too, the workers count those steps where the engine offers it): bit for
         # bit the scores of the cells that ran every layer
         import asyncio
-
-        saved_switch = os.environ.get("CAUSALBOARD_LAYER_ENTRY")
-        os.environ["CAUSALBOARD_LAYER_ENTRY"] = "1"
-        try:
-            return _layer_skipping(asyncio)
-        finally:
-            if saved_switch is None:
-                del os.environ["CAUSALBOARD_LAYER_ENTRY"]
-            else:
-                os.environ["CAUSALBOARD_LAYER_ENTRY"] = saved_switch
-
-    def _layer_skipping(asyncio):
+        from unittest import mock
 
         if "seg" not in seg_cells:
             return {"ok": not eng.segment_block, "note": "segmented cells did not run"}
@@ -426,15 +415,17 @@ def run_checks(args, eng=None) -> dict:
             eng.capture(seg_cells["corrupt"], [f"L{l}.pre_attn" for l in range(L)], "all_prompt", keep_as="seg-entry",
                         return_values=False)
             before = entered()
-            entry = asyncio.run(run(True, "seg-entry"))
+            with mock.patch.dict(os.environ, {"CAUSALBOARD_LAYER_ENTRY": "1"}):
+                offered = eng.layer_entry_offered
+                entry = asyncio.run(run(True, "seg-entry"))
             steps = entered() - before
         finally:
             eng.drop_source("seg")
             eng.drop_source("seg-entry")
         differ = [i for i in seg if entry.get(i) != seg[i]]
         values["layer_skipping"] = {"first": entry[0][0], "entered_steps": steps}
-        return {"ok": len(entry) == len(seg) and not differ and (steps > 0) == eng.layer_entry_offered,
-                "offered": eng.layer_entry_offered, "entered_steps": steps, "cells_differing": len(differ),
+        return {"ok": len(entry) == len(seg) and not differ and (steps > 0) == offered,
+                "offered": offered, "entered_steps": steps, "cells_differing": len(differ),
                 "max_abs_diff": max((abs(entry[i][0][t] - seg[i][0][t]) for i in differ for t in seg[i][0]), default=0.0),
                 "first_differing": differ[:8]}
 

@@ -697,11 +697,11 @@ def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int,
 def _entry_run(run: SweepRun, engine: Engine) -> str | None:
     """The name under which a segmented sweep stores its corrupt baseline's `pre_attn` at every
     layer, so that its cells skip the layers below their own (`Engine.agenerate_cells(entry_run=)`;
-    docs/segmented-cells.md, "Layer skipping"), or None: the sweep is not segmented, has noise
-    (its baselines are noise samples, not the corrupt prompt's own run), or the engine does not
-    offer it (`Engine.layer_entry_offered`). For a sweep that submits its cells as one prepared
-    group (`_group_jobs`)."""
-    if not run.segmented or run.plan.request.noise or not engine.layer_entry_offered:
+    docs/segmented-cells.md, "Layer skipping"), or None: the sweep has noise (its baselines are
+    noise samples, not the corrupt prompt's own run), or the engine does not offer it
+    (`Engine.layer_entry_offered`). Asked only for a sweep that submits its cells as one prepared
+    group (`_group_jobs`: segmented)."""
+    if run.plan.request.noise or not engine.layer_entry_offered:
         return None
     return f"{run.plan.sweep_id}-entry"
 

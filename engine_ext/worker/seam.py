@@ -877,11 +877,12 @@ def _hold_other_entries(sched: Any) -> list:
     that found none."""
     if not getattr(sched, "_cb_entries_seen", False) or not sched.waiting:
         return []
-    running = [e for r in sched.running if (e := _entry_of(r)) is not None and r.num_computed_tokens < r.num_prompt_tokens]
+    running = [(r, _entry_of(r)) for r in sched.running]
     entries = [(r, _entry_of(r)) for r in sched.waiting]
-    layer = running[0] if running else entries[0][1]
+    prefilling = [e for r, e in running if e is not None and r.num_computed_tokens < r.num_prompt_tokens]
+    layer = prefilling[0] if prefilling else entries[0][1]
     held = [r for r, e in entries if e != layer]
-    sched._cb_entries_seen = any(e is not None for _, e in entries) or any(_entry_of(r) is not None for r in sched.running)
+    sched._cb_entries_seen = any(e is not None for _, e in entries + running)
     if held:
         sched.waiting.remove_requests(held)
     return held
