@@ -52,6 +52,12 @@ def auto_size(max_step_bytes: int) -> int:
 
 _ids = itertools.count(1)
 
+#: both sides map the ring with its page tables filled at once (Linux): a first touch of each
+#: page would otherwise fault, once per 4 KiB, in the middle of the copies (measured on the 2-core
+#: CPU: 131 MB of 128 KiB slices copied out in 15-19 ms unpopulated, 8-10 ms populated; mapping
+#: 512 MiB populated takes 35-50 ms, once)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
 
 class CaptureRing:
     """A worker's ring: a shared-memory file of `size` bytes and a circular allocator over it
@@ -66,7 +72,7 @@ class CaptureRing:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(fd, 0, self.size)
-            self._map = mmap.mmap(fd, self.size)
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
         except BaseException:
             os.close(fd)
             self._unlink()
@@ -237,7 +243,7 @@ class RingReaders:
         except OSError:
             return False
         try:
-            m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         except OSError:
             return False
         finally:

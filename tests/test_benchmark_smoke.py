@@ -70,8 +70,9 @@ def test_dynamic_steering_cost_bench_runs_and_reports():
 
 
 def test_p3_profile_and_worker_capture_benches_run_and_report(tmp_path):
-    """`benchmarks/diag/p3_stacks.py` (P3 with the stack sampler, one window per variant) and
-    `benchmarks/diag/capture_worker.py` (the worker's host time per captured request)."""
+    """`benchmarks/diag/p3_stacks.py` (P3 with the stack sampler, one window per variant),
+    `benchmarks/diag/capture_worker.py` (the worker's host time per captured request) and
+    `benchmarks/diag/ring_populate.py` (the ring's values copied out, page tables filled or not)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     diag = REPO / "benchmarks" / "diag"
     proc = subprocess.run([sys.executable, str(diag / "p3_stacks.py"), "--model", str(model_path()), "--device", "cpu",
@@ -88,6 +89,11 @@ def test_p3_profile_and_worker_capture_benches_run_and_report(tmp_path):
     (line,) = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
     assert line["bench"] == "capture_worker" and line["us_per_request"]["total_us_per_request"] > 0
     assert line["ring"]["full"] == 0 and line["ring"]["in_use"] == 0, line["ring"]
+    proc = subprocess.run([sys.executable, str(diag / "ring_populate.py"), "--ring-mib", "4", "--results", "8", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"bench"')]
+    assert [ln["populate"] for ln in lines] == [False, True] and all(ln["copy_ms"] >= 0 for ln in lines)
 
 
 def test_the_worker_cell_bench_runs_and_reports():

@@ -317,3 +317,64 @@ def test_single_entry_plans_are_written_as_the_per_plan_path_writes_them():
     # the entries in their windows only: step 1 all four, step 2 none (each window ends before its
     # entry), step 3 the two whose windows reach theirs, step 4 the generated position's
     assert [int((t >= 0).sum()) for t in fast[0]] == [4, 0, 2, 1]
+
+
+def test_single_position_capture_plans_are_written_as_the_per_plan_path_writes_them():
+    """`plan_step` writes the capture rows of every capture-only plan with one prompt position
+    (`RequestPlan.cap_single`: P3's every layer at the last prompt token) at once: the capture
+    table, the blocks handed to `after_forward` (owner, position, sites, base row), the applied
+    actions, the checksum and an overflowing request's refusal equal those of the per-plan path,
+    for windows that hold the position, windows before and after it (chunked prefill), decode
+    steps, two site tables in one step and plans of other shapes among them."""
+    import copy
+
+    import torch
+
+    from engine_ext.worker.checksum import ActionChecksum
+    from engine_ext.worker.intervention_op import SiteBuffers
+    from engine_ext.worker.planner import RequestPlan, StepPlanner
+    from engine_ext.worker.slots import SlotTable
+
+    H, S = 4, 8
+
+    def prog(key, sites, pos, gen=False):
+        return WorkerProgram(key=key, n_prompt=8, max_pos=12, hash="h", capture_sites=sites,
+                             capture_pos=np.asarray(pos, np.int64), capture_gen=gen)
+
+    programs = {"last-a": prog("a", [1, 3, 5], [7]), "last-b": prog("b", [1, 3, 5], [7]),
+                "mid-c": prog("c", [0, 6], [2]), "two-pos": prog("t", [2], [1, 6]), "gen": prog("g", [4], [7], gen=True),
+                "last-d": prog("d", [1, 3, 5], [7]), "big": prog("e", list(range(S)), [7])}
+    steps = [[("last-a", 0, 8), ("two-pos", 0, 8), ("mid-c", 0, 8), ("last-b", 0, 8), ("big", 0, 8)],  # "big" overflows
+             [("last-d", 0, 4), ("gen", 0, 8)],
+             [("last-d", 4, 4), ("last-a", 8, 1), ("gen", 8, 1)],
+             [("last-a", 9, 1), ("mid-c", 8, 1)]]
+
+    def run_steps(batched: bool):
+        buffers = SiteBuffers(num_sites=S, max_rows=32, max_slots=8, max_capture_rows=12, hidden=H,
+                              device=torch.device("cpu"), dtype=torch.float32)
+        slots, checksum = SlotTable(buffers), ActionChecksum()
+        plans = {rid: RequestPlan.build(p.key, 8, p, [], slots, 0) for rid, p in programs.items()}
+        if not batched:
+            plans = {rid: copy.copy(p) for rid, p in plans.items()}
+            for p in plans.values():
+                p.cap_single = None
+        planner = StepPlanner(buffers, slots, checksum, sink=None)
+        tables, blocks, counts, refused = [], [], [], []
+        for step in steps:
+            qsl = np.cumsum([0] + [n for *_, n in step]).astype(np.int32)
+            planner.plan_step([rid for rid, *_ in step], qsl, np.asarray([p0 for _, p0, _ in step], np.int32), plans,
+                              on_overflow=lambda rid, msg: refused.append((rid, msg)))
+            tables.append(planner.hc[: qsl[-1]].copy())
+            blocks.append([(b.owner, b.positions.tolist(), b.sites.tolist(), b.base, b.need) for b in planner._blocks])
+            planner._blocks = []
+            counts.append(checksum.count)
+        return tables, blocks, counts, checksum.value, refused, sum(p.cap_single is not None for p in plans.values())
+
+    fast, per_plan = run_steps(True), run_steps(False)
+    assert fast[5] == 5 and per_plan[5] == 0  # the fast path was taken for the five one-position plans
+    for a, b in zip(fast[0], per_plan[0]):
+        assert np.array_equal(a, b)
+    assert fast[1:5] == per_plan[1:5]
+    assert [len(b) for b in fast[1]] == [4, 1, 2, 0] and [rid for rid, _ in fast[4]] == ["big"]
+    # step 1: 3 + 2 + 2 (two-pos: position 1 and 6) + 3 rows, ids 0..9 (the step's 12 rows refuse big's 8)
+    assert sorted(fast[0][0][fast[0][0] >= 0].tolist()) == list(range(10))

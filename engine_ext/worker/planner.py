@@ -196,6 +196,10 @@ class RequestPlan:
     #: (position, site, slot) of a plan whose only content is one explicit entry (a sweep's cell:
     #: no templates, no captures); `plan_step` writes the rows of all such plans of a step at once
     ex_single: tuple[int, int, int] | None = None
+    #: the one prompt position of a plan whose only content is captures at that position (P3:
+    #: every layer at the last prompt token; `_capture_only`): `plan_step` writes the capture rows
+    #: of all such plans of a step sharing one site table at once
+    cap_single: int | None = None
 
     @property
     def empty(self) -> bool:
@@ -289,12 +293,15 @@ class RequestPlan:
             gen_only = not cap_gen and not (cap_pos.size and cap_pos[-1] >= n_prompt)
             if len(_CAPTURE_PLANS) >= 1024:
                 _CAPTURE_PLANS.clear()
-            hit = _CAPTURE_PLANS[shape] = (cap_sites, cap_pos, cap_gen, described, gen_only,
+            hit = _CAPTURE_PLANS[shape] = (cap_sites, cap_pos, cap_gen, repr(described), gen_only,
                                            _template_group(_EMPTY_I32, _EMPTY_I32))
-        cap_sites, cap_pos, cap_gen, described, gen_only, group = hit
+        cap_sites, cap_pos, cap_gen, described_repr, gen_only, group = hit
         plan = cls(key=key, n_prompt=n_prompt, cap_sites=cap_sites, cap_pos=cap_pos, cap_gen=cap_gen,
                    cap_need=shape[-1], global_version=global_version, gen_template_only=gen_only, gen_group=group)
-        plan.digest = zlib.crc32(repr((key, n_prompt, described)).encode())
+        if cap_pos.size == 1 and not cap_gen and cap_sites.size and int(cap_pos[0]) < n_prompt:
+            plan.cap_single = int(cap_pos[0])
+        # = repr((key, n_prompt, described)), the general composition's digest text
+        plan.digest = zlib.crc32(f"({key!r}, {n_prompt!r}, {described_repr})".encode())
         return plan
 
     @classmethod
@@ -508,6 +515,9 @@ class StepPlanner:
             s_rows: list[int] = []
             s_sites: list[int] = []
             s_slots: list[int] = []
+            # capture rows of `cap_single` plans, by their (shared) site table: rows, bases
+            c_groups: dict[int, tuple[np.ndarray, list[int], list[int]]] = {}
+            max_cap = self.b.max_capture_rows
             for i, rid in enumerate(req_ids):
                 plan = get(rid)
                 if plan is None:
@@ -536,6 +546,24 @@ class StepPlanner:
                         s_rows.append(row0 + single[0] - p0)
                         s_sites.append(single[1])
                         s_slots.append(single[2])
+                    max_row = max(max_row, row0 + n)
+                    actions.append((plan.digest, p0, p1))
+                    continue
+                cs = plan.cap_single
+                if cs is not None:  # what the general path below does for such a plan, batched
+                    if p0 <= cs < p1:
+                        k = plan.cap_sites.size
+                        if n_cap + k > max_cap:
+                            on_overflow(rid, f"the step's {max_cap} capture rows are exceeded; raise "
+                                             "max_capture_rows / capture_buffer_bytes or capture fewer sites x positions at once")
+                            continue
+                        group = c_groups.get(id(plan.cap_sites))
+                        if group is None:
+                            group = c_groups[id(plan.cap_sites)] = (plan.cap_sites, [], [])
+                        group[1].append(row0 + cs - p0)
+                        group[2].append(n_cap)
+                        blocks.append(_CaptureBlock(rid, plan.cap_pos, plan.cap_sites, n_cap, plan.cap_need))
+                        n_cap += k
                     max_row = max(max_row, row0 + n)
                     actions.append((plan.digest, p0, p1))
                     continue
@@ -574,6 +602,9 @@ class StepPlanner:
                 hs[np.asarray(rows, np.int64)[:, None], plan.gen_sites[None, :]] = plan.gen_slots
             if s_rows:
                 hs[s_rows, s_sites] = s_slots
+            for sites, rows, bases in c_groups.values():
+                hc[np.asarray(rows, np.int64)[:, None], sites[None, :]] = (
+                    np.asarray(bases, np.int32)[:, None] + np.arange(sites.size, dtype=np.int32)[None, :])
         finish = None
         if extra is not None:
             more_rows, n_cap, finish = extra(self, req_ids, query_start_loc, num_computed, hs, hc, n_cap)

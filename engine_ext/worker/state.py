@@ -128,12 +128,12 @@ class RequestState:
         little-endian, row after row (a `bytearray`: an in-process client reads it without a copy);
         with a `ring` that has room, written there instead and `ring` = [name, offset, nbytes]
         in place of `data` (`engine_ext.capture_ring`)."""
-        if len(self.captures) == 1 and _increasing(self.captures[0].sites) and _increasing(self.captures[0].positions):
+        layout = _block_layout(self.captures[0]) if len(self.captures) == 1 else None
+        if layout is not None:
             # the common case (one block, sites and positions in order): keys in (site, position)
             # order are the block's rows transposed; one copy, no per-row work
             blk = self.captures[0]
-            sites, positions = blk.sites.tolist(), blk.positions.tolist()
-            keys = [[site, pos] for site in sites for pos in positions]
+            keys, sites, positions = layout
             vals = blk.values()
             step = blk.step
             if ring is not None and step.ring is ring and (len(positions) == 1 or len(sites) == 1):
@@ -154,6 +154,33 @@ class RequestState:
         per_block = [blk.values() for blk in self.captures]
         vals = torch.stack([per_block[b][i, j] for b, i, j in (latest[k] for k in keys)])
         return {"keys": [list(k) for k in keys], **_block_data(vals, ring)}
+
+
+#: `_block_layout` of the site and position tables that capture-only plans share (read-only
+#: arrays, `RequestPlan._capture_only`), by identity; each entry holds the arrays themselves, so
+#: their ids cannot be reused while it is cached
+_LAYOUTS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, tuple | None]] = {}
+
+
+def _block_layout(blk: CapturedBlock) -> tuple[list, list[int], list[int]] | None:
+    """(keys, sites, positions) of a block whose sites and positions both increase (keys in
+    (site, position) order, as `capture_values` sends them; lists the caller must not modify),
+    else None. Computed once per pair of shared read-only tables."""
+    sites, positions = blk.sites, blk.positions
+    shared = not sites.flags.writeable and not positions.flags.writeable
+    if shared:
+        hit = _LAYOUTS.get((id(sites), id(positions)))
+        if hit is not None and hit[0] is sites and hit[1] is positions:
+            return hit[2]
+    layout = None
+    if _increasing(sites) and _increasing(positions):
+        s, p = sites.tolist(), positions.tolist()
+        layout = ([[site, pos] for site in s for pos in p], s, p)
+    if shared:
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        _LAYOUTS[(id(sites), id(positions))] = (sites, positions, layout)
+    return layout
 
 
 def _distinct(a: np.ndarray) -> bool:
