@@ -53,9 +53,9 @@ def auto_size(max_step_bytes: int) -> int:
 _ids = itertools.count(1)
 
 #: both sides map the ring with its page tables filled at once (Linux): a first touch of each
-#: page would otherwise fault, once per 4 KiB, in the middle of the copies (measured on the 2-core
-#: CPU: 131 MB of 128 KiB slices copied out in 15-19 ms unpopulated, 8-10 ms populated; mapping
-#: 512 MiB populated takes 35-50 ms, once)
+#: page would otherwise fault, once per 4 KiB, in the middle of the copies
+#: (`benchmarks/diag/ring_populate.py`, 2-core CPU: P3's 131 MB of 128 KiB slices copied out in
+#: 16-21 ms unpopulated, 8-12 ms populated; mapping 512 MiB populated takes 41-57 ms, once)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
