@@ -258,17 +258,25 @@ class RingReaders:
     def __bool__(self) -> bool:
         return bool(self._maps)
 
-    def materialize(self, reply: dict[str, dict]) -> dict[str, dict]:
+    def materialize(self, reply: dict[str, dict], copy: bool = True) -> dict[str, dict]:
         """One worker's `cb_collect` reply with every ring-held capture block copied into a
         writable `bytearray` (`"data"`, as an inline block has it); the slices are acknowledged.
         A slice this process cannot read (a ring it has not mapped, bounds outside the ring: a
-        bug) voids that result, with the reason, instead of handing over wrong values."""
+        bug) voids that result, with the reason, instead of handing over wrong values.
+        `copy=False` (a worker whose captures the client does not use: a tensor-parallel rank that
+        does not lead its pipeline stage, `Topology.leaders`): every ring-held block is dropped
+        from the reply (no `"captures"`), its slice acknowledged, nothing copied."""
         for res in reply.values():
             block = res.get("captures") if isinstance(res, dict) else None
             if not block or "ring" not in block:
                 continue
             name, off, n = block.pop("ring")
             entry = self._maps.get(name)
+            if not copy:
+                del res["captures"]
+                if entry is not None:
+                    self._acks.setdefault(name, []).append(off)
+                continue
             if entry is None or off < 0 or n < 0 or off + n > len(entry[1]):
                 block["keys"], block["data"] = [], bytearray()
                 res["status"] = "voided"

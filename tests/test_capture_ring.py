@@ -101,6 +101,32 @@ def test_the_client_copies_out_acknowledges_and_unlinks():
         ring.close()
 
 
+def test_a_rank_whose_captures_are_not_used_is_acknowledged_without_a_copy():
+    """`materialize(copy=False)` (a tensor-parallel rank that does not lead its stage): the block
+    leaves the reply, its slice is acknowledged (the worker can reuse the region), inline blocks
+    and results without captures are left as they are."""
+    ring = CaptureRing(1 << 16)
+    readers = RingReaders()
+    try:
+        assert readers.open(ring.name)
+        off = ring.alloc(64)
+        desc = ring.share(off, 0, 64)
+        ring.deref(off)
+        reply = {"k": {"key": "k", "status": "ok", "captures": {"keys": [[0, 1]], "ring": desc}},
+                 "inline": {"key": "inline", "status": "ok", "captures": {"keys": [[0, 1]], "data": b"\0" * 4}},
+                 "plain": {"key": "plain", "status": "ok"}}
+        out = readers.materialize(reply, copy=False)
+        assert "captures" not in out["k"] and out["k"]["status"] == "ok"
+        assert out["inline"]["captures"]["data"] == b"\0" * 4 and out["plain"] == {"key": "plain", "status": "ok"}
+        acks = readers.take_acks()
+        assert acks == {ring.name: [off]}
+        ring.release(acks[ring.name])
+        assert ring.in_use == 0
+    finally:
+        readers.close()
+        ring.close()
+
+
 def test_a_region_is_reused_only_when_its_owner_and_every_slice_are_done():
     ring = CaptureRing(8 * ALIGN)
     try:

@@ -68,6 +68,35 @@ def test_capture_values_equal_a_per_request_sum(dtype, layout):
     assert all(torch.equal(b.xs, x) for b, x in zip(blocks, xs_before))
 
 
+@pytest.mark.parametrize("layout", [[([3], [2, 5, 9])], [([0, 1, 3], [2, 5, 9])], [([0, 1], [9, 2])]])
+def test_shared_read_only_tables_give_the_same_results_with_their_key_list_computed_once(layout):
+    """Blocks whose site and position tables are the read-only arrays capture-only plans share
+    (`RequestPlan._capture_only`) give what blocks with tables of their own give, and their key
+    list is computed once (`state._block_layout`); tables that can change are never cached."""
+    from engine_ext.worker import state as worker_state
+
+    worker_state._LAYOUTS.clear()
+    (positions, sites), = layout
+    shared_pos, shared_sites = np.asarray(positions, np.int64), np.asarray(sites, np.int32)
+    shared_pos.flags.writeable = shared_sites.flags.writeable = False
+    results = []
+    for seed in (0, 1):
+        (own,) = _blocks(torch.bfloat16, layout, seed=seed)
+        (shared,) = _blocks(torch.bfloat16, layout, seed=seed)
+        shared.positions, shared.sites = shared_pos, shared_sites
+        got, want = _state([shared]).capture_values(), _state([own]).capture_values()
+        assert got["keys"] == want["keys"] and bytes(got["data"]) == bytes(want["data"])
+        results.append(got)
+    assert len(worker_state._LAYOUTS) == 1  # the shared tables only
+    if layout[0][1] == sorted(layout[0][1]):
+        assert results[0]["keys"] is results[1]["keys"]  # computed once
+    view = shared_pos[:]  # read-only, but a view: not cached
+    (blk,) = _blocks(torch.bfloat16, layout)
+    blk.positions, blk.sites = view, shared_sites
+    _state([blk]).capture_values()
+    assert len(worker_state._LAYOUTS) == 1
+
+
 def test_requests_of_one_step_share_one_sum():
     a, b = _blocks(torch.bfloat16, [([3], [0, 1]), ([5], [0, 1])])
     assert a.step is b.step

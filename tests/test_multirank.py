@@ -122,6 +122,11 @@ def test_topology_is_reported_by_the_engine_and_the_api(ranked, ranked_http, eng
         assert (topo["tensor_parallel_size"], topo["pipeline_parallel_size"]) == (1, 2)
         layers = _stages_layers(ranked)
         assert len(layers) == 2 and layers[0][0] == 0 and layers[1][1] == n - 1 and layers[1][0] == layers[0][1] + 1
+    # the workers hand captures over through shared-memory rings; the client copies only the
+    # values it merges: each stage leader's (TP: rank 0's; the other rank's slices are only
+    # acknowledged, and the capture tests below check the values it does merge)
+    assert ranked._loop.rings
+    assert ranked._loop.capture_ranks == (frozenset({0}) if ranked.name == "tp2" else None)
     status = ranked_http.get("/v1/status").json()
     assert status["topology"] == topo
     assert engine.info.topology["tensor_parallel_size"] == 1 and engine.info.topology["pipeline_parallel_size"] == 1

@@ -195,6 +195,8 @@ class Engine(DynamicControl):
                            "with %d ranks the scheduler cannot salt single KV blocks, so every intervened request is "
                            "salted whole (correct, without prefix reuse below its first modified position)", self.world_size)
         self._loop.merge_results = functools.partial(merge_results, topology=self._topology)
+        if len(self._topology.leaders) < self.world_size:  # tensor parallel: only leaders' captures are merged
+            self._loop.capture_ranks = frozenset(self._topology.leaders)
         self._loop.rings = self._open_capture_rings()
         worker = merge_model_info(infos, self._topology)
         # segmented requests (`agenerate_cells`): every worker runs vLLM's V1 runner with the seam's hooks

@@ -115,6 +115,9 @@ class EngineLoop:
         self.merge_results: Callable[[list[dict[str, dict]]], dict[str, dict]] = lambda per_rank: per_rank[0]
         #: the workers' capture rings (`engine_ext.capture_ring`), set by the facade where enabled
         self.rings: RingReaders | None = None
+        #: the ranks whose captured values `merge_results` uses (the facade: each pipeline stage's
+        #: leader); None: every rank's. Other ranks' ring-held values are acknowledged, not copied
+        self.capture_ranks: frozenset[int] | None = None
         #: whether `submit_many` sends its requests to the engine core in a few messages (`cb_add_requests`)
         #: (`seam.batch_adds_available`; decided once the engine is built)
         self._batch_adds = False
@@ -511,7 +514,8 @@ class EngineLoop:
         if not per_rank:
             return {}
         if self.rings:
-            per_rank = [self.rings.materialize(r) for r in per_rank]
+            use = self.capture_ranks
+            per_rank = [self.rings.materialize(r, copy=use is None or i in use) for i, r in enumerate(per_rank)]
         return self.merge_results(per_rank)
 
     def _close_engine(self) -> None:

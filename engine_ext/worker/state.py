@@ -157,8 +157,8 @@ class RequestState:
 
 
 #: `_block_layout` of the site and position tables that capture-only plans share (read-only
-#: arrays, `RequestPlan._capture_only`), by identity; each entry holds the arrays themselves, so
-#: their ids cannot be reused while it is cached
+#: arrays that own their data, `RequestPlan._capture_only`), by identity; each entry holds the
+#: arrays themselves, so their ids cannot be reused while it is cached
 _LAYOUTS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, tuple | None]] = {}
 
 
@@ -167,7 +167,9 @@ def _block_layout(blk: CapturedBlock) -> tuple[list, list[int], list[int]] | Non
     (site, position) order, as `capture_values` sends them; lists the caller must not modify),
     else None. Computed once per pair of shared read-only tables."""
     sites, positions = blk.sites, blk.positions
-    shared = not sites.flags.writeable and not positions.flags.writeable
+    # read-only arrays that own their data: nothing can change them (views are not cached)
+    shared = (not sites.flags.writeable and not positions.flags.writeable
+              and sites.base is None and positions.base is None)
     if shared:
         hit = _LAYOUTS.get((id(sites), id(positions)))
         if hit is not None and hit[0] is sites and hit[1] is positions:
