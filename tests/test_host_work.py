@@ -287,11 +287,11 @@ def test_patch_only_plans_equal_the_general_composition(replaces, monkeypatch):
         assert (fv.c is None and gv.c is None) or np.array_equal(fv.c, gv.c)
 
 
-def test_single_entry_plans_are_written_as_the_per_plan_path_writes_them():
-    """`plan_step` writes the one entry of every single-entry plan of a step at once
-    (`RequestPlan.ex_single`, a sweep's cells): the tables, the applied actions and the checksum
-    equal those of the per-plan path, for windows that hold the entry, windows before and after it
-    (chunked prefill), decode steps, and plans of other shapes in the same step."""
+def _planner_over(programs: dict, num_sites: int, hidden: int, max_slots: int, max_capture_rows: int,
+                  fast_path: str | None):
+    """A `StepPlanner` on CPU tables and the plans of `programs` (8-token prompts); `fast_path`:
+    a `RequestPlan` field (`ex_single`, `cap_single`) cleared on every plan, so that `plan_step`
+    takes the per-plan path instead of the batched one. Returns (planner, plans, checksum)."""
     import copy
 
     import torch
@@ -300,6 +300,34 @@ def test_single_entry_plans_are_written_as_the_per_plan_path_writes_them():
     from engine_ext.worker.intervention_op import SiteBuffers
     from engine_ext.worker.planner import RequestPlan, StepPlanner
     from engine_ext.worker.slots import SlotTable
+
+    buffers = SiteBuffers(num_sites=num_sites, max_rows=32, max_slots=max_slots, max_capture_rows=max_capture_rows,
+                          hidden=hidden, device=torch.device("cpu"), dtype=torch.float32)
+    slots, checksum = SlotTable(buffers), ActionChecksum()
+    plans = {rid: RequestPlan.build(p.key, 8, p, [], slots, 0) for rid, p in programs.items()}
+    if fast_path is not None:
+        plans = {rid: copy.copy(p) for rid, p in plans.items()}
+        for p in plans.values():
+            setattr(p, fast_path, None)
+    return StepPlanner(buffers, slots, checksum, sink=None), plans, checksum
+
+
+def _plan_window(planner, step: list[tuple[str, int, int]], plans: dict, on_overflow=None) -> int:
+    """`plan_step` over one step of (request, first position, rows) windows; returns its rows."""
+    qsl = np.cumsum([0] + [n for *_, n in step]).astype(np.int32)
+    planner.plan_step([rid for rid, *_ in step], qsl, np.asarray([p0 for _, p0, _ in step], np.int32), plans,
+                      on_overflow=on_overflow)
+    return int(qsl[-1])
+
+
+def test_single_entry_plans_are_written_as_the_per_plan_path_writes_them():
+    """`plan_step` writes the one entry of every single-entry plan of a step at once
+    (`RequestPlan.ex_single`, a sweep's cells): the tables, the applied actions and the checksum
+    equal those of the per-plan path, for windows that hold the entry, windows before and after it
+    (chunked prefill), decode steps, and plans of other shapes in the same step."""
+
+    import torch
+
     from engine_ext.worker.source_store import SourceRun, StoredPair
 
     H, S = 4, 6
@@ -320,21 +348,11 @@ def test_single_entry_plans_are_written_as_the_per_plan_path_writes_them():
              [("single-a", 9, 1), ("single-gen", 9, 1), ("two", 8, 1)]]
 
     def run_steps(batched: bool):
-        buffers = SiteBuffers(num_sites=S, max_rows=32, max_slots=32, max_capture_rows=4, hidden=H,
-                              device=torch.device("cpu"), dtype=torch.float32)
-        slots, checksum = SlotTable(buffers), ActionChecksum()
-        plans = {rid: RequestPlan.build(p.key, 8, p, [], slots, 0) for rid, p in programs.items()}
-        if not batched:
-            plans = {rid: copy.copy(p) for rid, p in plans.items()}
-            for p in plans.values():
-                p.ex_single = None
-        planner = StepPlanner(buffers, slots, checksum, sink=None)
+        planner, plans, checksum = _planner_over(programs, S, H, 32, 4, None if batched else "ex_single")
         tables, counts = [], []
         for step in steps:
-            qsl = np.cumsum([0] + [n for *_, n in step]).astype(np.int32)
-            planner.plan_step([rid for rid, *_ in step], qsl, np.asarray([p0 for _, p0, _ in step], np.int32), plans,
-                              on_overflow=None)
-            tables.append(planner.hs[: qsl[-1]].copy())
+            rows = _plan_window(planner, step, plans)
+            tables.append(planner.hs[:rows].copy())
             counts.append(checksum.count)
         return tables, counts, checksum.value, sum(p.ex_single is not None for p in plans.values())
 
@@ -355,14 +373,8 @@ def test_single_position_capture_plans_are_written_as_the_per_plan_path_writes_t
     actions, the checksum and an overflowing request's refusal equal those of the per-plan path,
     for windows that hold the position, windows before and after it (chunked prefill), decode
     steps, two site tables in one step and plans of other shapes among them."""
-    import copy
 
-    import torch
 
-    from engine_ext.worker.checksum import ActionChecksum
-    from engine_ext.worker.intervention_op import SiteBuffers
-    from engine_ext.worker.planner import RequestPlan, StepPlanner
-    from engine_ext.worker.slots import SlotTable
 
     H, S = 4, 8
 
@@ -379,21 +391,11 @@ def test_single_position_capture_plans_are_written_as_the_per_plan_path_writes_t
              [("last-a", 9, 1), ("mid-c", 8, 1)]]
 
     def run_steps(batched: bool):
-        buffers = SiteBuffers(num_sites=S, max_rows=32, max_slots=8, max_capture_rows=12, hidden=H,
-                              device=torch.device("cpu"), dtype=torch.float32)
-        slots, checksum = SlotTable(buffers), ActionChecksum()
-        plans = {rid: RequestPlan.build(p.key, 8, p, [], slots, 0) for rid, p in programs.items()}
-        if not batched:
-            plans = {rid: copy.copy(p) for rid, p in plans.items()}
-            for p in plans.values():
-                p.cap_single = None
-        planner = StepPlanner(buffers, slots, checksum, sink=None)
+        planner, plans, checksum = _planner_over(programs, S, H, 8, 12, None if batched else "cap_single")
         tables, blocks, counts, refused = [], [], [], []
         for step in steps:
-            qsl = np.cumsum([0] + [n for *_, n in step]).astype(np.int32)
-            planner.plan_step([rid for rid, *_ in step], qsl, np.asarray([p0 for _, p0, _ in step], np.int32), plans,
-                              on_overflow=lambda rid, msg: refused.append((rid, msg)))
-            tables.append(planner.hc[: qsl[-1]].copy())
+            rows = _plan_window(planner, step, plans, on_overflow=lambda rid, msg: refused.append((rid, msg)))
+            tables.append(planner.hc[:rows].copy())
             blocks.append([(b.owner, b.positions.tolist(), b.sites.tolist(), b.base, b.need) for b in planner._blocks])
             planner._blocks = []
             counts.append(checksum.count)
