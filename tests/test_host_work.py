@@ -325,7 +325,6 @@ def test_single_entry_plans_are_written_as_the_per_plan_path_writes_them():
     (`RequestPlan.ex_single`, a sweep's cells): the tables, the applied actions and the checksum
     equal those of the per-plan path, for windows that hold the entry, windows before and after it
     (chunked prefill), decode steps, and plans of other shapes in the same step."""
-
     import torch
 
     from engine_ext.worker.source_store import SourceRun, StoredPair
@@ -373,9 +372,6 @@ def test_single_position_capture_plans_are_written_as_the_per_plan_path_writes_t
     actions, the checksum and an overflowing request's refusal equal those of the per-plan path,
     for windows that hold the position, windows before and after it (chunked prefill), decode
     steps, two site tables in one step and plans of other shapes among them."""
-
-
-
     H, S = 4, 8
 
     def prog(key, sites, pos, gen=False):

@@ -431,6 +431,12 @@ def fp32_sum(xs: torch.Tensor, rs: torch.Tensor) -> torch.Tensor:
     return xs.to(torch.float32, copy=True).add_(rs)
 
 
+def _capture_overflow(max_rows: int) -> str:
+    """What a request whose captures do not fit a step's `max_rows` capture rows is told."""
+    return (f"the step's {max_rows} capture rows are exceeded; raise max_capture_rows / capture_buffer_bytes "
+            "or capture fewer sites x positions at once")
+
+
 @dataclass
 class _CaptureBlock:
     """Captured rows of one request in one step: row `base + i * len(sites) + j` of the step's
@@ -554,8 +560,7 @@ class StepPlanner:
                     if p0 <= cs < p1:
                         k = plan.cap_sites.size
                         if n_cap + k > max_cap:
-                            on_overflow(rid, f"the step's {max_cap} capture rows are exceeded; raise "
-                                             "max_capture_rows / capture_buffer_bytes or capture fewer sites x positions at once")
+                            on_overflow(rid, _capture_overflow(max_cap))
                             continue
                         group = c_groups.get(id(plan.cap_sites))
                         if group is None:
@@ -577,9 +582,8 @@ class StepPlanner:
                     if plan.cap_gen and p1 > plan.n_prompt:
                         cpos = np.union1d(cpos, np.arange(max(p0, plan.n_prompt), p1, dtype=np.int64))
                     k = cpos.size * plan.cap_sites.size
-                    if k and n_cap + k > self.b.max_capture_rows:
-                        on_overflow(rid, f"the step's {self.b.max_capture_rows} capture rows are exceeded; raise "
-                                         "max_capture_rows / capture_buffer_bytes or capture fewer sites x positions at once")
+                    if k and n_cap + k > max_cap:
+                        on_overflow(rid, _capture_overflow(max_cap))
                         continue
                 pb = min(p1, plan.n_prompt)
                 if pb > p0 and plan.prompt_sites.size:
