@@ -2,14 +2,15 @@
 bundled model, one engine per process. Alternate processes (the CPU's speed is bimodal per
 process; see docs/performance.md), e.g.:
 
-    for i in 1 2 3; do for e in stock cb; do
+    for i in 1 2 3; do for e in stock cb cb-nobi; do
       .venv/bin/python benchmarks/cpu_compare.py --engine $e 2>/dev/null | grep '^{"bench"' >> /tmp/cpu.jsonl; done; done
 
 Workloads (the performance issue's CPU rows): 256 one-token requests (the bundled model's fact
 prompts, cycled), and a decode of 8 requests x 48 tokens (`ignore_eos`), each timed `--reps`
 times after a warm-up; one JSON line per figure with every repetition. Both engines run with
 their defaults (stock: vLLM's engine core in its own process; causalboard: in-process on CPU,
-float32, eager, 32-token KV blocks); VLLM_CPU_KVCACHE_SPACE=1 as in the tests.
+float32, eager, 32-token KV blocks, batch invariance; `cb-nobi` without it);
+VLLM_CPU_KVCACHE_SPACE=1 as in the tests.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engine", choices=["stock", "cb"], required=True)
+    ap.add_argument("--engine", choices=["stock", "cb", "cb-nobi"], required=True,
+                    help="cb: causalboard's defaults (batch invariance on: row-invariant linear layers where the "
+                         "host's GEMM is not); cb-nobi: batch invariance off (vLLM's kernels as they are)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=256)
     args = ap.parse_args()
@@ -54,7 +57,7 @@ def main() -> int:
     else:
         from engine_ext import Engine, GenerationParams
 
-        eng = Engine(device="cpu").start()
+        eng = Engine(device="cpu", batch_invariant=None if args.engine == "cb" else False).start()
         one, dec = GenerationParams(max_tokens=1), GenerationParams(max_tokens=48, ignore_eos=True)
 
         def run_one() -> int:
@@ -75,6 +78,7 @@ def main() -> int:
         rates = sorted(n / dt for n, dt in reps)
         out.append({"bench": "cpu_compare", "engine": args.engine, "task": name, unit: round(rates[len(rates) // 2], 1),
                     "reps": [round(n / dt, 1) for n, dt in reps], "start_s": round(start_s, 1), "pid": os.getpid(),
+                    "cpu_gemm": eng.info.cpu_gemm if args.engine != "stock" else None,
                     "load": os.getloadavg()[0]})
     close()
     for line in out:

@@ -222,6 +222,9 @@ def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
 
     # ---- Cancel: after Cancel nothing more arrives and the API says cancelled
     wait_until(lambda: running_sweep(http, min_cells=3), timeout=SWEEP_TIMEOUT, message="the second sweep's cells")
+    # the pointer still rests where "Run sweep" was; once the heatmap has grown a plot can lie
+    # under it and its hover tooltip then covers Cancel (seen once: "intercepts pointer events")
+    page.mouse.move(0, 0)
     page.get_by_role("button", name="Cancel").click()
     summary = server_summary(http, second)
     assert summary["cancelled"] is True and 3 <= summary["cells_done"] < summary["cells_total"]

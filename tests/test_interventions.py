@@ -188,9 +188,9 @@ def test_noise_corruption_of_the_subject_matches_reference_and_is_seeded(engine,
 def test_unintervened_request_is_unaffected_by_its_batch_neighbours(engine, tasks):
     prompts = [fact(tasks, i)["prompt"] for i in (20, 21, 22, 23)]
     engine.capture(prompts[2], ["L1.post_attn"], "all_prompt", keep_as="nb-src", return_values=False)
-    # Every request runs all 5 steps so both runs have the same batch shape at every step: vLLM
-    # is not batch-invariant (a CPU GEMM over 3 rows rounds differently from one over 4), so a
-    # steered neighbour that stops early would move the last bit without any leak between rows.
+    # Every request runs all 5 steps so both runs have the same batch shape at every step: without
+    # batch invariance a CPU GEMM over 3 rows can round differently from one over 4
+    # (docs/validation.md "Batch invariance on the CPU"), and then a steered neighbour that stops early would move the last bit without any leak between rows.
     params = GenerationParams(max_tokens=5, ignore_eos=True, logprobs=0)
     with_iv = [None,
                Interventions(steer=(Steer.make(["L1.pre_attn", "L3.post_block"], _vec(engine, 4), scale=2.0),)),

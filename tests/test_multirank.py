@@ -439,10 +439,16 @@ def test_a_segment_left_by_an_ended_engine_on_the_drawn_port_does_not_fail_the_s
     later draws the same port failed to start (`create shm in SHMManager failed. errno: 17`; the
     likely cause of CI's failed TP=2 starts on 2026-11-27). Here such segments wait on the port the
     engine will draw (`VLLM_PORT` makes vLLM try it first): the engine removes them as stale
-    (engine_ext.engine.cpu_shm), starts, and generates."""
+    (engine_ext.engine.cpu_shm), starts, and generates. On a host whose vLLM build has no
+    shared-memory communicator (AVX2: `cpu_shm.communicator_available`) the ranks create no
+    segments, so there the test checks only that the planted files neither stop the start nor
+    outlive the engine."""
     from pathlib import Path
 
     from engine_ext import Engine
+    from engine_ext.engine.cpu_shm import communicator_available
+
+    shm = communicator_available()
 
     port = free_port()
     planted = [Path(f"/dev/shm/{port}-tp:0-[0-1]-cpushm_{rank}") for rank in (0, 1)]
@@ -451,7 +457,8 @@ def test_a_segment_left_by_an_ended_engine_on_the_drawn_port_does_not_fail_the_s
     monkeypatch.setenv("VLLM_PORT", str(port))
     try:
         with Engine(model=str(model_path()), device="cpu", tensor_parallel_size=2) as eng:
-            assert all(p.exists() and p.stat().st_size > 4096 for p in planted), "the engine drew another port"
+            if shm:
+                assert all(p.exists() and p.stat().st_size > 4096 for p in planted), "the engine drew another port"
             gen = eng.generate(tasks["facts"][0]["prompt"], GenerationParams(max_tokens=2))
             assert len(gen.token_ids) == 2
         assert not any(p.exists() for p in planted), "the closed engine left its segments"

@@ -160,12 +160,12 @@ def test_a_running_sweep_answers_its_status(http, tasks):
     assert TypeAdapter(SweepSummary | SweepStatus).validate_python(after).cancelled is True
 
 
-@pytest.mark.parametrize("device,batch_invariant,expected", [("cpu", False, True), ("cuda", True, True),
-                                                               ("cuda", False, False)])
+@pytest.mark.parametrize("device,batch_invariant,expected", [("cpu", True, True), ("cpu", False, False),
+                                                               ("cuda", True, True), ("cuda", False, False)])
 def test_prefix_reuse_is_on_by_default_only_where_reused_cells_are_exact(device, batch_invariant, expected):
-    """The CPU engine and a GPU engine with batch invariance reuse by default (shown bit-identical:
-    tests/test_sweep_prefix_reuse.py, benchmarks/gpu_sweep.py `prefix_reuse_exact`); a GPU engine
-    without batch invariance computes no cell exactly twice, so there it is opt-in."""
+    """Engines with batch invariance (the default on CPU and GPU) reuse by default (shown
+    bit-identical: tests/test_sweep_prefix_reuse.py, benchmarks/gpu_sweep.py `prefix_reuse_exact`);
+    without it no cell is computed exactly twice on every host, so there it is opt-in."""
     from types import SimpleNamespace
 
     from app.sweep.service import prefix_reuse_default

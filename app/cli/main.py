@@ -49,9 +49,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     bi = p.add_mutually_exclusive_group()
     bi.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None,
-                    help="vLLM batch-invariant kernels (GPU default: on; exact sweeps, slower decoding; docs/validation.md)")
+                    help="batch invariance (the default): a request's numbers do not depend on its batch, so sweep cells "
+                         "equal their solo runs (GPU: vLLM's batch-invariant kernels, slower decoding; CPU: row-invariant "
+                         "linear layers where the host's GEMM is not, e.g. AVX2; docs/validation.md)")
     bi.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
-                    help="faster decoding on the GPU; sweep cells then vary with their batch")
+                    help="the kernels as vLLM picks them (faster; sweep cells then may vary with their batch)")
     p.add_argument("--source-store-mb", type=float, default=None,
                    help="byte budget of the stored source runs (keep_as), in MiB (default 256); the least recently used "
                         "unleased runs are evicted beyond it")

@@ -255,6 +255,9 @@ class SweepService:
         if info.device == "cuda" and (info.enforce_eager or not info.batch_invariant):
             base.notes.append("batch-dependent GPU numerics (eager mode or batch invariance off): cells can differ from "
                               "their solo runs by more than the measured noise floor; see docs/validation.md")
+        elif not info.batch_invariant:
+            base.notes.append("batch invariance off: on hosts whose CPU GEMM is not row-invariant (AVX2 without "
+                              "AVX-512) cells can differ from their solo runs in the last bits; see docs/validation.md")
         base.corrupt_solo0 = solo[0]
         base.corrupt = sum(solo) / len(solo)
         base.metric = plan.metric
@@ -680,12 +683,13 @@ def segments_default(eng, plan, short: bool = True) -> bool:
 
 def prefix_reuse_default(info) -> bool:
     """Whether a sweep reuses the corrupt prompt's cached KV when the request does not say: where
-    a reused cell is bit-identical to the same cell computed from scratch. The CPU engine
-    (tests/test_sweep_prefix_reuse.py) and a GPU engine with batch invariance on, its default
-    (`benchmarks/gpu_sweep.py` check `prefix_reuse_exact`, `benchmarks/diag/sweep_http.py
-    --prefix-reuse both`; docs/performance.md). A GPU engine without batch invariance computes no
-    cell exactly twice, reused or not, so there it stays opt-in (`prefix_reuse: true`)."""
-    return info.device == "cpu" or info.batch_invariant
+    a reused cell is bit-identical to the same cell computed from scratch, i.e. with batch
+    invariance on, the default on both devices (CPU: tests/test_sweep_prefix_reuse.py; GPU:
+    `benchmarks/gpu_sweep.py` check `prefix_reuse_exact`, `benchmarks/diag/sweep_http.py
+    --prefix-reuse both`; docs/performance.md). Without it a GPU engine computes no cell exactly
+    twice, reused or not, and a CPU engine does so only where the host's GEMM happens to be
+    row-invariant, so there it stays opt-in (`prefix_reuse: true`)."""
+    return bool(info.batch_invariant)
 
 
 def _pairs(raw: dict[tuple[str, int, int], float], repeats: dict[tuple[str, int, int], float]) -> list[CellRepeat]:

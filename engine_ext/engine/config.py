@@ -42,9 +42,11 @@ class EngineConfig:
     #: process need True: vLLM's distributed state is process-global, so an in-process engine's
     #: shutdown breaks the others.
     multiprocess: bool | None = None
-    #: GPU only: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a request's numbers
-    #: do not depend on what it is batched with (sweep cells then equal their solo runs exactly;
-    #: see docs/validation.md). None: on for CUDA, off (unavailable) on CPU.
+    #: A request's numbers do not depend on what it is batched with (sweep cells then equal their
+    #: solo runs exactly; see docs/validation.md). GPU: vLLM's batch-invariant kernels
+    #: (VLLM_BATCH_INVARIANT=1). CPU: each linear layer made row-invariant where this host's GEMM
+    #: is not (AVX2 hosts; `engine_ext/worker/cpu_gemm.py`; no cost where it already is).
+    #: None: on (both devices; hybrids: off, vLLM's mode does not cover their attention).
     batch_invariant: bool | None = None
     #: vLLM's parallelism (the same names as `vllm serve`'s flags): ranks per pipeline stage,
     #: pipeline stages, and the executor that runs the ranks ("mp", "ray", ...; None: vLLM's
@@ -79,6 +81,10 @@ class EngineInfo:
     runner: str = ""
     embedding_std: float = 1.0
     batch_invariant: bool = False
+    #: CPU engines with batch invariance: how many linear layers (of rank 0) kept this host's own
+    #: kernel because it is row-invariant ("native"), or run it in fixed 16-row calls ("chunked")
+    #: or one row per call ("per_row"); see engine_ext/worker/cpu_gemm.py. Empty elsewhere.
+    cpu_gemm: dict = field(default_factory=dict)
     #: requests vLLM batches at once (the engine's scheduler limit)
     max_num_seqs: int = 0
     #: TP x PP and the decoder layers each pipeline stage computes (`topology.Topology.to_json`)

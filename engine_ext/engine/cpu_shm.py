@@ -36,6 +36,17 @@ SHM_DIR = Path("/dev/shm")
 SEGMENT_NAME = re.compile(r"^(?P<port>\d+)-.*-cpushm_\d+$")
 
 
+def communicator_available() -> bool:
+    """Whether vLLM's CPU build for this host has the shared-memory communicator at all. The
+    AVX2 build (`vllm/_C_AVX2`, loaded on hosts without AVX-512) has no `init_shm_manager`: its
+    ranks talk through torch.distributed (gloo) and create no segments (vLLM then logs "CPU SHM
+    communicator disabled ... ranks do not share the same SHM group name")."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads the host's `_C` build)
+
+    return hasattr(torch.ops._C, "init_shm_manager")
+
+
 def _mapped_paths(proc: Path = Path("/proc")) -> set[str] | None:
     """Every file path mapped by a process of this user that can be read; None where /proc cannot
     be read at all (then nothing is known to be unused)."""

@@ -97,7 +97,7 @@ class Engine(DynamicControl):
         self.enforce_eager = defaults.enforce_eager if config.enforce_eager is None else config.enforce_eager
         self.attention_backend = config.attention_backend or defaults.attention_backend
         self.block_size = defaults.block_size
-        self.batch_invariant = (self.device == "cuda") if config.batch_invariant is None else bool(config.batch_invariant)
+        self.batch_invariant = True if config.batch_invariant is None else bool(config.batch_invariant)
         self.model_path = Path(config.model).expanduser().resolve() if config.model else bundled_model_path()
         if not (self.model_path / "config.json").is_file():
             raise SpecError("model", f"{self.model_path} is not a local Hugging Face model folder (no config.json)")
@@ -358,10 +358,12 @@ class Engine(DynamicControl):
             kwargs["attention_config"] = {"backend": self.attention_backend}
         if self.block_size and not getattr(self, "is_hybrid", False):  # hybrids: vLLM aligns it to the state size
             kwargs["block_size"] = self.block_size
-        if self.batch_invariant:
-            if self.device != "cuda":
-                raise SpecError("batch_invariant", "vLLM's batch-invariant kernels exist only on CUDA GPUs")
+        if self.batch_invariant and self.device == "cuda":
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM's workers at start-up
+        elif self.batch_invariant:
+            # CPU: vLLM has no batch-invariant mode there; the seam makes each linear layer
+            # row-invariant where this host's GEMM is not (engine_ext/worker/cpu_gemm.py)
+            kwargs["additional_config"]["causalboard"]["cpu_row_invariant"] = True
         if getattr(self, "is_hybrid", False):
             from engine_ext.engine.hybrid import hybrid_engine_kwargs
 
@@ -467,6 +469,7 @@ class Engine(DynamicControl):
             runner=worker.get("runner", ""),
             embedding_std=float(worker["embedding_std"] if worker.get("embedding_std") is not None else 1.0),
             batch_invariant=self.batch_invariant,
+            cpu_gemm=dict(worker.get("cpu_gemm") or {}),
             topology=self._topology.to_json(),
             kv_isolation="blocks" if self._block_salting else "requests",
         )

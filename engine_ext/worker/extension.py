@@ -48,7 +48,7 @@ class CausalboardWorkerExtension:
                 "patched_layers": patched, "runner": runner, "dtype": str(st.dtype).replace("torch.", ""),
                 "device": str(st.device), "buffer_bytes": int(st.buffers.nbytes()), "torch": str(torch.__version__),
                 "tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "tp_size": int(get_tensor_model_parallel_world_size()),
-                "pp_size": int(pp.world_size), "first_layer": int(getattr(inner, "start_layer", 0)),
+                "pp_size": int(pp.world_size), "cpu_gemm": dict(st.cpu_gemm), "first_layer": int(getattr(inner, "start_layer", 0)),
                 "end_layer": int(getattr(inner, "end_layer", st.num_layers))}
 
     def cb_debug_fault(self, kind: str, tp_rank: int, pp_rank: int = 0) -> bool:

@@ -36,6 +36,10 @@ Patched / wrapped vLLM symbols — `PATCHES` below is the list `install()` appli
   this rank — that layer's `pre_attn` (the same point of the stream: nothing runs between one
   layer's return and the next layer's input norm), and that layer skips its own: 3 launches per
   layer instead of 5 (`intervention_op.sites_op`: the same as the three calls in turn).
+* `dispatch_cpu_unquantized_gemm` (`vllm.model_executor.layers.utils`; vLLM's choice of a CPU
+  linear layer's kernel at load): for a CPU engine with batch invariance, after vLLM's choice the
+  layer gets the row-invariant form this host needs (`cpu_gemm.py`: none where the host's GEMM
+  already is; fixed 16-row calls on AVX2 hosts).
 * `GPUModelRunner.execute_model` of the V1 runner (also the CPU runner's) and of the V2 runner:
   before — register new requests' programs and retire finished ones from the `SchedulerOutput`;
   after — score dynamic steering's monitored rows and start copying captured rows to the host
@@ -307,11 +311,11 @@ def _state_for_current_config() -> int:
     import weakref
 
     import torch
-    from vllm.config import get_current_vllm_config
+    from vllm.config import get_current_vllm_config_or_none
 
     from engine_ext.worker.state import WorkerConfig, WorkerState
 
-    cfg = get_current_vllm_config()
+    cfg = get_current_vllm_config_or_none()  # None: no model being built (a layer made by hand)
     extra = (cfg.additional_config or {}).get("causalboard") if cfg is not None else None
     if not extra:
         return 0
@@ -800,6 +804,35 @@ def _wrap_gdn_metadata_build(cls: Any) -> None:
     _wrap_method(cls, "build", make)
 
 
+def _wrap_cpu_gemm_dispatch(module: Any) -> None:
+    """`dispatch_cpu_unquantized_gemm` (vLLM's choice of a CPU linear layer's kernel, called from
+    `process_weights_after_loading`; `linear.py` and `vocab_parallel_embedding.py` import it from
+    this module at call time): after vLLM's choice, an engine that asked for batch invariance
+    (`WorkerConfig.cpu_row_invariant`) gets the row-invariant form this host needs
+    (`cpu_gemm.make_row_invariant`); every other engine is unchanged."""
+    orig = module.dispatch_cpu_unquantized_gemm
+    if getattr(orig, "_cb_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        weight = layer.weight
+        orig(layer, remove_weight)
+        sid = _state_for_current_config()
+        st = _STATES.get(sid) if sid else None
+        if st is None or not st.config.cpu_row_invariant or weight.is_meta or weight.ndim != 2 \
+                or not hasattr(layer, "cpu_linear"):
+            return
+        from engine_ext.worker import cpu_gemm
+
+        n, k = weight.shape
+        mode = cpu_gemm.make_row_invariant(layer, int(n), int(k), weight.dtype)
+        st.cpu_gemm[mode] = st.cpu_gemm.get(mode, 0) + 1
+
+    dispatch_cpu_unquantized_gemm._cb_wrapped = True
+    module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+
 # ---- the patch table ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Patch:
@@ -943,6 +976,7 @@ PATCHES: tuple[Patch, ...] = (
           optional=True),
     Patch("vllm.v1.worker.gpu.eplb_utils", "EPLBController", ("prepare_forward",), _wrap_v2_prepare_forward,
           optional=True),
+    Patch("vllm.model_executor.layers.utils", None, ("dispatch_cpu_unquantized_gemm",), _wrap_cpu_gemm_dispatch),
     *KV_SALT_PATCHES,
     *STATE_HYGIENE_PATCHES,
 )

@@ -53,6 +53,8 @@ class WorkerConfig:
     max_capture_rows: int | None = None
     capture_buffer_bytes: int = 256 * 1024 * 1024
     source_store_bytes: int = 256 * 1024 * 1024
+    #: CPU: make every linear layer row-invariant where this host's GEMM is not (`cpu_gemm.py`)
+    cpu_row_invariant: bool = False
     #: directional clamps acting at one (site, position) (K) and distinct clamp sets in use at once
     max_clamp_directions: int = 4
     max_clamp_rows: int = 256
@@ -258,6 +260,9 @@ class WorkerState:
         self.pp_rank = 0
         #: decoder layers built on this worker (all of them, or one pipeline stage's)
         self.own_layers: set[int] = set()
+        #: CPU engines: how many linear layers got each row-invariant form (`cpu_gemm.py`: native,
+        #: chunked, per_row); empty where the engine does not ask for batch invariance
+        self.cpu_gemm: dict[str, int] = {}
         #: dynamic steering: probes, per-request policy states, conversation latches
         self.dynamic = DynamicWorker(self)
         #: may the seam leave a step with dynamic steering open until right before its forward

@@ -200,7 +200,11 @@ class StatusResponse(BaseModel):
     device: str
     dtype: str
     enforce_eager: bool
-    batch_invariant: bool = Field(False, description="vLLM's batch-invariant kernels are on (GPU).")
+    batch_invariant: bool = Field(False, description="A request's numbers do not depend on its batch: vLLM's batch-invariant "
+                                                     "kernels (GPU), row-invariant linear layers (CPU).")
+    cpu_gemm: dict[str, int] = Field(default_factory=dict, description="CPU with batch invariance: how many linear layers "
+                                     "kept the host's own kernel, row-invariant there ('native'), or run it in fixed "
+                                     "16-row calls ('chunked') or one row per call ('per_row'); empty elsewhere.")
     kv_isolation: Literal["blocks", "requests"] = Field(
         "blocks", description="How KV blocks computed under an intervention are kept from other requests: 'blocks' (salted "
                               "from the first modified position; earlier blocks stay shared) or 'requests' (whole intervened "
