@@ -110,3 +110,16 @@ def test_bulk_calls_are_used_only_where_they_give_the_16_row_calls_bits():
     full = layer.cpu_linear(x, layer.weight, layer.bias)
     assert all(torch.equal(layer.cpu_linear(x[:m].contiguous(), layer.weight, layer.bias), full[:m])
                for m in (1, 15, 16, 64, 65, 255, 256, 257, 320, 599))
+
+
+def test_a_compiled_forward_calls_the_row_invariant_kernel_as_one_op_with_the_same_values():
+    """Compiled CPU engines trace `cpu_linear` with a symbolic row count: the wrapped kernel is then
+    one opaque op (`torch.ops.vllm.causalboard_cpu_linear`), whole graph, same values as eager."""
+    layer = _layer(_count_dependent)
+    assert cpu_gemm.make_row_invariant(layer, 24, 12, torch.float32) == cpu_gemm.CHUNKED
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: layer.cpu_linear(x, layer.weight, layer.bias) * 2.0, fullgraph=True,
+                             dynamic=True, backend="eager")
+    for m in (3, 17, 40):
+        x = torch.randn(m, 12)
+        assert torch.equal(compiled(x), layer.cpu_linear(x, layer.weight, layer.bias) * 2.0)

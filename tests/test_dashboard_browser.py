@@ -222,9 +222,14 @@ def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
 
     # ---- Cancel: after Cancel nothing more arrives and the API says cancelled
     wait_until(lambda: running_sweep(http, min_cells=3), timeout=SWEEP_TIMEOUT, message="the second sweep's cells")
-    # the pointer still rests where "Run sweep" was; once the heatmap has grown a plot can lie
-    # under it and its hover tooltip then covers Cancel (seen once: "intercepts pointer events")
-    page.mouse.move(0, 0)
+    # the pointer rests on "Run sweep": its hover text must not cover Cancel beside it (Panel's
+    # default placed it there, interactive, and a pointer moving to Cancel landed on the text)
+    page.get_by_role("button", name="Run sweep").hover()
+    time.sleep(1.0)  # the text shows after 500 ms
+    cancel = page.get_by_role("button", name="Cancel").bounding_box()
+    on_top = page.evaluate("([x, y]) => document.elementFromPoint(x, y)?.outerHTML.slice(0, 200) ?? ''",
+                           [cancel["x"] + cancel["width"] / 2, cancel["y"] + cancel["height"] / 2])
+    assert "bk-Tooltip" not in on_top, f"a tooltip covers Cancel: {on_top}"
     page.get_by_role("button", name="Cancel").click()
     summary = server_summary(http, second)
     assert summary["cancelled"] is True and 3 <= summary["cells_done"] < summary["cells_total"]

@@ -121,9 +121,46 @@ def make_row_invariant(layer: Any, n: int, k: int, dtype: torch.dtype) -> str:
             _modes[key] = found
     mode, sizes = found
     if mode != NATIVE:
-        @torch.compiler.disable
-        def cpu_linear(x, weight, bias, _inner=inner, _sizes=sizes):
-            return _in_calls(_inner, _sizes, x, weight, bias)
-
-        layer.cpu_linear = cpu_linear
+        layer.cpu_linear = _row_invariant_linear(inner, sizes, n)
     return mode
+
+
+# ---- the wrapped kernel, eager and compiled ------------------------------------------------------
+#: kernels wrapped in this process, by id: (vLLM's kernel, call sizes, output width N)
+_KERNELS: list[tuple[Linear, tuple[int, ...], int]] = []
+OP_NAME = "causalboard_cpu_linear"
+
+
+def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: int) -> torch.Tensor:
+    inner, sizes, _ = _KERNELS[kernel]
+    return _in_calls(inner, sizes, x, weight, bias)
+
+
+def _op_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _KERNELS[kernel][2]))
+
+
+def _register_op() -> None:
+    """`torch.ops.vllm.causalboard_cpu_linear`: the wrapped kernel as one op, opaque to Dynamo, for
+    compiled CPU engines (a loop over a symbolic row count cannot be traced)."""
+    if hasattr(torch.ops.vllm, OP_NAME):
+        return
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op(OP_NAME, _op, mutates_args=[], fake_impl=_op_fake)
+
+
+def _row_invariant_linear(inner: Linear, sizes: tuple[int, ...], n: int) -> Linear:
+    """`inner` in calls of `sizes` rows: called directly in eager mode, through the custom op while
+    Dynamo traces (compiled engines)."""
+    with _lock:
+        _register_op()
+        _KERNELS.append((inner, sizes, n))
+        kernel = len(_KERNELS) - 1
+
+    def cpu_linear(x, weight, bias):
+        if torch.compiler.is_compiling():
+            return getattr(torch.ops.vllm, OP_NAME)(x, weight, bias, kernel)
+        return _in_calls(inner, sizes, x, weight, bias)
+
+    return cpu_linear

@@ -66,9 +66,9 @@ class DynamicTraceView(NotebookOutputs, pn.viewable.Viewer):
         self.text_pane = pn.pane.HTML("", sizing_mode="stretch_width")
         self.plot_pane = pn.pane.Bokeh(None, sizing_mode="stretch_width")
         self.status_pane = pn.pane.HTML("")
-        self.run_button = pn.widgets.Button(name="Generate with the policy", button_type="primary")
+        self.run_button = pn.widgets.Button(label="Generate with the policy", color="primary")
         self.run_button.on_click(lambda _e: pn.state.execute(self.run))
-        self.fit_button = pn.widgets.Button(name="Fit the probe", button_type="default")
+        self.fit_button = pn.widgets.Button(label="Fit the probe", color="default")
         self.fit_button.on_click(lambda _e: pn.state.execute(self.fit))
 
     async def refresh_choices(self) -> None:

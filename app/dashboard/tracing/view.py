@@ -628,12 +628,14 @@ class TracingView(NotebookOutputs, pn.viewable.Viewer):
         pairs = pn.bind(lambda c: c != NOISE_SPAN, self.param.corruption)
         clean_label = pn.bind(lambda c: "Prompt (gets noise on the span)" if c == NOISE_SPAN else "Clean prompt",
                               self.param.corruption)
-        self.b_run = w.Button.from_param(self.param.run_sweep, label="Run sweep", color="primary", width=120)
+        self.b_run = w.Button.from_param(self.param.run_sweep, label="Run sweep", color="primary", width=120,
+                                         description=_tooltip_above(self.param.run_sweep.doc))
         self.b_cancel = w.Button.from_param(self.param.cancel_sweep, label="Cancel", color="warning", width=120,
+                                            description=_tooltip_above(self.param.cancel_sweep.doc),
                                             disabled=pn.bind(lambda phase: phase != "running", self.param.phase))
         self.b_zoom = w.Button.from_param(
             self.param.zoom_in, label="Zoom into selection", width=250,
-            description="Drag a box over a heatmap, then re-sweep every layer × position inside it",
+            description=_tooltip_above("Drag a box over a heatmap, then re-sweep every layer × position inside it"),
             disabled=pn.bind(lambda phase, kept: phase == "running" or kept is None, self.param.phase, self.param.kept_run))
         form = pn.Column(
             w.RadioButtonGroup.from_param(self.param.corruption, **full),
@@ -766,3 +768,14 @@ def _close_live_views() -> None:
 
 
 __all__ = ["FLUSH_MS", "HEATMAP_PUSH_MS", "TracingView"]
+
+
+def _tooltip_above(text: str):
+    """A button's hover text, shown above it and gone as soon as the pointer leaves the button.
+    Panel's default (right of the button, and interactive: it stays while the pointer is on it)
+    put "Run sweep"'s text over the Cancel button beside it, so a pointer moving from one to the
+    other landed on the text and Cancel could not be clicked (tests/test_dashboard_browser.py)."""
+    from bokeh.models import Tooltip
+
+    return Tooltip(content=text, position="top_center", attachment="above", interactive=False,
+                   stylesheets=[":host { white-space: initial; max-width: 300px; }"])
