@@ -1,10 +1,10 @@
 """Row-invariant CPU linear layers (engine_ext/worker/cpu_gemm.py): the probe picks the form a
 kernel needs, and every form gives a row the same bits whatever the rows beside it.
 
-The fakes stand for the kernel behaviours met on real hosts: one that is row-invariant (AVX-512
-oneDNN on the bundled model's shapes), one whose rounding depends on the row count (AVX2 oneDNN:
-`benchmarks/diag/gemm_row_invariance.py`), one whose rounding also depends on a row's place in the
-call. The real-kernel test runs vLLM's own CPU dispatch on this host."""
+The fakes stand for the kernel behaviours met on real hosts: one that is row-invariant (the earlier
+CI hosts' kernels, judging by the bit-for-bit tests passing there), one whose rounding depends on
+the row count (AVX2 oneDNN: `benchmarks/diag/gemm_row_invariance.py`), one whose rounding also
+depends on a row's place in the call (AVX2 oneDNN in calls of 8 or 32 rows). The real-kernel test runs vLLM's own CPU dispatch on this host."""
 
 from types import SimpleNamespace
 

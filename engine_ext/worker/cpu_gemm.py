@@ -5,8 +5,8 @@ reuses the prompt's cached KV equals one computed from scratch) need every kerne
 to give a row the same bits whatever it is batched with. On the CPU the kernel that is not always
 so is the GEMM: on hosts with AVX2 and no AVX-512, oneDNN's fp32 `onednn_mm` (vLLM's CPU linear)
 picks its blocking from the row count M, and rows differ by ~1e-5 between, say, M=7 and M=64
-(`benchmarks/diag/gemm_row_invariance.py`). On the AVX-512 hosts of earlier CI runs the
-bit-for-bit tests passed with vLLM's kernels as they are.
+(`benchmarks/diag/gemm_row_invariance.py`). On the hosts of earlier CI runs (their ISA was not
+recorded) the bit-for-bit tests passed with vLLM's kernels as they are.
 
 What: `make_row_invariant(layer, n, k)` runs after vLLM chose the layer's CPU kernel
 (`layer.cpu_linear`, set by `dispatch_cpu_unquantized_gemm`, wrapped in the seam) and probes it
