@@ -6,7 +6,7 @@ CI hosts' kernels, judging by the bit-for-bit tests passing there), one whose ro
 the row count (AVX2 oneDNN: `benchmarks/diag/gemm_row_invariance.py`), one whose rounding also
 depends on a row's place in the call (AVX2 oneDNN in calls of 8 or 32 rows). The real-kernel test runs vLLM's own CPU dispatch on this host."""
 
-from types import SimpleNamespace
+import gc
 
 import pytest
 import torch
@@ -35,7 +35,9 @@ def _place_dependent(x, w, b):
 def _layer(kernel, n=24, k=12, bias=True):
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=gen)
-    return SimpleNamespace(weight=w, bias=torch.randn(n, generator=gen) if bias else None, cpu_linear=kernel)
+    layer = torch.nn.Module()  # what vLLM's layers are (the wrapper's bookkeeping follows the layer's life)
+    layer.weight, layer.bias, layer.cpu_linear = w, (torch.randn(n, generator=gen) if bias else None), kernel
+    return layer
 
 
 def _rows_independent_of_the_call(layer, max_m=40) -> bool:
@@ -123,3 +125,16 @@ def test_a_compiled_forward_calls_the_row_invariant_kernel_as_one_op_with_the_sa
     for m in (3, 17, 40):
         x = torch.randn(m, 12)
         assert torch.equal(compiled(x), layer.cpu_linear(x, layer.weight, layer.bias) * 2.0)
+
+
+def test_a_wrapped_kernel_is_not_kept_once_its_layer_is_gone():
+    """Engines started and closed in one process (tests, notebooks) must not pile up old layers'
+    kernels (vLLM's oneDNN handlers hold the packed weights)."""
+    before = len(cpu_gemm._KERNELS)
+    layer = torch.nn.Module()
+    layer.weight, layer.bias, layer.cpu_linear = torch.randn(24, 12), None, _count_dependent
+    cpu_gemm.make_row_invariant(layer, 24, 12, torch.float32)
+    assert len(cpu_gemm._KERNELS) == before + 1
+    del layer
+    gc.collect()
+    assert len(cpu_gemm._KERNELS) == before

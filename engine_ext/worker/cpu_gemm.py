@@ -23,14 +23,16 @@ The probe compares rows of a `PROBE_ROWS`-row product with the same rows compute
 calls (`PROBE_MS`), so "native" is an observation on those sizes, not a proof for every M. The
 per-row form is invariant by construction (every call has one shape); the chunked form's 16-row
 calls too, once the rotation probe passed, and its bulk calls give the same bits as those (probed
-on random rows: a kernel path that differs shows on them, as the probe's failures show). Decisions are cached per (kernel kind, N, K, dtype) in the process; the
-seam counts them per engine (`WorkerState.cpu_gemm`), which the engine reports
-(`EngineInfo.cpu_gemm`).
+on random rows: a kernel path that differs shows on them, as the probe's failures show).
+Decisions are cached per (kernel kind, N, K, dtype) in the process; the seam counts them per
+engine (`WorkerState.cpu_gemm`), which the engine reports (`EngineInfo.cpu_gemm`).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -121,13 +123,15 @@ def make_row_invariant(layer: Any, n: int, k: int, dtype: torch.dtype) -> str:
             _modes[key] = found
     mode, sizes = found
     if mode != NATIVE:
-        layer.cpu_linear = _row_invariant_linear(inner, sizes, n)
+        layer.cpu_linear = _row_invariant_linear(layer, inner, sizes, n)
     return mode
 
 
 # ---- the wrapped kernel, eager and compiled ------------------------------------------------------
-#: kernels wrapped in this process, by id: (vLLM's kernel, call sizes, output width N)
-_KERNELS: list[tuple[Linear, tuple[int, ...], int]] = []
+#: kernels wrapped in this process and still in use, by id: (vLLM's kernel, call sizes, output
+#: width N); an entry goes with its layer (a closed engine's kernels and weights are not kept)
+_KERNELS: dict[int, tuple[Linear, tuple[int, ...], int]] = {}
+_kernel_ids = itertools.count()
 OP_NAME = "causalboard_cpu_linear"
 
 
@@ -150,13 +154,14 @@ def _register_op() -> None:
     direct_register_custom_op(OP_NAME, _op, mutates_args=[], fake_impl=_op_fake)
 
 
-def _row_invariant_linear(inner: Linear, sizes: tuple[int, ...], n: int) -> Linear:
-    """`inner` in calls of `sizes` rows: called directly in eager mode, through the custom op while
-    Dynamo traces (compiled engines)."""
+def _row_invariant_linear(layer: Any, inner: Linear, sizes: tuple[int, ...], n: int) -> Linear:
+    """`inner` (the kernel of `layer`) in calls of `sizes` rows: called directly in eager mode,
+    through the custom op while Dynamo traces (compiled engines)."""
     with _lock:
         _register_op()
-        _KERNELS.append((inner, sizes, n))
-        kernel = len(_KERNELS) - 1
+        kernel = next(_kernel_ids)
+        _KERNELS[kernel] = (inner, sizes, n)
+    weakref.finalize(layer, _KERNELS.pop, kernel, None)
 
     def cpu_linear(x, weight, bias):
         if torch.compiler.is_compiling():
