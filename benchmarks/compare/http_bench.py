@@ -16,7 +16,10 @@ for both servers alike (among them `uvloop`, whose event loop both servers use w
 imported: the fourteenth session's GPU call gave it to `vllm serve` only). On a GPU both serve with CUDA graphs, bf16,
 prefix caching, the TRITON_ATTN attention backend and no batch invariance (vLLM's default;
 `causalboard serve --no-batch-invariant`); neither logs requests; causalboard serves no dashboard
-(`--no-dashboard`: stock has none, and the GPU bundle has no Panel).
+(`--no-dashboard`: stock has none, and the GPU bundle has no Panel). On the CPU both serve as
+causalboard's CPU engine does by default: fp32 and eager (stock gets `--dtype float32
+--enforce-eager`; without them it served the bundled model in its config's bf16 and compiled it,
+~60 s more to start).
 
 p1  768 one-token completions (`max_tokens` 1, greedy) of one 16-token prompt of random ids (seed 0),
     all sent at once: requests/s over the burst (`--p1-requests N` for another count); with it, over
@@ -90,6 +93,8 @@ def server_command(kind: str, model: str, device: str, port: int, fallback: str 
         if device == "cuda":
             cmd += ["--dtype", "bfloat16", "--attention-backend", "TRITON_ATTN", "--gpu-memory-utilization", "0.8",
                     "--max-model-len", "4096"]
+        else:  # causalboard's CPU defaults (engine_ext/engine/runtime.py): fp32, eager
+            cmd += ["--dtype", "float32", "--enforce-eager"]
         return cmd
     cmd = head + ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", "--no-dashboard"]  # stock serves no dashboard either
