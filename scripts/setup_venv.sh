@@ -64,10 +64,24 @@ if [[ "$DEVICE" == cpu ]]; then
   # again), then install offline from it with --no-deps: see requirements/cpu.txt for why.
   WHEELS="$CACHE/wheels-cp312"
   mkdir -p "$WHEELS"
-  echo "setup: fetching wheels into $WHEELS (cached across checkouts)"
-  "${PIP[@]}" download -q --no-deps --only-binary=:all: -d "$WHEELS" -r "$REQ" 2>&1 | grep -v 'is ignored: it is neither' || true
+  if "$VENV/bin/python" scripts/wheels_present.py "$REQ" "$WHEELS"; then
+    echo "setup: every pinned wheel is already in $WHEELS"
+  else
+    echo "setup: fetching wheels into $WHEELS (cached across checkouts)"
+    "${PIP[@]}" download -q --no-deps --only-binary=:all: -d "$WHEELS" -r "$REQ" 2>&1 | grep -v 'is ignored: it is neither' || true
+  fi
   echo "setup: installing $REQ (--no-deps)"
-  "${PIP[@]}" install -q --no-deps --no-index --find-links "$WHEELS" -r "$REQ"
+  # uv (pinned in $REQ) installs the same wheels ~10x faster than pip (in parallel, from its cache
+  # of unpacked wheels under $CACHE/uv); pip does it where uv cannot be installed or fails
+  UV_PIN="$(grep -E '^uv==' "$REQ" || true)"
+  if [[ -n "$UV_PIN" ]] && "${PIP[@]}" install -q --no-deps --no-index --find-links "$WHEELS" "$UV_PIN" \
+      && UV_CACHE_DIR="$CACHE/uv" "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --no-deps --offline \
+           --no-index --find-links "$WHEELS" -r "$REQ"; then
+    :
+  else
+    echo "setup: uv did not install $REQ; pip does"
+    "${PIP[@]}" install -q --no-deps --no-index --find-links "$WHEELS" -r "$REQ"
+  fi
 else
   "${PIP[@]}" install -q -r "$REQ"
 fi
