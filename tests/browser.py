@@ -69,12 +69,18 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
     raise AssertionError(f"timed out after {timeout} s waiting for {message or predicate} (last: {last!r})")
 
 
-def choose(page: Any, button: str, effect: Any, tries: int = 3, timeout_s: float = 15.0) -> None:
-    """Click the choice `button` (a radio-group option: clicking it again is harmless) until
-    `effect` (a locator the choice makes appear) is there. The click is a round trip through the
-    server's session; a CI run once saw its effect never arrive (Chromium ignoring a click on a
-    loaded machine), so a choice gets `tries` clicks of `timeout_s` each before the test fails."""
+def choose(page: Any, button: str, effect: Any, tries: int = 3, timeout_s: float = 15.0, other: str | None = None) -> None:
+    """Click the choice `button` (a radio-group option) until `effect` (a locator the choice makes
+    appear) is there. The click is a round trip through the server's session; a CI run once saw
+    its effect never arrive (Chromium ignoring a click on a loaded machine), so a choice gets
+    `tries` clicks of `timeout_s` each before the test fails. A radio option the page already
+    shows as chosen sends nothing when clicked again, so where the first click did reach the
+    page but its effect did not come back, later clicks changed nothing (one run in eight of the
+    cancel test, 2026-11-29): with `other` (another option of the same group) each retry clicks
+    that one first, so the option's change is sent again."""
     for attempt in range(1, tries + 1):
+        if attempt > 1 and other is not None:
+            page.get_by_role("button", name=other, exact=True).click()
         page.get_by_role("button", name=button).click()
         try:
             effect.wait_for(timeout=timeout_s * 1000)

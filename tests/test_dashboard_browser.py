@@ -195,7 +195,7 @@ def test_cancel_and_replace_stop_running_sweeps(page, server_url, http):
     # seconds while the engine runs, and the engine's speed varies several-fold, so the test
     # times its clicks by what the server says is running, never by what the page shows
     prompt = page.get_by_label("Prompt (gets noise on the span)", exact=True)
-    choose(page, "noise on a span", prompt)
+    choose(page, "noise on a span", prompt, other="corrupt prompt")
     for hook in ("pre_attn", "post_attn"):
         page.get_by_role("button", name=hook).click()
     filler = " ".join(["The capital of Tarn is Tibbet"] * 5)
@@ -256,7 +256,7 @@ def test_noise_corruption_of_the_subject_span(page, server_url, http, tasks):
     status = http.get("/v1/status").json()
     open_dashboard(page, server_url, status)
     span = page.get_by_label("Noise span (text in the prompt)")
-    choose(page, "noise on a span", span)
+    choose(page, "noise on a span", span, other="corrupt prompt")
     assert not page.get_by_label("Corrupt prompt", exact=True).is_visible()
     pair = next(p for p in tasks["pairs"] if p["equal_length"] and p.get("hf_top1", True))
     assert span.input_value() == pair["subject_clean"]
