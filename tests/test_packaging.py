@@ -87,8 +87,8 @@ def test_setup_skips_the_download_only_when_every_pin_has_its_wheel(tmp_path):
 
 
 def test_the_pinned_cpu_list_has_uv_and_setup_falls_back_to_pip():
-    """setup_venv.sh installs the CPU list with the uv it pins (~25 s instead of ~4 min on the
-    2-core CI host) and with pip where uv cannot be installed or fails."""
+    """setup_venv.sh installs the CPU list with the uv it pins (~100 s instead of ~4.5 min on the
+    2-core development machine) and with pip where uv cannot be installed or fails."""
     pins = (REPO / "requirements/cpu.txt").read_text().splitlines()
     assert [p for p in pins if p.startswith("uv==")] == ["uv==0.13.9"]
     text = (REPO / "scripts/setup_venv.sh").read_text()
