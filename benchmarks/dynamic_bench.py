@@ -48,6 +48,10 @@ def main():
                     help="also run each dynamic variant with its decisions taken on the device and on the host "
                          "(variant@device, variant@host: engine_ext.dynamic.device_decisions; the default "
                          "is auto: on the device for proportional control)")
+    ap.add_argument("--ab-graphs", action="store_true",
+                    help="also run each dynamic variant with its probe scores launched eagerly "
+                         "(variant@no_graphs; the default replays a repeating layout as a CUDA graph: "
+                         "engine_ext.dynamic.step_graphs)")
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
 
@@ -78,10 +82,13 @@ def main():
     if args.ab_device:
         run_kw.update({f"{k}@{where}": {"dynamic": dyn, "device": on} for k, dyn in variants.items()
                        if dyn is not None for where, on in (("device", True), ("host", False))})
+    if args.ab_graphs:
+        run_kw.update({f"{k}@no_graphs": {"dynamic": dyn, "graphs": False} for k, dyn in variants.items()
+                       if dyn is not None})
     run_kw.update({k: {"interventions": spec} for k, spec in static.items() if not args.variants or k in keep})
     # the worker switches a variant sets (RPC only when one changes): name -> [RPC, current value, default]
     switches = {"defer": ["cb_set_defer_plan", True, True], "replay": ["cb_set_dyn_replay", True, True],
-                "device": ["cb_set_dyn_device", "auto", "auto"]}
+                "device": ["cb_set_dyn_device", "auto", "auto"], "graphs": ["cb_set_dyn_graphs", True, True]}
 
     def generate_kw(kw: dict) -> dict:
         """Set the variant's switches on the workers; the rest are `generate` arguments."""

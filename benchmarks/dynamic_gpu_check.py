@@ -146,16 +146,28 @@ def main():
     def replayed():
         return sum(w.get("replayed_steps") or 0 for w in eng.dynamic_status()["workers"])
 
+    def graph_replays():
+        return sum(w.get("graph_replays") or 0 for w in eng.dynamic_status()["workers"])
+
+    # the reference, "host", scores eagerly; every other mode replays repeating work as CUDA graphs
+    # (`engine_ext.dynamic.step_graphs`, the default), so equal results also show the graphs bit-exact
     for name, pol in (("threshold", thr), ("proportional", prop)):
         modes = {}
-        for mode, (replay, device) in {"host": (False, False), "replay": (True, False), "device": (True, True)}.items():
+        for mode, (replay, device, graphs) in {"host": (False, False, False), "host_graphs": (False, False, True),
+                                               "replay": (True, False, True), "device": (True, True, True),
+                                               "device_no_graphs": (True, True, False)}.items():
             eng._rpc("cb_set_dyn_replay", replay)
             eng._rpc("cb_set_dyn_device", device)
-            before = replayed()
+            eng._rpc("cb_set_dyn_graphs", graphs)
+            before, g_before = replayed(), graph_replays()
             gens = eng.generate(prompts, params, dynamic=DynamicRequest.make([pol]))
             modes[mode] = (gens, replayed() - before)
+            graphs_ran = graph_replays() - g_before
+            check(f"single[{name}][{mode}].graphs", (graphs_ran > 0) == (graphs and args.device == "cuda"),
+                  graph_replays=graphs_ran)
         eng._rpc("cb_set_dyn_replay", True)
-        eng._rpc("cb_set_dyn_device", "auto")  # the default
+        eng._rpc("cb_set_dyn_device", "auto")  # the defaults
+        eng._rpc("cb_set_dyn_graphs", True)
         # the faster modes ran (threshold's plain repeat needs two steps in a row without a flip)
         check(f"single[{name}].repeated", modes["device"][1] > 0
               and (name == "threshold" or modes["replay"][1] > 0))

@@ -39,14 +39,19 @@ def variants(v: np.ndarray) -> dict:
     return dynamic_variants(L, v)
 
 
-def run(dyn, steps: int, replay: bool = True) -> dict:
+def run(dyn, steps: int, replay: bool = True, device: str = "cpu", decisions="auto") -> dict:
     """One batch: register, prefill step, `steps` decode steps; median us per call. `replay`:
-    steady decode steps repeated (`Replay`, the default) or planned request by request."""
-    st = WorkerState(L, H, 8192, torch.device("cpu"), torch.float32, WorkerConfig())
+    steady decode steps repeated (`Replay`, the default) or planned request by request;
+    `decisions`: where a repeated step's decisions are taken (`cb_set_dyn_device`: True, False
+    or "auto")."""
+    dev = torch.device(device)
+    st = WorkerState(L, H, 8192, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, WorkerConfig())
     st.dynamic.replay_enabled = replay
+    st.dynamic.device_decisions = decisions
     rng = np.random.default_rng(0)
     st.dynamic.set_probe(Probe.make(PROBE, probe_site(L), direction=rng.standard_normal(H)).to_json())
     st.buffers.cap_x.copy_(torch.from_numpy(rng.standard_normal(tuple(st.buffers.cap_x.shape)).astype(np.float32)))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     dims = ModelDims(L, H, 128256, 0.02)
     req_ids = [f"r{i}" for i in range(BATCH)]
     for i, rid in enumerate(req_ids):
@@ -92,6 +97,7 @@ def run(dyn, steps: int, replay: bool = True) -> dict:
     qsl = np.arange(BATCH + 1, dtype=np.int32)
     for step in range(steps):
         wait.clear()
+        sync()  # no forward here: the device idle at each step's start, so only host time is timed
         t = time.perf_counter_ns()
         st.plan_step(req_ids, qsl, np.full(BATCH, PROMPT + step, np.int32))
         t1 = time.perf_counter_ns()
@@ -101,11 +107,13 @@ def run(dyn, steps: int, replay: bool = True) -> dict:
         t2 = time.perf_counter_ns()
         times["plan_step"].append(t1 - t)
         times["after_forward"].append(t2 - t1)
+    st.dynamic.sync_device()
     actions, replayed = st.dynamic.actions, st.dynamic.replayed_steps
+    held = st.dynamic.device_held_reads
     for rid in req_ids:
         st.finish(rid)
     out = {k: statistics.median(v[5:] or v) / 1e3 for k, v in times.items() if v}
-    return {**out, "actions": actions, "replayed_steps": replayed}
+    return {**out, "actions": actions, "replayed_steps": replayed, "device_held_reads": held}
 
 
 def main() -> None:
@@ -114,18 +122,27 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ab-replay", action="store_true",
                     help="also run each dynamic variant with steady steps planned request by request (`@no_replay`)")
+    ap.add_argument("--device", default="cpu", help="the worker's device (cuda: host time on a GPU host)")
+    ap.add_argument("--ab-device", action="store_true",
+                    help="also run each dynamic variant with its decisions taken on the device and on the host "
+                         "(`@device`, `@host`; the default is auto: on the device on a GPU for proportional chains)")
     args = ap.parse_args()
     v = (np.random.default_rng(1).standard_normal(H) * 0.01).astype(np.float32)
     results: dict[str, list[dict]] = {}
     for _ in range(args.reps):
         for name, dyn in variants(v).items():
-            results.setdefault(name, []).append(run(dyn, args.steps))
+            results.setdefault(name, []).append(run(dyn, args.steps, device=args.device))
             if args.ab_replay and dyn is not None:
-                results.setdefault(f"{name}@no_replay", []).append(run(dyn, args.steps, replay=False))
+                results.setdefault(f"{name}@no_replay", []).append(run(dyn, args.steps, replay=False, device=args.device))
+            if args.ab_device and dyn is not None:
+                for where, on in (("device", True), ("host", False)):
+                    results.setdefault(f"{name}@{where}", []).append(run(dyn, args.steps, device=args.device,
+                                                                          decisions=on))
     for name, reps in results.items():
         out = {k: round(statistics.median(r[k] for r in reps), 1) for k in reps[0] if k != "actions"}
         out["actions_per_run"] = reps[0]["actions"]
-        print(json.dumps({"bench": "dyn_planner_us", "variant": name, "batch": BATCH, "hidden": H, **out}), flush=True)
+        print(json.dumps({"bench": "dyn_planner_us", "variant": name, "device": args.device, "batch": BATCH, "hidden": H,
+                          **out}), flush=True)
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def test_proportional_policies_repeat_exactly_and_a_scale_of_zero_falls_back():
 @pytest.mark.parametrize("replay", [False, True], ids=["request-by-request", "repeated"])
 def test_proportional_chains_leave_no_slot_behind(replay):
     """A chain's proportional windows hold slots of their own while it repeats (rewritten in
-    place, `SlotTable.rewrite_c`); once every request has finished and an empty step has run, no
+    place, `SlotTable.rewrite_scaled`); once every request has finished and an empty step has run, no
     slot is in use, with or without a fall-back (a scale clamped to 0) in the run."""
     for batch in (("prop", "prop_clamped"), ("prop", "prop_clamped", "prop_to_zero")):
         st, _, _ = _drive(replay, 5, False, batch=batch)

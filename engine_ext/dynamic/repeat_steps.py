@@ -175,9 +175,9 @@ class RepeatedSteps:
         min/max order), the slots of `vector * f32(scale)` at their sites (no base under them)
         and each action's crc (the name `_action_plan` gives it). The chain's first repeat takes
         one slot of its own per window (a key no other request can name), held through the chain
-        (`rp.p_own`); every later repeat rewrites those slots' `c` in place
-        (`SlotTable.rewrite_c`) instead of acquiring a content-named slot per new scale and
-        releasing the last. Returns (scales, the slot per window and site, crcs, whether the slots
+        (`rp.p_own`); every later repeat rewrites those slots' `c` in place on the device from the
+        new scales alone (`SlotTable.rewrite_scaled`: the vectors were uploaded with the first)
+        instead of acquiring a content-named slot per new scale and releasing the last. Returns (scales, the slot per window and site, crcs, whether the slots
         are new this step); (None, [], None, False) when a scale is 0 (no action) or no slot is
         left (nothing is left acquired)."""
         prop = rp.prop
@@ -186,11 +186,10 @@ class RepeatedSteps:
         if not new.all():
             return None, [], None, False
         s32 = new.astype(np.float32)
-        c = np.multiply(rp.p_vec, s32[:, None], dtype=np.float32)
         slots = self.st.slots
         if rp.p_own is not None:
             rows = rp.p_own_rows
-            slots.rewrite_c(rp.p_own_unique, c if rows is None else c[rows], rp.p_own_c)
+            slots.rewrite_scaled(rp.p_own_dev, s32 if rows is None else s32[rows])
             return new, rp.p_own, rp.p_crcs.crcs(s32), False
         tag = next(_OWN_SLOT_TAGS)
         acquire = slots.acquire
@@ -198,7 +197,8 @@ class RepeatedSteps:
         unique: list[int] = []
         with_sites = [k for k, (_, _, _, sites) in enumerate(prop) if sites]  # (every window, in practice)
         rows = None if len(with_sites) == len(prop) else np.asarray(with_sites, np.int64)
-        own_c = c.copy() if rows is None else c[rows]  # the slots' host values: its rows (`rewrite_c` writes them)
+        vecs = rp.p_vec if rows is None else rp.p_vec[rows]
+        own_c = np.multiply(vecs, (s32 if rows is None else s32[rows])[:, None], dtype=np.float32)
         try:
             for i, k in enumerate(with_sites):
                 key = ("dyn-own", tag, k)
@@ -209,7 +209,8 @@ class RepeatedSteps:
         except SlotCapacityError:
             slots.release(acquired)
             return None, [], None, False
-        rp.p_own, rp.p_own_unique, rp.p_own_c, rp.p_own_rows = acquired, unique, own_c, rows
+        rp.p_own, rp.p_own_rows = acquired, rows
+        rp.p_own_dev = slots.scaled_rows(unique, vecs)
         return new, acquired, rp.p_crcs.crcs(s32), True
 
     def _log_chain(self, rp: "Replay", positions: np.ndarray, scores: np.ndarray, prop_scales: np.ndarray | None,

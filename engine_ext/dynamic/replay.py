@@ -204,7 +204,7 @@ class Replay:
         rp.p_crcs = ProportionalCrcs([(dr.key, tags, vcrc) for dr, _, vcrc, tags in prop])
         #: the chain's own slots for its proportional windows (per window and site; one per window),
         #: taken at its first repeat (`repeat_steps.RepeatedSteps._replay_proportional`)
-        rp.p_own, rp.p_own_unique, rp.p_own_c, rp.p_own_rows = None, [], None, None
+        rp.p_own, rp.p_own_dev, rp.p_own_rows = None, None, None
         rp.p_j = np.asarray([j for j, pol in enumerate(drs) if pol.states[0].policy.mode == "proportional"], np.int64)
         rp.p_rows, rp.p_sites = np.asarray(p_rows, np.int64), np.asarray(p_sites, np.int64)
         if prop:

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_ext.dynamic import step_graphs
 from engine_ext.dynamic.device_decisions import DeviceDecisions, NotEligible
 from engine_ext.dynamic.gates import GateSet, GateState
 from engine_ext.dynamic.repeat_steps import RepeatedSteps, _ReplayWork, device_setting
@@ -215,6 +216,11 @@ class DynamicWorker(RepeatedSteps):
         self._chain_log: list[tuple[Replay, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
         #: the last step's score layout (`_ScorePlan`), reused while it stays the same
         self._score_plan: _ScorePlan | None = None
+        #: score a layout that repeats as a CUDA graph (`step_graphs`; `CAUSALBOARD_DYN_GRAPHS=0`
+        #: or `cb_set_dyn_graphs` turn it off; a graph that differs from the eager scores does too)
+        self.step_graphs_on = os.environ.get("CAUSALBOARD_DYN_GRAPHS", "1") != "0"
+        #: per-step work launched as a graph replay (scores, decisions, rewrites: `step_graphs`)
+        self.graph_replays = 0
         #: CUDA: the pinned buffer the scores are copied into and the copy's event (reused)
         self._host_scores: torch.Tensor | None = None
         self._score_event: Any = None
@@ -718,7 +724,26 @@ class DynamicWorker(RepeatedSteps):
         self._start_copy(work, flat)
 
     def _scores(self, sp: "_ScorePlan", monitors: bool, gated: bool) -> torch.Tensor:
-        """The step's scores on the device, flat in `sp`'s layout."""
+        """The step's scores on the device, flat in `sp`'s layout: on CUDA, once the layout has
+        been scored `step_graphs.AFTER` times in a row, as one CUDA graph replay (bit for bit the
+        eager scores; its output is overwritten by the next replay: consumed on this stream
+        before the next step's scores, as `_start_copy` and the device decisions do)."""
+        if monitors and not gated and sp.views and self.step_graphs_on:
+            if sp.graph is not None:
+                self.graph_replays += 1
+                return sp.graph.replay()
+            flat = self._scores_eager(sp, True, False)
+            if flat.is_cuda:
+                sp.eager_runs += 1
+                if sp.eager_runs == step_graphs.AFTER:
+                    sp.graph = step_graphs.capture_scores(lambda: self._scores_eager(sp, True, False), flat,
+                                                   keep=tuple(pr for pr, _ in sp.probe_rows))
+                    if sp.graph is None and not torch.cuda.is_current_stream_capturing():
+                        self.step_graphs_on = False
+            return flat
+        return self._scores_eager(sp, monitors, gated)
+
+    def _scores_eager(self, sp: "_ScorePlan", monitors: bool, gated: bool) -> torch.Tensor:
         b = self.st.buffers
         blocks = []
         if monitors:
@@ -844,7 +869,8 @@ class DynamicWorker(RepeatedSteps):
         return {"probes": sorted(n for n in self.probes if not n.startswith("~")), "requests": len(self.requests),
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
                 "latched_conversations": len(self.latches), "dynamic_actions": self.actions,
-                "rejected_actions": self.rejected, "replayed_steps": self.replayed_steps}
+                "rejected_actions": self.rejected, "replayed_steps": self.replayed_steps,
+                "graph_replays": self.graph_replays}
 
 
 class _ScorePlan:
@@ -900,15 +926,26 @@ class _ScorePlan:
                 done.add(id(dr))
                 self.work.append((dr, False, i, [], gpick[id(dr)]))
 
+        #: every row it reads is a contiguous run (views only: `step_graphs` may capture it), the
+        #: eager scorings in a row, and the graph once captured
+        self.views = _is_run(self.cap_rows) and all(_is_run(rows) for _, rows in self.probe_rows)
+        self.eager_runs = 0
+        self.graph: step_graphs.ScoreGraph | None = None
+
     def current(self, probes: dict[str, _Probe]) -> bool:
         """Are the probes the layout read still the registered ones?"""
         return all(probes.get(name) is pr for name, pr in self.probes)
+
+
+def _is_run(rows: list[int]) -> bool:
+    """Are `rows` one contiguous ascending run (`_rows` gives a view)?"""
+    return bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """`t[rows]` without a blocking host-to-device copy: a view when the rows are one contiguous
     ascending run (the monitors' capture rows usually are), else an index copied from pinned
     memory without waiting (a plain `.to(device)` of a host index would wait for the forward)."""
-    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+    if _is_run(rows):
         return t[rows[0]: rows[0] + len(rows)]
     return t.index_select(0, to_device_async(torch.tensor(rows, dtype=torch.long), t.device))

@@ -91,6 +91,14 @@ class CausalboardWorkerExtension:
         st.dynamic.device_decisions = device_setting(on)
         return st.dynamic.device_decisions
 
+    def cb_set_dyn_graphs(self, on: bool) -> bool:
+        """Benchmarking aid: whether a repeating layout of dynamic steering's probe scores is
+        replayed as a CUDA graph (`engine_ext.dynamic.step_graphs`; the default,
+        `CAUSALBOARD_DYN_GRAPHS`) or scored eagerly (the same values). Returns the new setting."""
+        st = self._cb()
+        st.dynamic.step_graphs_on = bool(on)
+        return st.dynamic.step_graphs_on
+
     def cb_close(self) -> bool:
         """Free this engine's worker state and device buffers (called before shutdown)."""
         st = runner_state(self.model_runner)

@@ -148,18 +148,25 @@ class SlotTable:
                 self._gates.release(int(self._gate_of_slot[slot]))
                 self._gate_of_slot[slot] = -1
 
-    def rewrite_c(self, slots: list[int], c: np.ndarray, host_rows: np.ndarray) -> None:
-        """Give AFFINE slots new `c` rows (`c[i]` for `slots[i]`), on the host and on the device
-        (uploaded now, on the current stream: before the forward that reads them). Only for slots
-        their one holder acquired under a key of its own, never shared and already uploaded
-        (dynamic steering's proportional windows during a chain of repeated steps:
-        `repeat_steps.RepeatedSteps._replay_proportional`): nobody else reads them, so their key
-        may keep naming the first value. `host_rows`: the matrix whose row i the host value of
-        `slots[i]` holds as its `c` (the holder made the values so), written in one assignment."""
-        host_rows[...] = c
+    def scaled_rows(self, slots: list[int], vecs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """For `rewrite_scaled`: the slots' indices and their vectors (`vecs[i]` for `slots[i]`,
+        fp32) on the device, uploaded once."""
         b = self.b
-        idx = to_device_async(torch.tensor(slots, dtype=torch.long), b.device)
-        b.slot_c.index_copy_(0, idx, to_device_async(torch.from_numpy(np.ascontiguousarray(c, np.float32)), b.device))
+        return (to_device_async(torch.tensor(slots, dtype=torch.long), b.device),
+                to_device_async(torch.from_numpy(np.ascontiguousarray(vecs, np.float32)), b.device))
+
+    def rewrite_scaled(self, rows: tuple[torch.Tensor, torch.Tensor], s32: np.ndarray) -> None:
+        """Give AFFINE slots new `c` rows, `vecs[i] * s32[i]` for `rows = scaled_rows(slots, vecs)`,
+        computed on the device on the current stream (before the forward that reads them): one
+        correctly rounded fp32 multiply per element, bit-equal to the host's
+        `np.multiply(vec, np.float32(s), dtype=np.float32)`; only `s32` (4 bytes a slot) is
+        uploaded. Only for slots their one holder acquired under a key of its own, never shared
+        and already uploaded (dynamic steering's proportional windows during a chain of repeated
+        steps: `repeat_steps.RepeatedSteps._replay_proportional`): nobody else reads them, so their
+        key and their host value (`value_of`) keep naming the first value."""
+        idx, vecs = rows
+        s = to_device_async(torch.from_numpy(np.ascontiguousarray(s32, np.float32)), self.b.device)
+        self.b.slot_c.index_copy_(0, idx, vecs * s[:, None])
 
     def key_of(self, slot: int) -> Hashable | None:
         """The content key a slot in use holds (None for a free slot)."""

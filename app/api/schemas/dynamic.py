@@ -124,6 +124,7 @@ class DynamicStatusResponse(BaseModel):
     policies: list[dict] = Field(description="The global policies.")
     workers: list[dict] = Field(description="Per worker: tp_rank, pp_rank, probes, requests, engaged_requests, "
                                             "latched_conversations, dynamic_actions, rejected_actions, replayed_steps (steady decode "
-                                            "steps whose plan repeated the last one's), action_count, action_checksum (hex).")
+                                            "steps whose plan repeated the last one's), graph_replays (per-step device work "
+                                            "launched as a CUDA graph replay), action_count, action_checksum (hex).")
     determinism: dict = Field(description="{consistent: true, action_count: N} or {consistent: false, checksums: {rank: hex}}, "
                                           "compared within each pipeline stage.")

@@ -1,0 +1,126 @@
+"""CUDA graphs of dynamic steering's small per-step device work in a steady decode, each replayed
+as one launch instead of several: a score layout's probe scores (`capture_scores`, for
+`worker._ScorePlan`: the capture rows' fp32 sum, one matmul and bias per probe) and the launches
+of decisions on the device (`capture_launch`, for `device_decisions`: the decision kernel, the
+rows' and payloads' rewrite).
+
+Why: each small kernel costs the host ~10-30 µs to launch on a GPU host
+(`benchmarks/diag/op_costs.py`: ~75 µs for the scores eagerly against ~10 µs as a graph replay),
+every step, and the host is what a dynamic-steering decode waits for (docs/performance.md,
+"Dynamic steering"). Work is captured once it has run eagerly `AFTER` times in a row (a chain of
+steady steps; batches that change every step never pay for a capture), and only when everything it
+reads stays at the same addresses (views of persistent buffers, no host copy inside).
+`CAUSALBOARD_DYN_GRAPHS=0` (or the RPC `cb_set_dyn_graphs`) keeps everything eager.
+
+Contracts: a graph of the scores is bit-for-bit the eager scores: `capture_scores` replays the new
+graph once against the eager result of the same step and returns None (the caller then stays
+eager; logged) if they differ in any bit or the capture fails. Its output tensor is the graph's
+own: each replay overwrites it, so a caller consumes it (its device-to-host copy, a decision
+kernel) before the next step's scores, on the same stream. A captured launch runs the same kernel
+binary on the same arguments as the eager launch it replaces (nothing is compared: it may update
+state in place, so it is captured without running).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger("causalboard.dynamic")
+
+#: a layout is captured at its this-many-th eager scoring in a row
+AFTER = 4
+
+
+class ScoreGraph:
+    """One captured layout: `replay()` launches it on the current stream and returns its output."""
+
+    __slots__ = ("graph", "out", "_keep")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, out: torch.Tensor, keep: tuple):
+        self.graph, self.out, self._keep = graph, out, keep
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+_side_stream: torch.cuda.Stream | None = None
+
+
+def capture_scores(score: Callable[[], torch.Tensor], eager: torch.Tensor, keep: tuple = ()) -> ScoreGraph | None:
+    """Capture `score()` (device work only: views of persistent buffers, no host copies) as a
+    graph and check one replay against `eager`, this step's eager result (bit for bit). `keep`:
+    objects whose device memory the graph reads (held as long as it). None: no graph (the
+    failure logged; a stream already capturing — vLLM's own graphs — is not a failure)."""
+    global _side_stream
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    cur = torch.cuda.current_stream()
+    if _side_stream is None:
+        _side_stream = torch.cuda.Stream()
+    side = _side_stream
+    g = torch.cuda.CUDAGraph()
+    try:
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            score()  # warm-up on the capture stream (its library handles and workspaces)
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                out = score()
+            finally:
+                g.capture_end()
+        cur.wait_stream(side)
+        g.replay()  # on the current stream, after this step's eager scores
+        same = bool(torch.equal(out, eager))  # one host wait per capture
+    except Exception as e:  # noqa: BLE001 - any failure: stay eager
+        logger.warning("causalboard: probe scores not captured as a CUDA graph (%s: %s); scoring eagerly",
+                       type(e).__name__, e)
+        return None
+    if not same:
+        logger.warning("causalboard: a CUDA graph of the probe scores differed from the eager scores; "
+                       "scoring eagerly from now on")
+        return None
+    return ScoreGraph(g, out, keep)
+
+
+class LaunchGraph:
+    """One captured launch sequence: `replay()` launches it on the current stream."""
+
+    __slots__ = ("graph", "_keep")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, keep: tuple):
+        self.graph, self._keep = graph, keep
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def capture_launch(launch: Callable[[], None], keep: tuple = ()) -> LaunchGraph | None:
+    """Capture `launch()` (kernel launches on persistent tensors, already run eagerly: compiled and
+    loaded, no allocation, no host copy) as a graph, without running it. `keep`: what its kernels
+    read or write (held as long as the graph). None: not captured (logged unless vLLM is
+    capturing)."""
+    global _side_stream
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    cur = torch.cuda.current_stream()
+    if _side_stream is None:
+        _side_stream = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    try:
+        _side_stream.wait_stream(cur)
+        with torch.cuda.stream(_side_stream):
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                launch()
+            finally:
+                g.capture_end()
+        cur.wait_stream(_side_stream)
+    except Exception as e:  # noqa: BLE001 - any failure: stay eager
+        logger.warning("causalboard: dynamic steering's device launches not captured as a CUDA graph (%s: %s)",
+                       type(e).__name__, e)
+        return None
+    return LaunchGraph(g, keep)
