@@ -216,8 +216,9 @@ class DynamicWorker(RepeatedSteps):
         self._chain_log: list[tuple[Replay, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
         #: the last step's score layout (`_ScorePlan`), reused while it stays the same
         self._score_plan: _ScorePlan | None = None
-        #: score a layout that repeats as a CUDA graph (`step_graphs`; `CAUSALBOARD_DYN_GRAPHS=0`
-        #: or `cb_set_dyn_graphs` turn it off; a graph that differs from the eager scores does too)
+        #: a chain decided on the device launches its repeating work as CUDA graphs (`step_graphs`;
+        #: `CAUSALBOARD_DYN_GRAPHS=0` or `cb_set_dyn_graphs` turn it off; a graph of the scores
+        #: that differs from the eager scores does too)
         self.step_graphs_on = os.environ.get("CAUSALBOARD_DYN_GRAPHS", "1") != "0"
         #: per-step work launched as a graph replay (scores, decisions, rewrites: `step_graphs`)
         self.graph_replays = 0
@@ -691,7 +692,7 @@ class DynamicWorker(RepeatedSteps):
         rpl, self._replaying = self._replaying, None
         if rpl is not None:  # a repeated step: the last step's layout, one position further
             rp, positions = rpl
-            flat = self._scores(rp.sp, True, False)
+            flat = self._scores(rp.sp, True, False, graph=rp.dev is not None)
             if rp.dev is not None:  # decided on the device, read back later
                 if not rp.dev.after_forward(rp, positions, flat):
                     self.device_decisions = False
@@ -723,12 +724,15 @@ class DynamicWorker(RepeatedSteps):
                 self._end_device(rp)
         self._start_copy(work, flat)
 
-    def _scores(self, sp: "_ScorePlan", monitors: bool, gated: bool) -> torch.Tensor:
-        """The step's scores on the device, flat in `sp`'s layout: on CUDA, once the layout has
-        been scored `step_graphs.AFTER` times in a row, as one CUDA graph replay (bit for bit the
-        eager scores; its output is overwritten by the next replay: consumed on this stream
-        before the next step's scores, as `_start_copy` and the device decisions do)."""
-        if monitors and not gated and sp.views and self.step_graphs_on:
+    def _scores(self, sp: "_ScorePlan", monitors: bool, gated: bool, graph: bool = False) -> torch.Tensor:
+        """The step's scores on the device, flat in `sp`'s layout. With `graph` (a chain of
+        repeated steps decided on the device, whose pace the host's time per step sets), on CUDA,
+        once the layout has been scored `step_graphs.AFTER` times that way, as one CUDA graph
+        replay (bit for bit the eager scores; its output is overwritten by the next replay:
+        consumed on this stream before the next step's scores, as the device decisions do). Steps
+        decided on the host wait for these scores before the next forward: there the scores'
+        own device time counts and the graph measured no faster, so they stay eager."""
+        if graph and monitors and not gated and sp.views and self.step_graphs_on:
             if sp.graph is not None:
                 self.graph_replays += 1
                 return sp.graph.replay()
