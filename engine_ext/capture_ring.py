@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger("causalboard.capture_ring")
 
@@ -51,6 +52,19 @@ def auto_size(max_step_bytes: int) -> int:
 
 
 _ids = itertools.count(1)
+
+#: a reply whose ring-held values reach this many bytes is copied out by several threads
+#: (`RingReaders.materialize`; numpy releases the GIL while it copies)
+PARALLEL_COPY_BYTES = 16 << 20
+
+
+def copy_threads() -> int:
+    """The threads that copy a large reply out of a ring: `CAUSALBOARD_RING_COPY_THREADS`, else
+    up to 4, leaving one core (1: the calling thread alone)."""
+    env = os.environ.get("CAUSALBOARD_RING_COPY_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(4, (os.cpu_count() or 1) - 1))
 
 #: both sides map the ring with its page tables filled at once (Linux): a first touch of each
 #: page would otherwise fault, once per 4 KiB, in the middle of the copies
@@ -231,6 +245,8 @@ class RingReaders:
     def __init__(self) -> None:
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}
         self._acks: dict[str, list[int]] = {}
+        self.threads = copy_threads()
+        self._pool: ThreadPoolExecutor | None = None
 
     def open(self, name: str) -> bool:
         """Map a worker's ring and unlink its file (the mappings keep the memory). False if it
@@ -260,12 +276,15 @@ class RingReaders:
 
     def materialize(self, reply: dict[str, dict], copy: bool = True) -> dict[str, dict]:
         """One worker's `cb_collect` reply with every ring-held capture block copied into a
-        writable `bytearray` (`"data"`, as an inline block has it); the slices are acknowledged.
+        writable buffer of its own (`"data"`, as an inline block has it: a `bytearray`, or for a
+        reply of at least `PARALLEL_COPY_BYTES` a uint8 numpy array per block, the blocks copied by
+        `threads` threads at once); the slices are acknowledged.
         A slice this process cannot read (a ring it has not mapped, bounds outside the ring: a
         bug) voids that result, with the reason, instead of handing over wrong values.
         `copy=False` (a worker whose captures the client does not use: a tensor-parallel rank that
         does not lead its pipeline stage, `Topology.leaders`): every ring-held block is dropped
         from the reply (no `"captures"`), its slice acknowledged, nothing copied."""
+        jobs: list[tuple[dict, memoryview]] = []
         for res in reply.values():
             block = res.get("captures") if isinstance(res, dict) else None
             if not block or "ring" not in block:
@@ -283,9 +302,34 @@ class RingReaders:
                 res["errors"] = list(res.get("errors") or []) + [
                     f"captured values lost: slice [{off}, {off + n}) of capture ring {name} cannot be read here"]
                 continue
-            block["data"] = bytearray(entry[1][off: off + n])  # one pass: allocate and copy
+            jobs.append((block, entry[1][off: off + n]))
             self._acks.setdefault(name, []).append(off)
+        if self.threads > 1 and sum(len(v) for _, v in jobs) >= PARALLEL_COPY_BYTES:
+            self._copy_parallel(jobs)
+        else:
+            for block, view in jobs:
+                block["data"] = bytearray(view)  # one pass: allocate and copy
         return reply
+
+    def _copy_parallel(self, jobs: list[tuple[dict, memoryview]]) -> None:
+        """Each block's bytes into an uninitialised array of its own, the blocks shared out over
+        the threads (`benchmarks/diag/ring_copyout.py`: 1.5x faster with 2 threads on a 2-core
+        CPU)."""
+        import numpy as np
+
+        k = self.threads
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(k, thread_name_prefix="cb-ring-copy")
+        dst = [np.empty(len(view), np.uint8) for _, view in jobs]
+
+        def part(i: int) -> None:
+            for j in range(i, len(jobs), k):
+                np.copyto(dst[j], np.frombuffer(jobs[j][1], np.uint8))
+
+        for f in [self._pool.submit(part, i) for i in range(k)]:
+            f.result()
+        for (block, _), d in zip(jobs, dst):
+            block["data"] = d
 
     def take_acks(self) -> dict[str, list[int]]:
         """The regions read since the last call, by ring (sent with the next `cb_collect`)."""
@@ -293,6 +337,9 @@ class RingReaders:
         return acks
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         for m, view in self._maps.values():
             view.release()
             m.close()

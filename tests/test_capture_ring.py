@@ -101,6 +101,59 @@ def test_the_client_copies_out_acknowledges_and_unlinks():
         ring.close()
 
 
+def test_a_large_reply_is_copied_out_by_several_threads(monkeypatch):
+    """A reply of at least `PARALLEL_COPY_BYTES` (lowered here) is copied by the reader's threads,
+    each block into a writable array of its own, equal to what the ring held and independent of it;
+    a smaller reply takes the one-thread path (bytearrays)."""
+    import engine_ext.capture_ring as cr
+
+    monkeypatch.setattr(cr, "PARALLEL_COPY_BYTES", 4096)
+    ring = CaptureRing(1 << 20)
+    readers = RingReaders()
+    readers.threads = 3
+    try:
+        assert readers.open(ring.name)
+        rng = np.random.default_rng(0)
+        reply, want = {}, {}
+        for i in range(7):  # 7 blocks over 3 threads: uneven shares
+            vals = rng.standard_normal(256 + 64 * i).astype("<f4")
+            off = ring.alloc(vals.nbytes)
+            ring.buffer(off, vals.nbytes)[:] = vals.tobytes()
+            reply[f"r{i}"] = {"key": f"r{i}", "status": "ok", "captures": {"keys": [[0, 1]], "ring": ring.share(off, 0, vals.nbytes)}}
+            ring.deref(off)
+            want[f"r{i}"] = (off, vals)
+        out = readers.materialize(reply)
+        for k, (off, vals) in want.items():
+            data = out[k]["captures"]["data"]
+            assert isinstance(data, np.ndarray) and data.flags.writeable
+            got = np.frombuffer(data, "<f4")
+            assert got.flags.writeable and np.array_equal(got, vals)
+            ring.buffer(off, 4)[:] = np.float32([9.0]).tobytes()
+            assert np.array_equal(np.frombuffer(data, "<f4"), vals), "the copy is the client's own"
+        assert sorted(readers.take_acks()[ring.name]) == sorted(off for off, _ in want.values())
+        # below the threshold: one thread, bytearrays
+        vals = np.arange(16, dtype="<f4")
+        off = ring.alloc(vals.nbytes)
+        ring.buffer(off, vals.nbytes)[:] = vals.tobytes()
+        small = readers.materialize({"s": {"key": "s", "status": "ok", "captures": {"keys": [[0, 1]], "ring": ring.share(off, 0, vals.nbytes)}}})
+        assert isinstance(small["s"]["captures"]["data"], bytearray)
+    finally:
+        readers.close()
+        ring.close()
+
+
+def test_the_copy_threads_setting(monkeypatch):
+    from engine_ext.capture_ring import copy_threads
+
+    monkeypatch.setenv("CAUSALBOARD_RING_COPY_THREADS", "1")
+    assert copy_threads() == 1 and RingReaders().threads == 1
+    monkeypatch.delenv("CAUSALBOARD_RING_COPY_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert copy_threads() == 4
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert copy_threads() == 1
+
+
 def test_a_rank_whose_captures_are_not_used_is_acknowledged_without_a_copy():
     """`materialize(copy=False)` (a tensor-parallel rank that does not lead its stage): the block
     leaves the reply, its slice is acknowledged (the worker can reuse the region), inline blocks

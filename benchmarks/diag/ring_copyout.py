@@ -1,0 +1,89 @@
+"""How fast the engine client can copy P3's captured values out of a capture ring
+(`RingReaders.materialize`): 1000 slices of 128 KiB (16 layers x 2048 fp32 per prompt) from a
+populated shared-memory mapping into buffers of the client's own, one round at a time with the
+previous round's copies dropped (as a client that consumed them), per method:
+
+* `bytearray`: `bytearray(view[off:off + n])` per slice on the calling thread (the current path);
+* `numpy-N`: an uninitialised `np.empty(n, uint8)` per slice and `np.copyto` from the mapping,
+  the slices split over N threads (numpy releases the GIL while it copies).
+
+    python3 benchmarks/diag/ring_copyout.py [--slices 1000] [--kib 128] [--rounds 7] [--threads 1,2,4]
+
+One JSON line per method: the median ms per round and GB/s.
+"""
+import argparse
+import json
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--slices", type=int, default=1000)
+    ap.add_argument("--kib", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", default="1,2,4")
+    args = ap.parse_args()
+    n = args.kib << 10
+    size = n * args.slices
+    fd, path = tempfile.mkstemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        os.ftruncate(fd, size)
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    view = memoryview(m)
+    np.frombuffer(view, np.uint8)[:] = np.random.default_rng(0).integers(0, 255, size, np.uint8)
+    offs = list(range(0, size, n))
+
+    def by_bytearray():
+        return [bytearray(view[o: o + n]) for o in offs]
+
+    def by_numpy(pool, k):
+        dst = [np.empty(n, np.uint8) for _ in offs]
+
+        def part(i):
+            for j in range(i, len(offs), k):
+                np.copyto(dst[j], np.frombuffer(view, np.uint8, n, offs[j]))
+        if pool is None:
+            part(0)
+        else:
+            list(pool.map(part, range(k)))
+        return dst
+
+    methods = {"bytearray": lambda: by_bytearray()}
+    pools = []
+    for k in [int(x) for x in args.threads.split(",")]:
+        pool = None if k == 1 else ThreadPoolExecutor(k)
+        pools.append(pool)
+        methods[f"numpy-{k}"] = (lambda pool=pool, k=k: by_numpy(pool, k))
+    times = {name: [] for name in methods}
+    kept = None
+    for _ in range(args.rounds):
+        for name, fn in methods.items():
+            kept = None  # the last round's copies dropped, as a client that consumed them
+            t = time.perf_counter()
+            kept = fn()
+            times[name].append(time.perf_counter() - t)
+    ref = by_bytearray()
+    assert all(bytes(a) == bytes(b) for a, b in zip(ref, kept)), "a method copied wrong bytes"
+    for name, ts in times.items():
+        med = statistics.median(ts[1:] or ts)
+        print(json.dumps({"bench": "ring_copyout", "method": name, "slices": args.slices, "kib": args.kib,
+                          "ms": round(1e3 * med, 2), "gb_s": round(size / med / 1e9, 2)}), flush=True)
+    for pool in pools:
+        if pool is not None:
+            pool.shutdown()
+    view.release()
+    m.close()
+
+
+if __name__ == "__main__":
+    main()
