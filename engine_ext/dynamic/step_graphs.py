@@ -54,29 +54,38 @@ class ScoreGraph:
 _side_stream: torch.cuda.Stream | None = None
 
 
+def _capture(work: Callable[[], object], warm_up: bool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`work()` captured on a side stream that follows the current one (thread-local capture mode:
+    other threads' CUDA calls go on), after one eager run there first with `warm_up` (the stream's
+    library handles and workspaces); returns the graph and what the captured call returned.
+    Raises what the capture raises."""
+    global _side_stream
+    cur = torch.cuda.current_stream()
+    if _side_stream is None:
+        _side_stream = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    _side_stream.wait_stream(cur)
+    with torch.cuda.stream(_side_stream):
+        if warm_up:
+            work()
+        g.capture_begin(capture_error_mode="thread_local")
+        try:
+            out = work()
+        finally:
+            g.capture_end()
+    cur.wait_stream(_side_stream)
+    return g, out
+
+
 def capture_scores(score: Callable[[], torch.Tensor], eager: torch.Tensor, keep: tuple = ()) -> ScoreGraph | None:
     """Capture `score()` (device work only: views of persistent buffers, no host copies) as a
     graph and check one replay against `eager`, this step's eager result (bit for bit). `keep`:
     objects whose device memory the graph reads (held as long as it). None: no graph (the
     failure logged; a stream already capturing — vLLM's own graphs — is not a failure)."""
-    global _side_stream
     if torch.cuda.is_current_stream_capturing():
         return None
-    cur = torch.cuda.current_stream()
-    if _side_stream is None:
-        _side_stream = torch.cuda.Stream()
-    side = _side_stream
-    g = torch.cuda.CUDAGraph()
     try:
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            score()  # warm-up on the capture stream (its library handles and workspaces)
-            g.capture_begin(capture_error_mode="thread_local")
-            try:
-                out = score()
-            finally:
-                g.capture_end()
-        cur.wait_stream(side)
+        g, out = _capture(score, warm_up=True)
         g.replay()  # on the current stream, after this step's eager scores
         same = bool(torch.equal(out, eager))  # one host wait per capture
     except Exception as e:  # noqa: BLE001 - any failure: stay eager
@@ -107,22 +116,10 @@ def capture_launch(launch: Callable[[], None], keep: tuple = ()) -> LaunchGraph 
     loaded, no allocation, no host copy) as a graph, without running it. `keep`: what its kernels
     read or write (held as long as the graph). None: not captured (logged unless vLLM is
     capturing)."""
-    global _side_stream
     if torch.cuda.is_current_stream_capturing():
         return None
-    cur = torch.cuda.current_stream()
-    if _side_stream is None:
-        _side_stream = torch.cuda.Stream()
-    g = torch.cuda.CUDAGraph()
     try:
-        _side_stream.wait_stream(cur)
-        with torch.cuda.stream(_side_stream):
-            g.capture_begin(capture_error_mode="thread_local")
-            try:
-                launch()
-            finally:
-                g.capture_end()
-        cur.wait_stream(_side_stream)
+        g, _ = _capture(launch, warm_up=False)
     except Exception as e:  # noqa: BLE001 - any failure: stay eager
         logger.warning("causalboard: dynamic steering's device launches not captured as a CUDA graph (%s: %s)",
                        type(e).__name__, e)
