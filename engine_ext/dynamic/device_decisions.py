@@ -190,11 +190,9 @@ class DeviceDecisions:
         self.taken_early: tuple | None = None
         self.steps = 0
         #: the decision's and the rewrite's launches as CUDA graphs once they repeat (`step_graphs`):
-        #: the decision's only while the scores come from the same address (`flat`'s pointer)
-        self._decide_graph: step_graphs.LaunchGraph | None = None
-        self._decide_ptr, self._decide_runs = 0, 0
-        self._rewrite_graph: step_graphs.LaunchGraph | None = None
-        self._rewrite_runs = 0
+        #: the decision's keyed by the address its scores come from (`flat`'s pointer)
+        self._decide = step_graphs.RepeatingLaunch()
+        self._rewrite = step_graphs.RepeatingLaunch()
 
     # ---- per step -----------------------------------------------------------------------------
     def after_forward(self, rp: Any, positions: Any, flat: torch.Tensor) -> bool:
@@ -205,18 +203,9 @@ class DeviceDecisions:
         ok = self.process(rp, keep=1)
         if self.picks is None:
             self.picks = torch.as_tensor(np.asarray(rp.picks, np.int64), device=self.device)
-        ptr = flat.data_ptr()
-        if self._decide_graph is not None and ptr == self._decide_ptr and self.w.step_graphs_on:
-            self._decide_graph.replay()  # the same launch on the same tensors (`step_graphs`)
+        if self._decide.run(lambda: device_kernels.decide(self.table, self.idx, flat, self.picks, self.scales, self.rb),
+                            key=flat.data_ptr(), graphs=self._graphs()):
             self.w.graph_replays += 1
-        else:
-            device_kernels.decide(self.table, self.idx, flat, self.picks, self.scales, self.rb)
-            self._decide_runs = self._decide_runs + 1 if ptr == self._decide_ptr else 1
-            self._decide_ptr = ptr
-            if (self._decide_runs == step_graphs.AFTER and self.device.type == "cuda" and self._decide_graph is None
-                    and self.w.step_graphs_on):
-                self._decide_graph = step_graphs.capture_launch(
-                    lambda: device_kernels.decide(self.table, self.idx, flat, self.picks, self.scales, self.rb))
         k = self.k
         if self.device.type == "cuda":
             j = self.n_rb % 4
@@ -234,19 +223,15 @@ class DeviceDecisions:
         """After the step's upload, before its forward: each window's entries from its flag (and
         each proportional entry's payload at the decided scale, in fp32); from the chain's
         `step_graphs.AFTER`-th step on as one captured launch (every tensor it reads is the chain's)."""
-        if self._rewrite_graph is not None and self.w.step_graphs_on:
-            self._rewrite_graph.replay()
-            self.w.graph_replays += 1
-            return
-        self._rewrite_eager()
-        self._rewrite_runs += 1
-        if self._rewrite_runs == step_graphs.AFTER and self.device.type == "cuda" and self.w.step_graphs_on:
-            self._rewrite_graph = step_graphs.capture_launch(self._rewrite_eager)
-
-    def _rewrite_eager(self) -> None:
         b = self.w.st.buffers
-        device_kernels.rewrite(b.row_slot, self.rows, self.sites, self.q, self.on, self.off, self.scales,
-                               b.slot_c, self.live, self.live_q, self.live_vec)
+        if self._rewrite.run(lambda: device_kernels.rewrite(b.row_slot, self.rows, self.sites, self.q, self.on, self.off,
+                                                            self.scales, b.slot_c, self.live, self.live_q, self.live_vec),
+                             graphs=self._graphs()):
+            self.w.graph_replays += 1
+
+    def _graphs(self) -> bool:
+        """May repeating launches run as CUDA graphs now (`step_graphs`)?"""
+        return self.device.type == "cuda" and self.w.step_graphs_on
 
     def ready(self) -> bool:
         """Is there a decision for the next step (the last read-back, not yet applied, whether or

@@ -34,7 +34,7 @@ import torch
 
 logger = logging.getLogger("causalboard.dynamic")
 
-#: a layout is captured at its this-many-th eager scoring in a row
+#: repeating work is captured at its this-many-th eager run in a row
 AFTER = 4
 
 
@@ -125,3 +125,32 @@ def capture_launch(launch: Callable[[], None], keep: tuple = ()) -> LaunchGraph 
                        type(e).__name__, e)
         return None
     return LaunchGraph(g, keep)
+
+
+class RepeatingLaunch:
+    """A launch sequence run eagerly until it has run `AFTER` times in a row with the same `key`
+    (what its graph bakes in besides persistent tensors: an input's address), then captured once
+    (`capture_launch`; a failed capture is not retried) and replayed from then on, but only for
+    the key it was captured with: another key runs eagerly."""
+
+    __slots__ = ("graph", "_graph_key", "_last", "_runs")
+
+    def __init__(self) -> None:
+        self.graph: LaunchGraph | None = None
+        self._graph_key: object = None
+        self._last: object = None
+        self._runs = 0
+
+    def run(self, launch: Callable[[], None], key: object = None, graphs: bool = True) -> bool:
+        """`launch()`, or its graph's replay; `graphs`: graphs allowed now (a CUDA device, the
+        worker's switch on). Returns whether the graph was replayed."""
+        if graphs and self.graph is not None and key == self._graph_key:
+            self.graph.replay()
+            return True
+        launch()
+        self._runs = self._runs + 1 if key == self._last else 1
+        self._last = key
+        if graphs and self.graph is None and self._runs == AFTER:
+            self.graph, self._graph_key = capture_launch(launch), key
+        return False
+
