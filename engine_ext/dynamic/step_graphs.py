@@ -129,17 +129,20 @@ def capture_launch(launch: Callable[[], None], keep: tuple = ()) -> LaunchGraph 
 
 class RepeatingLaunch:
     """A launch sequence run eagerly until it has run `AFTER` times in a row with the same `key`
-    (what its graph bakes in besides persistent tensors: an input's address), then captured once
-    (`capture_launch`; a failed capture is not retried) and replayed from then on, but only for
-    the key it was captured with: another key runs eagerly."""
+    (what its graph bakes in besides persistent tensors: an input's address), then captured
+    (`capture_launch`) and replayed, but only for the key it was captured with: another key runs
+    eagerly, and once it has repeated `AFTER` times it is captured in its place (the scores of a
+    chain decided on the device move to their own graph's output after a few steps). A failed
+    capture is not retried."""
 
-    __slots__ = ("graph", "_graph_key", "_last", "_runs")
+    __slots__ = ("graph", "_graph_key", "_last", "_runs", "_failed")
 
     def __init__(self) -> None:
         self.graph: LaunchGraph | None = None
         self._graph_key: object = None
         self._last: object = None
         self._runs = 0
+        self._failed = False
 
     def run(self, launch: Callable[[], None], key: object = None, graphs: bool = True) -> bool:
         """`launch()`, or its graph's replay; `graphs`: graphs allowed now (a CUDA device, the
@@ -150,7 +153,10 @@ class RepeatingLaunch:
         launch()
         self._runs = self._runs + 1 if key == self._last else 1
         self._last = key
-        if graphs and self.graph is None and self._runs == AFTER:
-            self.graph, self._graph_key = capture_launch(launch), key
+        if graphs and self._runs == AFTER and not self._failed:
+            graph = capture_launch(launch)
+            if graph is None:
+                self._failed = True
+            else:
+                self.graph, self._graph_key = graph, key
         return False
-
