@@ -10,8 +10,10 @@ import sys
 from tests.conftest import REPO
 
 PROBE = ("import engine_ext.worker.state as s, vllm.v1.worker.gpu_model_runner as r; "
+         "import vllm.v1.worker.gpu.async_utils as a, vllm.v1.core.sched.scheduler as c; "
          "print(s.WorkerState.plan_step.__name__, s.WorkerState.after_forward.__name__, "
-         "r.GPUModelRunner.execute_model.__name__)")
+         "r.GPUModelRunner.execute_model.__name__, r.GPUModelRunner.sample_tokens.__name__, "
+         "a.AsyncOutput.get_output.__name__, c.Scheduler.schedule.__name__)")
 
 
 def _run(tmp_path, on: bool) -> list[str]:
@@ -26,5 +28,6 @@ def _run(tmp_path, on: bool) -> list[str]:
 
 
 def test_the_step_times_diagnostic_wraps_what_it_names_only_when_asked(tmp_path):
-    assert _run(tmp_path, on=True) == ["wrapper", "wrapper", "wrapper"]
-    assert _run(tmp_path, on=False) == ["plan_step", "after_forward", "execute_model"]
+    assert _run(tmp_path, on=True) == ["wrapper", "wrapper", "wrapper", "wrapper", "waited_get_output", "wrapper"]
+    assert _run(tmp_path, on=False) == ["plan_step", "after_forward", "execute_model", "sample_tokens",
+                                        "get_output", "schedule"]

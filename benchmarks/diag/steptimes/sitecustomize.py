@@ -17,6 +17,13 @@ microseconds per step of
   execute_model  the runner's `execute_model` (host time: with asynchronous scheduling it returns
                  while the GPU still runs the step),
   plan_step, finish_step, after_forward   causalboard's parts,
+  sample_tokens  the runner's `sample_tokens` (host time of the sampler's launch),
+  gpu_wait       how long the engine loop waited for a step's results to reach the host (the V2
+                 runner's `AsyncOutput.get_output`, its copy event): time the host had nothing to
+                 do while the GPU worked. ~0 on every step means the host sets the pace (each
+                 microsecond it adds per step costs a microsecond of step time); well above 0,
+                 the GPU does, and host work up to that much per step is hidden,
+  schedule, update_from_output   the scheduler's two parts of each step (the engine core's),
 so `period` well above `execute_model` + the rest of the engine loop means the GPU sets the pace,
 and `period` close to the host's work means the host does. Wrapping costs ~1 µs per call.
 (A `sitecustomize` of the Python installation itself would be shadowed while this folder is first.)
@@ -78,10 +85,28 @@ if os.environ.get("CB_STEP_TIMES"):
 
     def _patch_runner(module) -> None:
         _timed(module.GPUModelRunner, "execute_model", "execute_model", step=True)
+        _timed(module.GPUModelRunner, "sample_tokens", "sample_tokens")
+
+    def _patch_async_output(module) -> None:
+        orig = module.AsyncOutput.get_output
+
+        def waited_get_output(self):
+            t = time.perf_counter_ns()
+            self.copy_event.synchronize()  # the wait alone (get_output's own synchronize then returns at once)
+            _steps.setdefault("gpu_wait", []).append(time.perf_counter_ns() - t)
+            return orig(self)
+
+        module.AsyncOutput.get_output = waited_get_output
+
+    def _patch_scheduler(module) -> None:
+        _timed(module.Scheduler, "schedule", "schedule")
+        _timed(module.Scheduler, "update_from_output", "update_from_output")
 
     _TARGETS = {"engine_ext.worker.state": _patch_state,
                 "vllm.v1.worker.gpu.model_runner": _patch_runner,
-                "vllm.v1.worker.gpu_model_runner": _patch_runner}
+                "vllm.v1.worker.gpu_model_runner": _patch_runner,
+                "vllm.v1.worker.gpu.async_utils": _patch_async_output,
+                "vllm.v1.core.sched.scheduler": _patch_scheduler}
 
     # benchmarks/diag/after_import.py, loaded by its path (only this folder is on sys.path)
     _spec = importlib.util.spec_from_file_location(
