@@ -149,9 +149,10 @@ def main():
     def graph_replays():
         return sum(w.get("graph_replays") or 0 for w in eng.dynamic_status()["workers"])
 
-    # the reference, "host", runs everything eagerly; chains decided on the device replay their
-    # repeating work as CUDA graphs (`engine_ext.dynamic.step_graphs`, the default; host-decided
-    # chains stay eager with graphs on), so equal results also show the graphs bit-exact
+    # the reference, "host", runs everything eagerly; chains of repeated steps replay their
+    # repeating work as CUDA graphs (`engine_ext.dynamic.step_graphs`, the default: the scores,
+    # and with decisions on the device the decision and rewrite), so equal results also show the
+    # graphs bit-exact
     for name, pol in (("threshold", thr), ("proportional", prop)):
         modes = {}
         for mode, (replay, device, graphs) in {"host": (False, False, False), "host_graphs": (False, False, True),
@@ -164,7 +165,12 @@ def main():
             gens = eng.generate(prompts, params, dynamic=DynamicRequest.make([pol]))
             modes[mode] = (gens, replayed() - before)
             graphs_ran = graph_replays() - g_before
-            check(f"single[{name}][{mode}].graphs", (graphs_ran > 0) == (graphs and device and args.device == "cuda"),
+            # graphs need a chain (its steps repeat, `AFTER` in a row): always with decisions on
+            # the device, or for proportional control; a threshold chain decided on the host may
+            # break too often (a flip ends it)
+            want = graphs and replay and args.device == "cuda"
+            check(f"single[{name}][{mode}].graphs",
+                  graphs_ran == 0 if not want else (graphs_ran > 0 or (name == "threshold" and not device)),
                   graph_replays=graphs_ran)
         eng._rpc("cb_set_dyn_replay", True)
         eng._rpc("cb_set_dyn_device", "auto")  # the defaults
@@ -204,6 +210,31 @@ def main():
                             "requests_different": same.count(False)}
                 check(f"single[{name}][{mode}].equals_host", all(same), steps_repeated=steps, **diff)
     check("single.determinism", eng.dynamic_status()["determinism"].get("consistent") is True)
+    # a steady decode's unchanged row and capture tables are not uploaded again
+    # (`StepPlanner._upload`): static steering, and both policies with their default decisions,
+    # must give the same tokens, traces and actions as with every table uploaded every step
+    from engine_ext.specs import Interventions, Steer
+
+    def skipped():
+        return sum(w.get("uploads_skipped") or 0 for w in eng._rpc("cb_status"))
+
+    static = Interventions(steer=(Steer.make([f"L{L // 2}.post_block"], v * (spread / np.linalg.norm(v))),))
+    for name, kw in (("static", {"interventions": static}), ("threshold", {"dynamic": DynamicRequest.make([thr])}),
+                     ("proportional", {"dynamic": DynamicRequest.make([prop])})):
+        out = {}
+        for on in (False, True):
+            eng._rpc("cb_set_upload_skip", on)
+            before = skipped()
+            gens = eng.generate(prompts, params, **kw)
+            out[on] = ([g.token_ids for g in gens],
+                       [(g.intervention.dynamic or {}).get("trace") for g in gens],
+                       [(g.intervention.dynamic or {}).get("actions") for g in gens],
+                       [g.intervention.status for g in gens], skipped() - before)
+        eng._rpc("cb_set_upload_skip", True)
+        check(f"upload_skip[{name}].same", out[True][:4] == out[False][:4] and set(out[True][3]) == {"ok"},
+              skipped_on=out[True][4], skipped_off=out[False][4])
+        check(f"upload_skip[{name}].ran", out[False][4] == 0 and (out[True][4] > 0) == (args.device == "cuda"),
+              skipped_on=out[True][4])
     # the reference fork's declarative gates (issue 16): a host-probe gate (rest_of_request) and a
     # soft this_token gate on one batch; replaying GateState over each trace's scores must give the
     # trace's scales exactly, and the same batch run twice must give identical traces

@@ -47,6 +47,7 @@ import torch
 from engine_ext.dynamic import device_kernels, step_graphs
 from engine_ext.dynamic.device_rule import PolicyTable
 from engine_ext.dynamic.replay import ProportionalCrcs, proportional_action_crc, proportional_scales, threshold_flip_points
+from engine_ext.worker import cuda_streams
 from engine_ext.worker.intervention_op import SlotMode
 from engine_ext.worker.slots import SlotValue
 
@@ -211,7 +212,7 @@ class DeviceDecisions:
             j = self.n_rb % 4
             host, ev = self.ring[j], self.events[j]
             host.copy_(self.rb, non_blocking=True)
-            ev.record()
+            cuda_streams.record(ev, self.w.st.buffers.cuda_index)
         else:
             host, ev = self.rb.clone(), None
         self.n_rb += 1

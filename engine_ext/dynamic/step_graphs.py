@@ -6,12 +6,12 @@ rows' and payloads' rewrite).
 
 Why: each small kernel costs the host ~10-30 µs to launch on a GPU host
 (`benchmarks/diag/op_costs.py`: ~75 µs for the scores eagerly against ~10 µs as a graph replay),
-every step. Used for chains of repeated steps decided on the device (`device_decisions`): they
-never wait for the GPU, so the host's time per step sets their pace (`dynamic_planner_bench.py
---device cuda`: the device path's worker time per step ~530 -> ~210 µs). A chain decided on the
-host waits for each step's scores before launching the next forward, so there the scores' device
-time is on the critical path instead, and graphs measured no faster (docs/performance.md,
-"Dynamic steering"): its scores stay eager. Work is captured once it has run eagerly `AFTER` times in a row (a chain of
+every step, and a batch-32 decode's engine core is host-bound (docs/performance.md, "Twenty-eighth
+session": the engine loop waits ~0 µs for the GPU a step once dynamic steering is on), so each
+microsecond of host time per step costs one of step time. Used for chains of repeated steps: the
+scores of every chain, the decision and rewrite of a chain decided on the device
+(`device_decisions`; `dynamic_planner_bench.py --device cuda`: that path's worker time per step
+~530 -> ~210 µs). Work is captured once it has run eagerly `AFTER` times in a row (a chain of
 steady steps; batches that change every step never pay for a capture), and only when everything it
 reads stays at the same addresses (views of persistent buffers, no host copy inside).
 `CAUSALBOARD_DYN_GRAPHS=0` (or the RPC `cb_set_dyn_graphs`) keeps everything eager.

@@ -69,6 +69,7 @@ from engine_ext.dynamic.replay import Replay, requests_decode_only
 from engine_ext.dynamic.policy import PolicyState
 from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, Policy, Probe, policy_from_wire  # noqa: F401 (re-export)
 from engine_ext.specs import spec_hash
+from engine_ext.worker import cuda_streams
 from engine_ext.worker.intervention_op import SlotMode
 from engine_ext.worker.slots import SlotCapacityError, SlotValue, to_device_async
 
@@ -692,7 +693,7 @@ class DynamicWorker(RepeatedSteps):
         rpl, self._replaying = self._replaying, None
         if rpl is not None:  # a repeated step: the last step's layout, one position further
             rp, positions = rpl
-            flat = self._scores(rp.sp, True, False, graph=rp.dev is not None)
+            flat = self._scores(rp.sp, True, False, graph=True)
             if rp.dev is not None:  # decided on the device, read back later
                 if not rp.dev.after_forward(rp, positions, flat):
                     self.device_decisions = False
@@ -726,12 +727,10 @@ class DynamicWorker(RepeatedSteps):
 
     def _scores(self, sp: "_ScorePlan", monitors: bool, gated: bool, graph: bool = False) -> torch.Tensor:
         """The step's scores on the device, flat in `sp`'s layout. With `graph` (a chain of
-        repeated steps decided on the device, whose pace the host's time per step sets), on CUDA,
-        once the layout has been scored `step_graphs.AFTER` times that way, as one CUDA graph
-        replay (bit for bit the eager scores; its output is overwritten by the next replay:
-        consumed on this stream before the next step's scores, as the device decisions do). Steps
-        decided on the host wait for these scores before the next forward: there the scores'
-        own device time counts and the graph measured no faster, so they stay eager."""
+        repeated steps, decided on the device or on the host), on CUDA, once the layout has been
+        scored `step_graphs.AFTER` times that way, as one CUDA graph replay (bit for bit the eager
+        scores; its output is overwritten by the next replay: consumed on this stream before the
+        next step's scores, by the device decisions or the host copy)."""
         if graph and monitors and not gated and sp.views and self.step_graphs_on:
             if sp.graph is not None:
                 self.graph_replays += 1
@@ -771,7 +770,7 @@ class DynamicWorker(RepeatedSteps):
                 self._score_event = torch.cuda.Event()
             host = self._host_scores[:n]
             host.copy_(flat, non_blocking=True)
-            self._score_event.record()
+            cuda_streams.record(self._score_event, self.st.buffers.cuda_index)
             self._pending = (work, host, self._score_event)
         else:  # CPU: the scores are computed already; the decisions are still taken when needed (same path)
             self._pending = (work, flat, None)

@@ -99,6 +99,14 @@ class CausalboardWorkerExtension:
         st.dynamic.step_graphs_on = bool(on)
         return st.dynamic.step_graphs_on
 
+    def cb_set_upload_skip(self, on: bool) -> bool:
+        """Benchmarking and checking aid: whether a step whose row or capture table the device
+        already holds skips its upload (`StepPlanner._upload`; the default,
+        `CAUSALBOARD_SKIP_SAME_UPLOAD`) or sends it anyway (the same tables). Returns the setting."""
+        st = self._cb()
+        st.planner.skip_same_upload = bool(on)
+        return st.planner.skip_same_upload
+
     def cb_close(self) -> bool:
         """Free this engine's worker state and device buffers (called before shutdown)."""
         st = runner_state(self.model_runner)

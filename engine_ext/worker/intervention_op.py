@@ -69,6 +69,8 @@ from enum import IntEnum
 
 import torch
 
+from engine_ext.worker import cuda_streams
+
 #: buffers of each live engine in this process, by state id (the int the op receives)
 BUFFERS: dict[int, "SiteBuffers"] = {}
 
@@ -89,6 +91,8 @@ class SiteBuffers:
                  max_clamp_rows: int = 256, max_clamp_dirs: int = 4, max_gate_rows: int = 256):
         self.num_sites, self.max_rows, self.max_slots = num_sites, max_rows, max_slots
         self.max_capture_rows, self.hidden, self.device, self.dtype = max_capture_rows, hidden, device, dtype
+        #: the CUDA device index (None off CUDA) for `cuda_streams.record`
+        self.cuda_index = cuda_streams.device_index(torch.device(device)) if torch.device(device).type == "cuda" else None
         self.row_slot = torch.full((max_rows, num_sites), -1, dtype=torch.int32, device=device)
         self.cap_dst = torch.full((max_rows, num_sites), -1, dtype=torch.int32, device=device)
         self.slot_mode = torch.zeros(max_slots, dtype=torch.int32, device=device)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 import weakref
 import zlib
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ import numpy as np
 import torch
 
 from engine_ext.program import AddOp, ClampOp, WorkerProgram
+from engine_ext.switches import env_switch
+from engine_ext.worker import cuda_streams
 from engine_ext.worker.checksum import ActionChecksum
 from engine_ext.worker.intervention_op import SiteBuffers, SlotMode
 from engine_ext.worker.slots import SlotTable, SlotValue
@@ -449,6 +452,48 @@ class _CaptureBlock:
     need: int = CAP_PAIRS | CAP_VALUES  # `RequestPlan.cap_need`
 
 
+class _SteadyDecode:
+    """A decode step planned request by request whose plan the next step may repeat: every
+    request has one row, and each that has a plan applied only its generation template (its rows
+    written in groups, one action `(digest, p0, p0 + 1)` each). The next step repeats it exactly
+    when it schedules the same requests in the same order, one row each, with the same plan
+    objects, every one still past its prompt: then its table entries are the same (rows and
+    templates do not depend on positions) and its actions are the same digests at each request's
+    new position (`actions`). Anything else, and the step is planned request by request again."""
+
+    __slots__ = ("ids", "plans", "qsl", "n_prompt", "writes", "acting", "digests", "max_row")
+
+    @classmethod
+    def build(cls, req_ids, plans: dict, writes: list, actions: list, max_row: int) -> "_SteadyDecode":
+        s = cls()
+        s.ids = list(req_ids)
+        s.plans = [plans.get(r) for r in s.ids]
+        s.qsl = np.arange(len(s.ids) + 1)
+        s.n_prompt = np.asarray([0 if p is None else p.n_prompt for p in s.plans], np.int64)
+        s.writes = writes
+        # the requests that acted, in batch order (the order of `actions`); row i is request i's
+        s.acting = np.asarray([i for i, p in enumerate(s.plans) if p is not None and p.gen_sites.size], np.int64)
+        s.digests = np.asarray([a[0] for a in actions], np.int64)
+        assert s.digests.size == s.acting.size
+        s.max_row = max_row
+        return s
+
+    def repeats(self, req_ids, query_start_loc, num_computed, plans: dict) -> bool:
+        """Is this step (same arguments as `StepPlanner.plan_step`) a repeat of the one built?"""
+        return (len(req_ids) == len(self.ids) and req_ids == self.ids
+                and np.array_equal(query_start_loc, self.qsl)
+                and all(map(operator.is_, map(plans.get, req_ids), self.plans))
+                and bool((np.asarray(num_computed) >= self.n_prompt).all()))
+
+    def actions(self, num_computed) -> np.ndarray:
+        """This step's actions, `[k, 3]` int64: each acting request's digest at its position."""
+        out = np.empty((self.acting.size, 3), np.int64)
+        out[:, 0] = self.digests
+        out[:, 1] = np.asarray(num_computed, np.int64)[self.acting]
+        out[:, 2] = out[:, 1] + 1
+        return out
+
+
 class StepPlanner:
     """Per-step buffer contents for one engine's `SiteBuffers` (see the module docstring)."""
 
@@ -469,6 +514,19 @@ class StepPlanner:
             self._stage = [(torch.empty(shape, dtype=torch.int32, device="cpu", pin_memory=True),
                             torch.empty(shape, dtype=torch.int32, device="cpu", pin_memory=True), torch.cuda.Event())
                            for _ in range(3)]
+            # what the device tables hold now, rows [0, n) (the rest is -1): a step whose tables
+            # are the same (a steady decode) uploads nothing (`_upload`)
+            self._sent_s = np.full(shape, -1, np.int32)
+            self._sent_c = np.full(shape, -1, np.int32)
+            self._sent_rows = self._sent_cap_rows = 0
+        #: who wrote the device's row table on the device since the last upload (an
+        #: `after_upload` callable's object; None: nobody): the next step's table is sent whatever
+        #: it holds unless the same object rewrites it again (it writes the same entries each time)
+        self._rewritten_by: Any = None
+        #: skip the upload of a table the device already holds (`_upload`;
+        #: `CAUSALBOARD_SKIP_SAME_UPLOAD`, the RPC `cb_set_upload_skip`), and how often it did
+        self.skip_same_upload = env_switch("CAUSALBOARD_SKIP_SAME_UPLOAD", True)
+        self.uploads_skipped = 0
         self._blocks: list[_CaptureBlock] = []
         #: a step planned but not yet finished (`plan_step(defer=True)`)
         self._open: tuple | None = None
@@ -477,8 +535,17 @@ class StepPlanner:
         self.applied_steps = 0
         #: test-only fault (`cb_debug_fault`): skip the next planned request window entirely
         self.skip_next_action = False
+        #: the last step's plan when it was a steady decode step that the next may repeat
+        #: (`_SteadyDecode`), and how many steps repeated one
+        self._steady: _SteadyDecode | None = None
+        self.steady_steps = 0
+        #: whether steady decode steps repeat the last step's plan (off: every step planned
+        #: request by request; the same tables and actions, for tests)
+        self.steady_decode = True
         #: run once right after the next upload, before the forward (dynamic decisions taken on
-        #: the device rewrite their rows' slots there: `engine_ext.dynamic.device_decisions`)
+        #: the device rewrite their rows' slots there: `engine_ext.dynamic.device_decisions`).
+        #: Contract: a bound method whose object writes the same entries of the row table every
+        #: time it runs (so the upload of an unchanged table may be skipped before it: `_upload`)
         self.after_upload: Any = None
         #: the worker's capture ring (`engine_ext.capture_ring`; None: none): each step's fp32
         #: values go into a region of it, which results hand to the client as slices
@@ -512,9 +579,19 @@ class StepPlanner:
         n_cap = 0
         blocks: list[_CaptureBlock] = []
         actions: list[tuple[int, int, int]] = []
-        if plans:
+        steady = self._steady
+        if plans and steady is not None and not self.skip_next_action and steady.repeats(req_ids, query_start_loc,
+                                                                                          num_computed, plans):
+            for rows, sites, slots in steady.writes:
+                hs[rows, sites] = slots
+            max_row = steady.max_row
+            actions = steady.actions(num_computed)
+            self.steady_steps += 1
+        elif plans:
+            self._steady = None
             get = plans.get
             qsl, computed = _ints(query_start_loc), _ints(num_computed)
+            steady_ok = qsl[-1] == len(req_ids) and not self.skip_next_action and self.steady_decode
             # decode rows whose plan applies only its generation template, grouped by template
             groups: dict[int, tuple[RequestPlan, list[int]]] = {}
             # the one entry of each single-entry plan in this step (`RequestPlan.ex_single`)
@@ -531,6 +608,7 @@ class StepPlanner:
                 row0, p0 = qsl[i], computed[i]
                 n = qsl[i + 1] - row0
                 if n <= 0:
+                    steady_ok = False
                     continue
                 if self.skip_next_action and not plan.empty:
                     self.skip_next_action = False
@@ -546,6 +624,7 @@ class StepPlanner:
                         actions.append((plan.digest, p0, p1))
                         max_row = max(max_row, row0 + n)
                     continue
+                steady_ok = False  # only decode rows of generation templates repeat (`_SteadyDecode`)
                 single = plan.ex_single
                 if single is not None:
                     if p0 <= single[0] < p1:
@@ -602,8 +681,12 @@ class StepPlanner:
                     n_cap += ids.size
                 max_row = max(max_row, row0 + n)
                 actions.append((plan.digest, p0, p1))
+            writes = []
             for plan, rows in groups.values():
-                hs[np.asarray(rows, np.int64)[:, None], plan.gen_sites[None, :]] = plan.gen_slots
+                writes.append((np.asarray(rows, np.int64)[:, None], plan.gen_sites[None, :], plan.gen_slots))
+                hs[writes[-1][0], writes[-1][1]] = plan.gen_slots
+            if steady_ok:
+                self._steady = _SteadyDecode.build(req_ids, plans, writes, actions, max_row)
             if s_rows:
                 hs[s_rows, s_sites] = s_slots
             for sites, rows, bases in c_groups.values():
@@ -629,7 +712,8 @@ class StepPlanner:
             more_rows, more = finish()  # more: a list of actions or an [k, 3] int64 array
             max_row = max(max_row, more_rows)
             if len(more):
-                actions = more if not actions else actions + [tuple(a) for a in np.asarray(more).tolist()]
+                actions = more if not len(actions) else np.concatenate([np.asarray(actions, np.int64).reshape(-1, 3),
+                                                                        np.asarray(more, np.int64).reshape(-1, 3)])
         if len(actions):
             self.checksum.fold_step(actions)
             self.applied_steps += 1
@@ -638,6 +722,7 @@ class StepPlanner:
         if self.after_upload is not None:
             fn, self.after_upload = self.after_upload, None
             fn()
+            self._rewritten_by = getattr(fn, "__self__", fn)
 
     def _upload(self, max_row: int, captures: bool) -> None:
         b = self.b
@@ -651,6 +736,19 @@ class StepPlanner:
             self._dirty_rows = max_row
             return
         mc = max(max_row if captures else 0, self._dirty_cap_rows)
+        # a table the device holds already (the same rows as the last upload, and rewritten on
+        # the device since by nobody or by the one that rewrites it again after this upload) is
+        # not sent again: a steady decode's tables repeat step after step
+        by = self._rewritten_by
+        skip = self.skip_same_upload
+        if (skip and m and m == self._sent_rows
+                and (by is None or getattr(self.after_upload, "__self__", self.after_upload) is by)
+                and np.array_equal(self.hs[:m], self._sent_s[:m])):
+            m = 0
+            self.uploads_skipped += 1
+        if skip and mc and mc == self._sent_cap_rows and np.array_equal(self.hc[:mc], self._sent_c[:mc]):
+            mc = 0
+            self.uploads_skipped += 1
         if m or mc:
             # pinned staging, one of a ring: a slot is refilled only after its last copy finished
             k = self.steps % len(self._stage)
@@ -659,14 +757,21 @@ class StepPlanner:
             if m:
                 stage_s.numpy()[:m] = self.hs[:m]
                 b.row_slot[:m].copy_(stage_s[:m], non_blocking=True)
+                self._sent_s[:m] = self.hs[:m]
+                self._sent_s[m: self._sent_rows] = -1
+                self._sent_rows = m
+                self._rewritten_by = None
             if mc:
                 stage_c.numpy()[:mc] = self.hc[:mc]
                 b.cap_dst[:mc].copy_(stage_c[:mc], non_blocking=True)
-            done.record()
-            if max_row:
-                self.hs[:max_row] = -1
-                if captures:
-                    self.hc[:max_row] = -1
+                self._sent_c[:mc] = self.hc[:mc]
+                self._sent_c[mc: self._sent_cap_rows] = -1
+                self._sent_cap_rows = mc
+            cuda_streams.record(done, b.cuda_index)
+        if max_row:
+            self.hs[:max_row] = -1
+            if captures:
+                self.hc[:max_row] = -1
         self._dirty_rows = max_row
         self._dirty_cap_rows = max_row if captures else 0
 
@@ -700,7 +805,7 @@ class StepPlanner:
             else:
                 vals = to_host(fp32_sum(x, r)) if need & CAP_VALUES else None
             done = torch.cuda.Event()
-            done.record()
+            cuda_streams.record(done, b.cuda_index)
         else:
             xs, rs = (x.clone(), r.clone()) if need & CAP_PAIRS else (None, None)
             vals = fp32_sum(x, r) if need & CAP_VALUES else None

@@ -31,6 +31,7 @@ from engine_ext.capture_ring import CaptureRing, auto_size
 from engine_ext.dynamic.worker import DYNAMIC_ARGS_KEY, DynamicWorker
 from engine_ext.program import EXTRA_ARGS_KEY, AddOp, ClampOp, WorkerProgram, clamp_op
 from engine_ext.sites import SITES_PER_LAYER
+from engine_ext.worker import cuda_streams
 from engine_ext.worker.checksum import ActionChecksum
 from engine_ext.worker.intervention_op import BUFFERS, SiteBuffers
 from engine_ext.worker.planner import RequestPlan, StepCaptures, StepPlanner
@@ -464,7 +465,7 @@ class WorkerState:
                 host = torch.empty(lp.shape, dtype=lp.dtype, device="cpu", pin_memory=True)
                 host.copy_(lp, non_blocking=True)
                 done = torch.cuda.Event()
-                done.record()
+                cuda_streams.record(done, cuda_streams.device_index(hidden.device))
             else:
                 host, done = lp, None
             at = 0
@@ -609,6 +610,7 @@ class WorkerState:
                 "global_clamp_entries": len(self.global_clamps),
                 "named_vectors": sorted(self.named), "store": self.store.usage(), "steps": self.planner.steps,
                 "steps_with_interventions": self.planner.applied_steps, "slots_in_use": len(self.slots),
+                "uploads_skipped": self.planner.uploads_skipped,
                 "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status(),
                 "capture_ring": None if self.ring is None else self.ring.status(),
                 "entered_steps": self.entered_steps, "layers_skipped": self.layers_skipped}
