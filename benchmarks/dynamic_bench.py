@@ -127,7 +127,9 @@ def main():
              ratio_best=round(min(times["vanilla"]) / min(ts), 4), reps_s=[round(x, 4) for x in ts])
     status = eng.dynamic_status()
     emit("dyn_status", determinism=status["determinism"],
-         replayed_steps=[w.get("replayed_steps") for w in status.get("workers", [])])
+         replayed_steps=[w.get("replayed_steps") for w in status.get("workers", [])],
+         graph_captures=[w.get("graph_captures") for w in status.get("workers", [])],
+         graph_capture_ms=[w.get("graph_capture_ms") for w in status.get("workers", [])])
     eng.close()
 
 

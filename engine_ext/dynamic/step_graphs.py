@@ -28,6 +28,7 @@ state in place, so it is captured without running).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -53,13 +54,19 @@ class ScoreGraph:
 
 _side_stream: torch.cuda.Stream | None = None
 
+#: graphs captured in this process, and the host seconds their captures took (`_capture`;
+#: reported in the dynamic status: a capture is a cost per chain, paid on the step that makes it)
+captures = 0
+capture_seconds = 0.0
+
 
 def _capture(work: Callable[[], object], warm_up: bool) -> tuple[torch.cuda.CUDAGraph, object]:
     """`work()` captured on a side stream that follows the current one (thread-local capture mode:
     other threads' CUDA calls go on), after one eager run there first with `warm_up` (the stream's
     library handles and workspaces); returns the graph and what the captured call returned.
     Raises what the capture raises."""
-    global _side_stream
+    global _side_stream, captures, capture_seconds
+    t0 = time.perf_counter()
     cur = torch.cuda.current_stream()
     if _side_stream is None:
         _side_stream = torch.cuda.Stream()
@@ -74,6 +81,8 @@ def _capture(work: Callable[[], object], warm_up: bool) -> tuple[torch.cuda.CUDA
         finally:
             g.capture_end()
     cur.wait_stream(_side_stream)
+    captures += 1
+    capture_seconds += time.perf_counter() - t0
     return g, out
 
 
@@ -84,10 +93,13 @@ def capture_scores(score: Callable[[], torch.Tensor], eager: torch.Tensor, keep:
     failure logged; a stream already capturing — vLLM's own graphs — is not a failure)."""
     if torch.cuda.is_current_stream_capturing():
         return None
+    global capture_seconds
     try:
         g, out = _capture(score, warm_up=True)
+        t0 = time.perf_counter()
         g.replay()  # on the current stream, after this step's eager scores
         same = bool(torch.equal(out, eager))  # one host wait per capture
+        capture_seconds += time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - any failure: stay eager
         logger.warning("causalboard: probe scores not captured as a CUDA graph (%s: %s); scoring eagerly",
                        type(e).__name__, e)

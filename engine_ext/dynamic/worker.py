@@ -873,7 +873,8 @@ class DynamicWorker(RepeatedSteps):
                 "engaged_requests": sorted(dr.key for dr in self.requests.values() if dr.engaged()),
                 "latched_conversations": len(self.latches), "dynamic_actions": self.actions,
                 "rejected_actions": self.rejected, "replayed_steps": self.replayed_steps,
-                "graph_replays": self.graph_replays}
+                "graph_replays": self.graph_replays, "graph_captures": step_graphs.captures,
+                "graph_capture_ms": round(step_graphs.capture_seconds * 1e3, 1)}
 
 
 class _ScorePlan:

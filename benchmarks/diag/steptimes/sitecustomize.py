@@ -24,6 +24,8 @@ microseconds per step of
                  microsecond it adds per step costs a microsecond of step time); well above 0,
                  the GPU does, and host work up to that much per step is hidden,
   schedule, update_from_output   the scheduler's two parts of each step (the engine core's),
+and per part its total (`total_ms`: a run's time beyond steps x median shows there) and its four
+slowest calls with their index in the run (`slowest_us`),
 so `period` well above `execute_model` + the rest of the engine loop means the GPU sets the pace,
 and `period` close to the host's work means the host does. Wrapping costs ~1 µs per call.
 (A `sitecustomize` of the Python installation itself would be shadowed while this folder is first.)
@@ -47,7 +49,12 @@ if os.environ.get("CB_STEP_TIMES"):
             _steps.clear()
             return
         rec = {"bench": "step_times", "pid": os.getpid(), "steps": len(_steps["execute_model"]),
-               "median_us": {k: round(statistics.median(v) / 1e3, 1) for k, v in _steps.items() if v}}
+               "median_us": {k: round(statistics.median(v) / 1e3, 1) for k, v in _steps.items() if v},
+               "total_ms": {k: round(sum(v) / 1e6, 2) for k, v in _steps.items() if v},
+               # the slowest calls of each timed part, as [index in the run, µs]: steps that
+               # cost much more than the median (a capture, a registration) show here
+               "slowest_us": {k: [[i, round(x / 1e3)] for i, x in sorted(enumerate(v), key=lambda e: -e[1])[:4]]
+                              for k, v in _steps.items() if v}}
         os.makedirs(_OUT, exist_ok=True)
         with open(os.path.join(_OUT, f"steptimes-{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
