@@ -181,8 +181,12 @@ class DeviceDecisions:
         self.rb = torch.zeros(2 * k, dtype=torch.float64, device=dev)
         self.k = k
         if dev.type == "cuda":
-            self.ring = [torch.empty(2 * k, dtype=torch.float64, pin_memory=True) for _ in range(4)]
-            self.events = [torch.cuda.Event() for _ in range(4)]
+            # pinned buffers and events of an earlier chain of this size (pinning memory costs
+            # the host ~1 ms a buffer), else new ones; given back by `release`
+            got = self.w.readback_pool.pop(k, None)
+            self.ring, self.events = got if got is not None else (
+                [torch.empty(2 * k, dtype=torch.float64, pin_memory=True) for _ in range(4)],
+                [torch.cuda.Event() for _ in range(4)])
         self.n_rb = 0
         self._expect(rp)
         self.crc_arr = np.asarray(self.crc_on, np.int64)
@@ -366,8 +370,13 @@ class DeviceDecisions:
         return ok
 
     def release(self) -> None:
+        """The chain ended (every read-back taken): its slots released, its pinned read-back
+        buffers kept for the next chain of the same size."""
         self.w.st.slots.release(self.held)
         self.held = []
+        if self.device.type == "cuda" and self.ring is not None:
+            self.w.readback_pool[self.k] = (self.ring, self.events)
+            self.ring = None
 
 
 class NotEligible(Exception):

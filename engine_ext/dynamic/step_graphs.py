@@ -16,9 +16,11 @@ steady steps; batches that change every step never pay for a capture), and only 
 reads stays at the same addresses (views of persistent buffers, no host copy inside).
 `CAUSALBOARD_DYN_GRAPHS=0` (or the RPC `cb_set_dyn_graphs`) keeps everything eager.
 
-Contracts: a graph of the scores is bit-for-bit the eager scores: `capture_scores` replays the new
-graph once against the eager result of the same step and returns None (the caller then stays
-eager; logged) if they differ in any bit or the capture fails. Its output tensor is the graph's
+Contracts: a graph of the scores is the eager scores exactly: `capture_scores` replays the new
+graph once and compares it with the eager result of the same step on the device; the caller
+replays it only once that comparison has reached the host equal (`PendingScoreGraph.verdict`,
+read without waiting: eager scoring goes on until then), and stays eager (logged) if they differ
+in any element or the capture fails. Its output tensor is the graph's
 own: each replay overwrites it, so a caller consumes it (its device-to-host copy, a decision
 kernel) before the next step's scores, on the same stream. A captured launch runs the same kernel
 binary on the same arguments as the eager launch it replaces (nothing is compared: it may update
@@ -86,29 +88,47 @@ def _capture(work: Callable[[], object], warm_up: bool) -> tuple[torch.cuda.CUDA
     return g, out
 
 
-def capture_scores(score: Callable[[], torch.Tensor], eager: torch.Tensor, keep: tuple = ()) -> ScoreGraph | None:
+class PendingScoreGraph:
+    """A graph of the scores captured at one step, whose check against that step's eager scores
+    runs on the device: `verdict()` is None until the check's result has reached the host (read
+    without waiting: the caller goes on scoring eagerly meanwhile), then whether the graph's
+    replay equalled the eager scores bit for bit."""
+
+    __slots__ = ("graph", "_flag", "_event")
+
+    def __init__(self, graph: ScoreGraph, flag: torch.Tensor, event: torch.cuda.Event):
+        self.graph, self._flag, self._event = graph, flag, event
+
+    def verdict(self) -> bool | None:
+        if not self._event.query():
+            return None
+        return bool(self._flag[0])
+
+
+def capture_scores(score: Callable[[], torch.Tensor], eager: torch.Tensor, keep: tuple = ()) -> PendingScoreGraph | None:
     """Capture `score()` (device work only: views of persistent buffers, no host copies) as a
-    graph and check one replay against `eager`, this step's eager result (bit for bit). `keep`:
-    objects whose device memory the graph reads (held as long as it). None: no graph (the
-    failure logged; a stream already capturing — vLLM's own graphs — is not a failure)."""
+    graph, replay it once and start comparing that replay with `eager`, this step's eager result
+    (every element equal, as `torch.equal`), on the device: the result reaches the host without a
+    wait (`PendingScoreGraph.verdict`), so the capture's step never waits for the GPU. `keep`:
+    objects whose device memory the graph reads (held as long as it). None: no graph (the failure
+    logged; a stream already capturing — vLLM's own graphs — is not a failure)."""
     if torch.cuda.is_current_stream_capturing():
         return None
-    global capture_seconds
     try:
         g, out = _capture(score, warm_up=True)
-        t0 = time.perf_counter()
+        if out.shape != eager.shape or out.dtype != eager.dtype:
+            raise ValueError(f"the graph's output is {tuple(out.shape)} {out.dtype}, the eager scores "
+                             f"{tuple(eager.shape)} {eager.dtype}")
         g.replay()  # on the current stream, after this step's eager scores
-        same = bool(torch.equal(out, eager))  # one host wait per capture
-        capture_seconds += time.perf_counter() - t0
+        flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        flag.copy_(torch.eq(out, eager).all().reshape(1), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
     except Exception as e:  # noqa: BLE001 - any failure: stay eager
         logger.warning("causalboard: probe scores not captured as a CUDA graph (%s: %s); scoring eagerly",
                        type(e).__name__, e)
         return None
-    if not same:
-        logger.warning("causalboard: a CUDA graph of the probe scores differed from the eager scores; "
-                       "scoring eagerly from now on")
-        return None
-    return ScoreGraph(g, out, keep)
+    return PendingScoreGraph(ScoreGraph(g, out, keep), flag, done)
 
 
 class LaunchGraph:

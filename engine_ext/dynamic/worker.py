@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_ext.dynamic import step_graphs
+from engine_ext.dynamic import step_graphs, trace
 from engine_ext.dynamic.device_decisions import DeviceDecisions, NotEligible
 from engine_ext.dynamic.gates import GateSet, GateState
 from engine_ext.dynamic.repeat_steps import RepeatedSteps, _ReplayWork, device_setting
@@ -223,6 +223,9 @@ class DynamicWorker(RepeatedSteps):
         self.step_graphs_on = os.environ.get("CAUSALBOARD_DYN_GRAPHS", "1") != "0"
         #: per-step work launched as a graph replay (scores, decisions, rewrites: `step_graphs`)
         self.graph_replays = 0
+        #: pinned read-back buffers and events of ended chains decided on the device, by size
+        #: (`device_decisions.DeviceDecisions`: reused by the next chain of that size)
+        self.readback_pool: dict[int, tuple[list, list]] = {}
         #: CUDA: the pinned buffer the scores are copied into and the copy's event (reused)
         self._host_scores: torch.Tensor | None = None
         self._score_event: Any = None
@@ -333,15 +336,19 @@ class DynamicWorker(RepeatedSteps):
             else:
                 self._gate_probe_refs[name] = left
 
-    def result(self, req_id: str) -> dict | None:
+    def result(self, req_id: str, columns: bool = False) -> dict | None:
+        """The request's dynamic result: its policies, per-token trace (the public dicts, or
+        with `columns` as `trace_columns`, what a result travels in: `dynamic.trace`), actions,
+        latches and errors. None for a request without dynamic steering."""
         self.sync_device()
         self.decide_pending()
         dr = self.requests.get(req_id)
         if dr is None:
             return None
-        trace = [[{"position": pos, "score": score, "threshold": threshold, "engaged": scale != 0.0, "scale": scale}
-                  for pos, score, threshold, scale in entries] for entries in dr.trace]
-        out = {"policies": [p.spec.to_api() for p in dr.policies], "trace": trace, "actions": dr.actions,
+        cols = [trace.columns(entries) for entries in dr.trace]
+        out = {"policies": [p.spec.to_api() for p in dr.policies],
+               **({"trace_columns": cols} if columns else {"trace": [trace.dicts(c) for c in cols]}),
+               "actions": dr.actions,
                "conversation_id": dr.conversation_id, "latched": [s.latched for s in dr.states], "errors": list(dr.errors)}
         if dr.gate is not None:
             out["gates"] = {**dr.gate.summary(), "trace": dr.gate_trace}
@@ -738,10 +745,20 @@ class DynamicWorker(RepeatedSteps):
             flat = self._scores_eager(sp, True, False)
             if flat.is_cuda:
                 sp.eager_runs += 1
-                if sp.eager_runs == step_graphs.AFTER:
-                    sp.graph = step_graphs.capture_scores(lambda: self._scores_eager(sp, True, False), flat,
-                                                   keep=tuple(pr for pr, _ in sp.probe_rows))
-                    if sp.graph is None and not torch.cuda.is_current_stream_capturing():
+                if sp.pending is not None:  # captured at an earlier step: replayed once its check is in
+                    verdict = sp.pending.verdict()
+                    if verdict is not None:
+                        graph, sp.pending = sp.pending.graph, None
+                        if verdict:
+                            sp.graph = graph
+                        else:
+                            logger.warning("causalboard: a CUDA graph of the probe scores differed from the eager "
+                                           "scores; scoring eagerly from now on")
+                            self.step_graphs_on = False
+                elif sp.eager_runs == step_graphs.AFTER:
+                    sp.pending = step_graphs.capture_scores(lambda: self._scores_eager(sp, True, False), flat,
+                                                            keep=tuple(pr for pr, _ in sp.probe_rows))
+                    if sp.pending is None and not torch.cuda.is_current_stream_capturing():
                         self.step_graphs_on = False
             return flat
         return self._scores_eager(sp, monitors, gated)
@@ -935,6 +952,8 @@ class _ScorePlan:
         self.views = _is_run(self.cap_rows) and all(_is_run(rows) for _, rows in self.probe_rows)
         self.eager_runs = 0
         self.graph: step_graphs.ScoreGraph | None = None
+        #: captured, its check against the eager scores not yet read (`step_graphs.capture_scores`)
+        self.pending: step_graphs.PendingScoreGraph | None = None
 
     def current(self, probes: dict[str, _Probe]) -> bool:
         """Are the probes the layout read still the registered ones?"""

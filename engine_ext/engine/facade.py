@@ -82,6 +82,18 @@ def _forget_random_pool() -> None:
 os.register_at_fork(after_in_child=_forget_random_pool)
 
 
+class _DynamicWire:
+    """A request's dynamic steering, validated (`DynamicControl._dynamic_wire`: its wire data,
+    None without policies) and in the canonical JSON the workers read: resolved once for a batch
+    that gives every prompt the same one."""
+
+    __slots__ = ("wire", "json")
+
+    def __init__(self, wire: dict | None):
+        self.wire = wire
+        self.json = canonical_json(wire) if wire is not None else None
+
+
 class Engine(DynamicControl):
     """A vLLM engine on the bundled model (or `model`) with causalboard's interventions (and
     dynamic steering: `DynamicControl`)."""
@@ -579,7 +591,8 @@ class Engine(DynamicControl):
                 if params.logprobs:
                     raise SpecError("logprobs", "top-k logprobs cannot be combined with score_token_ids (vLLM returns one or the other)")
                 score_ids = check_score_token_ids(spec.score_token_ids, self.info.vocab_size)
-        dyn_wire = self._dynamic_wire(dynamic)
+        dyn = dynamic if isinstance(dynamic, _DynamicWire) else _DynamicWire(self._dynamic_wire(dynamic))
+        dyn_wire = dyn.wire
         if ((spec is not None and (spec.steer or spec.patch or spec.capture or spec.noise or spec.clamp))
                 or dyn_wire is not None or segments is not None):
             # the caller's spec objects live until the batch is submitted, so their ids are theirs
@@ -615,7 +628,7 @@ class Engine(DynamicControl):
                 # dynamic steering may change any generated position: salt from the first one on
                 first = extra_args.get(KV_SALT_KEY, [len(ids)])[0]
                 extra_args[KV_SALT_KEY] = [min(first, len(ids)), f"cb-{program['hash']}-{prep.key}"]
-                extra_args[DYNAMIC_ARGS_KEY] = canonical_json(dyn_wire)
+                extra_args[DYNAMIC_ARGS_KEY] = dyn.json
             if spec.capture is not None and program["capture"]["pos"][:-1]:
                 skip_cache_read = True  # cached prompt positions would not be recomputed/captured
             if not self._block_salting and KV_SALT_KEY in extra_args:
@@ -674,6 +687,15 @@ class Engine(DynamicControl):
         templates: dict = {}
         checked: set[int] = set()  # parameters objects validated (frozen: valid for the whole batch)
         out: list[Prepared | None] = []
+        if len(batch) > 1 and not isinstance(dynamic, _DynamicWire):
+            # one dynamic request for every prompt: validated and serialized once for the batch
+            try:
+                dynamic = _DynamicWire(self._dynamic_wire(dynamic))
+            except Exception as exc:
+                if errors is None:
+                    raise
+                errors.update(dict.fromkeys(range(len(batch)), exc))
+                return [None] * len(batch)
         for i, (p, gp, s) in enumerate(zip(batch, params, specs)):
             try:
                 if id(gp) not in checked:

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from engine_ext.dynamic import trace as dynamic_trace
 from engine_ext.errors import EngineDeadError
 from engine_ext.generation import GenerationDelta, InterventionResult
 from engine_ext.sites import SitePosition, site_from_index
@@ -195,7 +196,7 @@ def _intervention_result(res: dict, program_hash: str | None) -> InterventionRes
         errors.append(res["store_error"])
     return InterventionResult(status=res.get("status", "unknown"), errors=errors, captures=caps,
                               stored_as=res.get("stored_as"), evicted=list(res.get("evicted") or []),
-                              program_hash=program_hash, dynamic=res.get("dynamic"),
+                              program_hash=program_hash, dynamic=dynamic_trace.expand(res.get("dynamic")),
                               segment_scores=res.get("segment_scores"))
 
 

@@ -521,7 +521,7 @@ class WorkerState:
             self._add_captures(st, out)
         if prog.segment_len and not prog.voided:
             out["segment_scores"] = _segment_scores(st)
-        dyn = self.dynamic.result(st.req_id)
+        dyn = self.dynamic.result(st.req_id, columns=True)
         if dyn is not None:
             out["dynamic"] = dyn
             if dyn["errors"]:  # a decision not taken or an action not applied: the output is not the policy's
