@@ -452,6 +452,12 @@ class _CaptureBlock:
     need: int = CAP_PAIRS | CAP_VALUES  # `RequestPlan.cap_need`
 
 
+def _rewriter(after_upload: Any) -> Any:
+    """Who an `after_upload` callable is (`StepPlanner.after_upload`): its bound object, which
+    writes the same row-table entries every time it runs, else the callable itself."""
+    return getattr(after_upload, "__self__", after_upload)
+
+
 class _SteadyDecode:
     """A decode step planned request by request whose plan the next step may repeat: every
     request has one row, and each that has a plan applied only its generation template (its rows
@@ -480,7 +486,7 @@ class _SteadyDecode:
 
     def repeats(self, req_ids, query_start_loc, num_computed, plans: dict) -> bool:
         """Is this step (same arguments as `StepPlanner.plan_step`) a repeat of the one built?"""
-        return (len(req_ids) == len(self.ids) and req_ids == self.ids
+        return (req_ids == self.ids
                 and np.array_equal(query_start_loc, self.qsl)
                 and all(map(operator.is_, map(plans.get, req_ids), self.plans))
                 and bool((np.asarray(num_computed) >= self.n_prompt).all()))
@@ -722,7 +728,7 @@ class StepPlanner:
         if self.after_upload is not None:
             fn, self.after_upload = self.after_upload, None
             fn()
-            self._rewritten_by = getattr(fn, "__self__", fn)
+            self._rewritten_by = _rewriter(fn)
 
     def _upload(self, max_row: int, captures: bool) -> None:
         b = self.b
@@ -742,7 +748,7 @@ class StepPlanner:
         by = self._rewritten_by
         skip = self.skip_same_upload
         if (skip and m and m == self._sent_rows
-                and (by is None or getattr(self.after_upload, "__self__", self.after_upload) is by)
+                and (by is None or _rewriter(self.after_upload) is by)
                 and np.array_equal(self.hs[:m], self._sent_s[:m])):
             m = 0
             self.uploads_skipped += 1
