@@ -216,9 +216,15 @@ def test_global_policy_applies_to_plain_requests(engine, probe, steer_vec):
     pol = Policy.make(probe=probe.name, sites=[STEER_SITE], vector=steer_vec, on=-1e30, scale=1.0)
     engine.set_dynamic_policies([pol])
     try:
-        g = engine.generate(PROMPT, PARAMS)
+        own = Policy.make(probe=probe.name, sites=[STEER_SITE], vector=steer_vec, on=1e30, scale=0.5)
+        g, g2 = engine.generate([PROMPT, PROMPT], PARAMS, dynamic=DynamicRequest.make([own]))
         tr = g.intervention.dynamic["trace"][0]
         assert [e["engaged"] for e in tr] == [False] + [True] * (len(tr) - 1)
+        # the result's policies (the global one first, then the request's own) as `Policy.to_api`,
+        # each result with its own copy (they travel from the worker as indices: dynamic.trace)
+        assert g.intervention.dynamic["policies"] == [pol.to_api(), own.to_api()]
+        assert g2.intervention.dynamic["policies"] == g.intervention.dynamic["policies"]
+        assert g2.intervention.dynamic["policies"][0]["vector"] is not g.intervention.dynamic["policies"][0]["vector"]
         g_off = engine.generate(PROMPT, PARAMS, dynamic=DynamicRequest.make([], use_global=False))
         assert g_off.intervention is None
     finally:

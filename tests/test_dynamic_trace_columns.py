@@ -16,3 +16,18 @@ def test_columns_expand_to_the_public_dicts():
     assert "trace_columns" in res  # the worker's reply itself is left as it was
     assert trace.expand(None) is None
     assert trace.expand({"trace": [want]}) == {"trace": [want]}
+
+
+def test_policy_indices_expand_to_copies_of_the_wire_policies():
+    api = [{"probe": "a", "vector": [1.0, 2.0]}, {"probe": "b"}]
+    res = {"policy_index": [1, 0], "trace_columns": [[[], [], [], []], [[], [], [], []]], "actions": 0}
+    out = trace.expand(res, api)
+    assert out == {"policies": [{"probe": "b"}, {"probe": "a", "vector": [1.0, 2.0]}], "trace": [[], []], "actions": 0}
+    out["policies"][1]["vector"].append(3.0)  # each result's copy is its own
+    assert api[0]["vector"] == [1.0, 2.0]
+    try:
+        trace.expand(res)
+    except ValueError as exc:
+        assert "wire policies" in str(exc)
+    else:
+        raise AssertionError("policy indices without the wire's policies must not pass")

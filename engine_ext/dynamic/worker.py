@@ -132,6 +132,22 @@ def payload(vec: np.ndarray, s32: np.float32) -> np.ndarray:
     return np.multiply(vec, s32, dtype=np.float32)
 
 
+#: dynamic wire texts whose parse `DynamicWorker.register` keeps (the last ones)
+_WIRE_CACHE = 8
+
+
+@dataclass
+class _ParsedWire:
+    """One dynamic wire text, parsed once for every request that brings it: its JSON, each
+    policy with its ident (`spec_hash` of its JSON), and each policy's `_Policy` once made
+    (with the vector it was made from: a named vector registered again makes it anew). A
+    `_Policy` is shared by those requests (its caches are functions of its vector and sites)."""
+
+    data: dict
+    policies: list[tuple[Policy, str]]
+    made: list[tuple[np.ndarray, _Policy] | None]
+
+
 @dataclass(eq=False)
 class DynRequest:
     req_id: str
@@ -171,6 +187,8 @@ class DynRequest:
     gate_row_key: tuple[int, str, str] | None = None
     #: every policy a threshold policy and no gates: its decisions may be taken ahead (`_speculate`)
     speculable: bool = False
+    #: each policy's index in the request's wire (policies no longer registered are left out)
+    wire_index: list[int] = field(default_factory=list)
     _refs: tuple[tuple[str, int], ...] | None = None
 
     def engaged(self) -> bool:
@@ -200,6 +218,8 @@ class DynamicWorker(RepeatedSteps):
         self.probes: dict[str, _Probe] = {}
         self.requests: dict[str, DynRequest] = {}
         self.latches: OrderedDict[str, set[str]] = OrderedDict()
+        #: the last dynamic wire texts parsed (`_parsed_wire`)
+        self._wires: OrderedDict[str, _ParsedWire] = OrderedDict()
         #: slots the dynamic actions of the previous step hold (released after this step's acquire)
         self._held: list[int] = []
         self._monitors: list[tuple[DynRequest, int, int, int]] = []  # (request, position, site index, capture row)
@@ -271,13 +291,28 @@ class DynamicWorker(RepeatedSteps):
         return self.probes.pop(name, None) is not None
 
     # ---- requests ---------------------------------------------------------------------------
+    def _parsed_wire(self, text: str) -> _ParsedWire:
+        """A request's dynamic wire text parsed (`_ParsedWire`), shared by every request that
+        brings the same text (a batch with one dynamic steering: `_WIRE_CACHE` last texts kept)."""
+        got = self._wires.get(text)
+        if got is None:
+            data = json.loads(text)
+            pjs = data.get("policies") or []
+            got = _ParsedWire(data, [(policy_from_wire(pj), spec_hash(pj)) for pj in pjs], [None] * len(pjs))
+            self._wires[text] = got
+            while len(self._wires) > _WIRE_CACHE:
+                self._wires.popitem(last=False)
+        else:
+            self._wires.move_to_end(text)
+        return got
+
     def register(self, req_id: str, key: str, n_prompt: int, text: str, errors: list[str]) -> None:
         self._version += 1
-        data = json.loads(text)
+        wire = self._parsed_wire(text)
+        data = wire.data
         conv = data.get("conversation_id")
-        pols, states = [], []
-        for k, pj in enumerate(data.get("policies") or []):
-            pol = policy_from_wire(pj)
+        pols, states, index = [], [], []
+        for k, (pol, ident) in enumerate(wire.policies):
             if pol.probe not in self.probes:
                 errors.append(f"dynamic policy {k}: probe {pol.probe!r} is no longer registered")
                 continue
@@ -285,13 +320,16 @@ class DynamicWorker(RepeatedSteps):
             if vec is None:
                 errors.append(f"dynamic policy {k}: steering vector {pol.vector_name!r} is no longer registered")
                 continue
-            ident = spec_hash(pj)
+            made = wire.made[k]
+            if made is None or made[0] is not vec:  # a named vector registered again: made anew
+                made = wire.made[k] = (vec, _Policy(pol, ident, np.asarray(vec, np.float32), [s.index() for s in pol.sites]))
             latched = conv is not None and pol.latch == "conversation" and ident in self.latches.get(conv, ())
-            pols.append(_Policy(pol, ident, np.asarray(vec, np.float32), [s.index() for s in pol.sites]))
+            pols.append(made[1])
             states.append(PolicyState.start(pol, latched=latched))
+            index.append(k)
         if conv is not None and conv in self.latches:
             self.latches.move_to_end(conv)
-        dr = DynRequest(req_id, key, n_prompt, conv, pols, states, trace=[[] for _ in pols])
+        dr = DynRequest(req_id, key, n_prompt, conv, pols, states, trace=[[] for _ in pols], wire_index=index)
         if data.get("gates"):
             gs = GateSet.from_wire(data["gates"])
             names = []
@@ -338,7 +376,8 @@ class DynamicWorker(RepeatedSteps):
 
     def result(self, req_id: str, columns: bool = False) -> dict | None:
         """The request's dynamic result: its policies, per-token trace (the public dicts, or
-        with `columns` as `trace_columns`, what a result travels in: `dynamic.trace`), actions,
+        with `columns` as `trace_columns`, what a result travels in: `dynamic.trace`, and the
+        policies as `policy_index`, their indices in the request's wire), actions,
         latches and errors. None for a request without dynamic steering."""
         self.sync_device()
         self.decide_pending()
@@ -346,8 +385,10 @@ class DynamicWorker(RepeatedSteps):
         if dr is None:
             return None
         cols = [trace.columns(entries) for entries in dr.trace]
-        out = {"policies": [p.spec.to_api() for p in dr.policies],
-               **({"trace_columns": cols} if columns else {"trace": [trace.dicts(c) for c in cols]}),
+        # as columns, the policies travel as their indices in the request's wire (the client
+        # holds their JSON: `trace.expand`), not as one JSON with its vector per request
+        pols = {"policy_index": list(dr.wire_index)} if columns else {"policies": [p.spec.to_api() for p in dr.policies]}
+        out = {**pols, **({"trace_columns": cols} if columns else {"trace": [trace.dicts(c) for c in cols]}),
                "actions": dr.actions,
                "conversation_id": dr.conversation_id, "latched": [s.latched for s in dr.states], "errors": list(dr.errors)}
         if dr.gate is not None:

@@ -40,7 +40,7 @@ from engine_ext.engine.cells import PreparedCells
 from engine_ext.engine.outputs import AsyncSink, BatchSink, Prepared, QueueSink, delta_from_output
 from engine_ext.generation import Generation, GenerationDelta, GenerationParams
 from engine_ext.dynamic.engine import DynamicControl
-from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY
+from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, policy_from_wire
 from engine_ext.program import (ENTRY_KEY, KV_SALT_KEY, TEMPLATE_KEY, ModelDims, ProgramTemplate, PromptInfo, check_clamp_directions,
                                 check_score_token_ids, compile_program, program_to_extra_args)
 from engine_ext.specs import Clamp, Interventions, Steer, canonical_json, positions_from_json, spec_hash
@@ -87,11 +87,19 @@ class _DynamicWire:
     None without policies) and in the canonical JSON the workers read: resolved once for a batch
     that gives every prompt the same one."""
 
-    __slots__ = ("wire", "json")
+    __slots__ = ("wire", "json", "_api")
 
     def __init__(self, wire: dict | None):
         self.wire = wire
         self.json = canonical_json(wire) if wire is not None else None
+        self._api: list[dict] | None = None
+
+    def policies_api(self) -> list[dict]:
+        """The wire's policies in their API JSON (`Policy.to_api`), made once: what a worker's
+        dynamic result names by index (`dynamic.trace.expand`)."""
+        if self._api is None:
+            self._api = [policy_from_wire(pj).to_api() for pj in (self.wire or {}).get("policies", ())]
+        return self._api
 
 
 class Engine(DynamicControl):
@@ -629,6 +637,7 @@ class Engine(DynamicControl):
                 first = extra_args.get(KV_SALT_KEY, [len(ids)])[0]
                 extra_args[KV_SALT_KEY] = [min(first, len(ids)), f"cb-{program['hash']}-{prep.key}"]
                 extra_args[DYNAMIC_ARGS_KEY] = dyn.json
+                prep.dynamic_policies = dyn.policies_api
             if spec.capture is not None and program["capture"]["pos"][:-1]:
                 skip_cache_read = True  # cached prompt positions would not be recomputed/captured
             if not self._block_salting and KV_SALT_KEY in extra_args:
@@ -675,7 +684,8 @@ class Engine(DynamicControl):
     def _converter(self, params: GenerationParams, spec: Interventions | None, prep: Prepared):
         score_ids = tuple(dict.fromkeys(spec.score_token_ids)) if spec is not None else ()
         return functools.partial(delta_from_output, top_k=(params.logprobs or 0) if not score_ids else 0,
-                                 score_ids=score_ids, program_hash=prep.program_hash, chosen=params.logprobs is not None)
+                                 score_ids=score_ids, program_hash=prep.program_hash, chosen=params.logprobs is not None,
+                                 dynamic_policies=prep.dynamic_policies)
 
     def _prepare_many(self, batch: list[Prompt], params: list[GenerationParams], specs: list[Interventions | None], *,
                       fresh: bool = False, dynamic: Any = None, errors: dict[int, Exception] | None = None) -> list[Prepared | None]:

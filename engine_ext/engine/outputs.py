@@ -149,9 +149,11 @@ class _BatchMember:
 
 
 def delta_from_output(output: Any, worker_result: dict | None, top_k: int, score_ids: tuple[int, ...],
-                      program_hash: str | None, chosen: bool = True) -> GenerationDelta:
+                      program_hash: str | None, chosen: bool = True, dynamic_policies: Any = None) -> GenerationDelta:
     """Convert a vLLM `RequestOutput` (DELTA: what one step added; FINAL_ONLY: everything) and,
-    at the end, the workers' result. `chosen`: report the chosen tokens' logprobs."""
+    at the end, the workers' result. `chosen`: report the chosen tokens' logprobs.
+    `dynamic_policies`: a callable returning the request's dynamic wire policies in their API
+    JSON (what a dynamic result's `policy_index` refers to), or None."""
     comp = output.outputs[0]
     logprobs: list[float] = []
     tops: list[dict[int, float]] = []
@@ -172,12 +174,13 @@ def delta_from_output(output: Any, worker_result: dict | None, top_k: int, score
         finished=bool(output.finished),
         finish_reason=comp.finish_reason,
         scores=scores,
-        intervention=_intervention_result(worker_result, program_hash) if worker_result is not None else None,
+        intervention=(_intervention_result(worker_result, program_hash, dynamic_policies)
+                      if worker_result is not None else None),
         num_cached_tokens=int(output.num_cached_tokens or 0) if output.finished else None,
     )
 
 
-def _intervention_result(res: dict, program_hash: str | None) -> InterventionResult:
+def _intervention_result(res: dict, program_hash: str | None, dynamic_policies: Any = None) -> InterventionResult:
     import numpy as np
 
     caps = {}
@@ -196,8 +199,16 @@ def _intervention_result(res: dict, program_hash: str | None) -> InterventionRes
         errors.append(res["store_error"])
     return InterventionResult(status=res.get("status", "unknown"), errors=errors, captures=caps,
                               stored_as=res.get("stored_as"), evicted=list(res.get("evicted") or []),
-                              program_hash=program_hash, dynamic=dynamic_trace.expand(res.get("dynamic")),
+                              program_hash=program_hash,
+                              dynamic=_dynamic(res.get("dynamic"), dynamic_policies),
                               segment_scores=res.get("segment_scores"))
+
+
+def _dynamic(dyn: dict | None, policies: Any) -> dict | None:
+    """A worker's dynamic result in its public form (`dynamic.trace.expand`)."""
+    if dyn is None:
+        return None
+    return dynamic_trace.expand(dyn, policies() if policies is not None and "policy_index" in dyn else None)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -216,6 +227,9 @@ class Prepared:
     key: str | None = None
     program_hash: str | None = None
     cache_salt: str | None = None
+    #: its dynamic steering's wire policies in their API JSON (a callable, computed once per
+    #: wire: `Engine`'s `_DynamicWire.policies_api`), None without dynamic steering
+    dynamic_policies: Any = None
 
     def prompt(self) -> dict:
         p: dict = {"prompt_token_ids": self.ids}

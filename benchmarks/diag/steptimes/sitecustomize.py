@@ -63,7 +63,7 @@ if os.environ.get("CB_STEP_TIMES"):
     atexit.register(_flush)
 
     def _timed(cls, name: str, key: str, step: bool = False) -> None:
-        orig = cls.__dict__.get(name)
+        orig = getattr(cls, name, None)  # inherited ones too (wrapped on `cls`)
         if orig is None:
             return
 
@@ -87,8 +87,88 @@ if os.environ.get("CB_STEP_TIMES"):
         setattr(cls, name, wrapper)
 
     def _patch_state(module) -> None:
-        for name in ("plan_step", "finish_step", "after_forward"):
+        for name in ("plan_step", "finish_step", "after_forward", "collect", "on_schedule", "register", "finish"):
             _timed(module.WorkerState, name, name)
+
+    def _patch_dynamic(module) -> None:
+        for name in ("register", "finish", "result", "idle", "sync_device"):
+            _timed(module.DynamicWorker, name, "dyn." + name)
+
+    # the client's side of each `Engine.generate` (in the process that calls it): one JSON line per
+    # call in `CB_STEP_TIMES/client-<pid>.jsonl`, milliseconds from the call's start of
+    #   submitted, added   the requests handed to the loop thread (prepared) / added to the engine,
+    #   first_step  the loop's first engine step to return after the call began (requests added),
+    #   last_step   the last engine step to return before the results' collection was sent,
+    #   collect_sent, collect_reply   the `cb_collect` call sent / its reply in (multiprocess core),
+    #   end         the call returns (results expanded and handed over),
+    # and the number of engine steps the loop took meanwhile.
+    _gen: dict = {}
+
+    def _ms() -> float:
+        return time.perf_counter_ns() / 1e6
+
+    def _patch_facade(module) -> None:
+        orig = module.Engine.generate
+
+        def generate(self, *a, **k):
+            _gen.clear()
+            _gen.update(start=_ms(), steps=0)
+            try:
+                return orig(self, *a, **k)
+            finally:
+                rec, t0 = dict(_gen), _gen.get("start")
+                _gen.clear()
+                if t0 is not None:
+                    out = {"bench": "client_times", "steps": rec.pop("steps"), "end": round(_ms() - t0, 2)}
+                    out.update({k: round(v - t0, 2) for k, v in rec.items() if k != "start"})
+                    os.makedirs(_OUT, exist_ok=True)
+                    with open(os.path.join(_OUT, f"client-{os.getpid()}.jsonl"), "a") as f:
+                        f.write(json.dumps(out) + "\n")
+
+        module.Engine.generate = generate
+
+    def _patch_loop(module) -> None:
+        orig = module.EngineLoop._step
+
+        def step(self):
+            try:
+                return orig(self)
+            finally:
+                if "start" in _gen:
+                    t = _ms()
+                    _gen.setdefault("first_step", t)
+                    if "collect_sent" not in _gen:
+                        _gen["last_step"] = t
+                    _gen["steps"] += 1
+
+        module.EngineLoop._step = step
+        _patch_loop_adds(module)
+
+    def _patch_loop_adds(module) -> None:
+        for name, key in (("submit_many", "submitted"), ("_add_singles", "added")):
+            orig = getattr(module.EngineLoop, name)
+
+            def wrapper(self, *a, _orig=orig, _key=key, **k):
+                try:
+                    return _orig(self, *a, **k)
+                finally:
+                    if "start" in _gen:
+                        _gen.setdefault(_key, _ms())
+
+            setattr(module.EngineLoop, name, wrapper)
+
+    def _patch_seam(module) -> None:
+        orig = module.start_collective_rpc
+
+        def start(engine, method, args=()):
+            fut = orig(engine, method, args)
+            if method == "cb_collect" and "start" in _gen:
+                _gen.setdefault("collect_sent", _ms())
+                if fut is not None:
+                    fut.add_done_callback(lambda f: _gen.setdefault("collect_reply", _ms()))
+            return fut
+
+        module.start_collective_rpc = start
 
     def _patch_runner(module) -> None:
         _timed(module.GPUModelRunner, "execute_model", "execute_model", step=True)
@@ -110,6 +190,10 @@ if os.environ.get("CB_STEP_TIMES"):
         _timed(module.Scheduler, "update_from_output", "update_from_output")
 
     _TARGETS = {"engine_ext.worker.state": _patch_state,
+                "engine_ext.dynamic.worker": _patch_dynamic,
+                "engine_ext.engine.facade": _patch_facade,
+                "engine_ext.engine.loop": _patch_loop,
+                "engine_ext.worker.seam": _patch_seam,
                 "vllm.v1.worker.gpu.model_runner": _patch_runner,
                 "vllm.v1.worker.gpu_model_runner": _patch_runner,
                 "vllm.v1.worker.gpu.async_utils": _patch_async_output,
