@@ -8,8 +8,10 @@ on PYTHONPATH and name an output folder:
 Python imports `sitecustomize` at start-up in every process, vLLM's spawned engine core included;
 this one (only with CB_STEP_TIMES set) wraps, as their modules load, vLLM's model runners'
 `execute_model` (V1 and V2; inside causalboard's own wrapper, so it times vLLM's body with
-causalboard's planning in it) and causalboard's `WorkerState.plan_step`, `finish_step` and
-`after_forward`. Every run of steps (a `generate` call: from a step that admits new requests after
+causalboard's planning in it), causalboard's `WorkerState.plan_step`, `finish_step`,
+`after_forward`, `on_schedule` (the requests a step brings and retires: outside the timed
+`execute_model`), `register`, `finish` and `collect`, and `DynamicWorker.register`, `finish`,
+`result`, `idle` and `sync_device` (as `dyn.<name>`). Every run of steps (a `generate` call: from a step that admits new requests after
 decode steps, or after 20 ms with no step, to the next such step) becomes one
 JSON line in `CB_STEP_TIMES/steptimes-<pid>.jsonl`, in order: the number of steps and the median
 microseconds per step of
@@ -24,10 +26,14 @@ microseconds per step of
                  microsecond it adds per step costs a microsecond of step time); well above 0,
                  the GPU does, and host work up to that much per step is hidden,
   schedule, update_from_output   the scheduler's two parts of each step (the engine core's),
+  on_schedule, register, finish, collect, dyn.*   per call, not per step (a batch's registration
+                 lands at the end of the run before it: it runs before its first step's start),
 and per part its total (`total_ms`: a run's time beyond steps x median shows there) and its four
 slowest calls with their index in the run (`slowest_us`),
 so `period` well above `execute_model` + the rest of the engine loop means the GPU sets the pace,
 and `period` close to the host's work means the host does. Wrapping costs ~1 µs per call.
+In the process that calls `Engine.generate` it also writes one line per call to
+`CB_STEP_TIMES/client-<pid>.jsonl` (below: the call's timeline, read by `summary.py` here).
 (A `sitecustomize` of the Python installation itself would be shadowed while this folder is first.)
 """
 import os
