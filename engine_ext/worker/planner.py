@@ -69,8 +69,11 @@ def _digest(*arrays: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def _op_identity(op: AddOp, pos: int) -> tuple:
-    """Content identity of what `op` adds at `pos` (vector bytes and scale)."""
+def _op_identity(op: AddOp, pos: int, memo: dict | None = None) -> tuple:
+    """Content identity of what `op` adds at `pos` (vector bytes and scale). `memo`: identities
+    already computed by the caller for ops of the same vector object and scale (one steering
+    entry's ops at all its sites share their vector: hashed once); valid only while those
+    vectors are alive (the caller's, for one plan's composition)."""
     if op.per_pos is not None:
         return ("noise", _digest(np.asarray(op.per_pos[pos], "<f4")))
     if isinstance(op, ClampOp):
@@ -80,7 +83,13 @@ def _op_identity(op: AddOp, pos: int) -> tuple:
         return ident
     ident = getattr(op, "_identity", None)
     if ident is None:
-        ident = op._identity = ("vec", _digest(np.asarray(op.vec, "<f4"), np.asarray([op.scale], "<f8")))
+        key = (id(op.vec), op.scale)
+        ident = memo.get(key) if memo is not None else None
+        if ident is None:
+            ident = ("vec", _digest(np.asarray(op.vec, "<f4"), np.asarray([op.scale], "<f8")))
+            if memo is not None:
+                memo[key] = ident
+        op._identity = ident
     return ident
 
 
@@ -234,6 +243,7 @@ class RequestPlan:
             rep_sites.setdefault(site, {})[pos] = rep
         p_sites, p_slots, g_sites, g_slots = [], [], [], []
         ex_rows: list[tuple[int, int, int]] = []
+        memo: dict = {}  # `_op_identity`'s, for this composition (its ops hold their vectors alive)
         with plan._composing(slots):
             for site in sorted(set(by_site) | set(rep_sites)):
                 entries = by_site.get(site, [])
@@ -241,7 +251,7 @@ class RequestPlan:
                     here = [op for op, cp, cg, _ in entries if (cp, cg)[pick - 1]]
                     if here:
                         pos = 0 if region == "prompt" else n_prompt
-                        skey = ("A", None, tuple(_op_identity(op, pos) for op in here))
+                        skey = ("A", None, tuple(_op_identity(op, pos, memo) for op in here))
                         slot = plan._acquire(slots, skey, lambda: _slot_value(None, here, pos))
                         sites_out.append(site)
                         slots_out.append(slot)
@@ -254,7 +264,7 @@ class RequestPlan:
                         skey = ("P", _rep_identity(rep))
                     else:
                         skey = ("A", _rep_identity(rep) if rep is not None else None,
-                                tuple(_op_identity(op, p) for op in here))
+                                tuple(_op_identity(op, p, memo) for op in here))
                     slot = plan._acquire(slots, skey, lambda rep=rep, here=here, p=p: _slot_value(rep, here, p))
                     ex_rows.append((p, site, slot))
                     described.append(("at", p, site, skey))
