@@ -13,7 +13,9 @@ skips it).
 from __future__ import annotations
 
 import bisect
+import json
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -366,6 +368,75 @@ class ProgramTemplate:
         if self.text is None:
             return program_to_extra_args({**self.program, "key": key}, kv_salt)
         return _extra_args(self.text.replace(_TEMPLATE_NEEDLE, '"key":' + canonical_json(key), 1), self.first, kv_salt)
+
+
+_KEY_FIELD = '"key":"'
+
+
+def key_split(text: str) -> tuple[str, str] | None:
+    """A program's canonical text split into (the text without its key's value, the key), so
+    that programs differing only in their key (one `ProgramTemplate`'s requests) have the same
+    first part; None where that cannot be told from the text alone (the field not found exactly
+    once, or a key with an escape in it)."""
+    i = text.find(_KEY_FIELD)
+    if i < 0 or text.find(_KEY_FIELD, i + 1) >= 0:
+        return None
+    start = i + len(_KEY_FIELD)
+    end = text.find('"', start)
+    if end < 0 or "\\" in text[start:end]:
+        return None
+    return text[:start] + text[end:], text[start:end]
+
+
+class ProgramCache:
+    """The worker's parse of program texts that differ only in their key (`key_split`): a
+    batch's requests built from one `ProgramTemplate` are parsed once and each gets a copy with
+    its own key and its own `errors` (everything else, the ops included, is shared and never
+    changed per request). Only a parse that read nothing of the worker's state (no named vector,
+    no stored source) and found no error is kept; `size` texts at most, least recently used
+    dropped."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._by_text: OrderedDict[str, WorkerProgram] = OrderedDict()
+        self.hits = 0
+
+    def parse(self, text: str, *, named_vector: Callable[[str], np.ndarray | None],
+              source_value: Callable[[str, int, int], Any], source_mean: Callable[[str, int], np.ndarray | None],
+              owns_site: Callable[[int], bool]) -> WorkerProgram:
+        """`WorkerProgram.parse(json.loads(text), ...)`, from the cache where it holds the text."""
+        split = key_split(text)
+        if split is not None:
+            got = self._by_text.get(split[0])
+            if got is not None:
+                self._by_text.move_to_end(split[0])
+                self.hits += 1
+                return _for_key(got, split[1])
+        read = []
+
+        def reading(fn: Callable) -> Callable:
+            def wrapped(*args):
+                read.append(1)
+                return fn(*args)
+            return wrapped
+
+        prog = WorkerProgram.parse(json.loads(text), named_vector=reading(named_vector), source_value=reading(source_value),
+                                   source_mean=reading(source_mean), owns_site=owns_site)
+        if split is not None and not read and not prog.errors and not prog.sources:
+            self._by_text[split[0]] = _for_key(prog, prog.key)
+            while len(self._by_text) > self.size:
+                self._by_text.popitem(last=False)
+        return prog
+
+
+def _for_key(prog: "WorkerProgram", key: str) -> "WorkerProgram":
+    """A copy of `prog` with `key` and errors of its own, every other field shared (a shallow
+    copy: `dataclasses.replace` costs ~10 µs a request)."""
+    out = object.__new__(WorkerProgram)
+    out.__dict__.update(prog.__dict__)
+    out.key = key
+    out.errors = []
+    return out
 
 
 def clamp_op(op_id: int, kind: str, site: int, e: dict) -> "ClampOp":

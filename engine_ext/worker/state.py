@@ -19,7 +19,6 @@ the device buffers and the ring (called when the engine shuts down).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 
 from engine_ext.capture_ring import CaptureRing, auto_size
 from engine_ext.dynamic.worker import DYNAMIC_ARGS_KEY, DynamicWorker
-from engine_ext.program import EXTRA_ARGS_KEY, AddOp, ClampOp, WorkerProgram, clamp_op
+from engine_ext.program import EXTRA_ARGS_KEY, AddOp, ClampOp, ProgramCache, WorkerProgram, clamp_op
 from engine_ext.sites import SITES_PER_LAYER
 from engine_ext.worker import cuda_streams
 from engine_ext.worker.checksum import ActionChecksum
@@ -264,6 +263,8 @@ class WorkerState:
         #: CPU engines: how many linear layers got each row-invariant form (`cpu_gemm.py`: native,
         #: chunked, per_row); empty where the engine does not ask for batch invariance
         self.cpu_gemm: dict[str, int] = {}
+        #: programs parsed once for every request of one template (`program.ProgramCache`)
+        self.programs = ProgramCache()
         #: dynamic steering: probes, per-request policy states, conversation latches
         self.dynamic = DynamicWorker(self)
         #: may the seam leave a step with dynamic steering open until right before its forward
@@ -315,9 +316,8 @@ class WorkerState:
         keeps its state)."""
         if req_id in self.requests or not extra_args or EXTRA_ARGS_KEY not in extra_args:
             return
-        data = json.loads(extra_args[EXTRA_ARGS_KEY])
-        prog = WorkerProgram.parse(
-            data,
+        prog = self.programs.parse(
+            extra_args[EXTRA_ARGS_KEY],
             named_vector=self.named.get,
             source_value=self.store.value,
             source_mean=lambda run, site: (m.numpy() if (m := self.store.mean(run, site)) is not None else None),
