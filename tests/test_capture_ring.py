@@ -78,7 +78,7 @@ def test_the_client_copies_out_acknowledges_and_unlinks():
                  "plain": {"key": "plain", "status": "ok"}}
         out = readers.materialize(reply)
         data = out["k"]["captures"]["data"]
-        assert isinstance(data, bytearray) and "ring" not in out["k"]["captures"]
+        assert isinstance(data, np.ndarray) and data.flags.writeable and "ring" not in out["k"]["captures"]
         assert np.array_equal(np.frombuffer(data, "<f4"), vals)
         ring.buffer(off, 8)[:] = np.float32([7.0, 7.0]).tobytes()  # the worker reuses the region...
         assert np.array_equal(np.frombuffer(data, "<f4"), vals), "...the client's copy is its own"
@@ -104,7 +104,7 @@ def test_the_client_copies_out_acknowledges_and_unlinks():
 def test_a_large_reply_is_copied_out_by_several_threads(monkeypatch):
     """A reply of at least `PARALLEL_COPY_BYTES` (lowered here) is copied by the reader's threads,
     each block into a writable array of its own, equal to what the ring held and independent of it;
-    a smaller reply takes the one-thread path (bytearrays)."""
+    a smaller reply takes the one-thread path (the same kind of arrays)."""
     import engine_ext.capture_ring as cr
 
     monkeypatch.setattr(cr, "PARALLEL_COPY_BYTES", 4096)
@@ -136,7 +136,7 @@ def test_a_large_reply_is_copied_out_by_several_threads(monkeypatch):
         off = ring.alloc(vals.nbytes)
         ring.buffer(off, vals.nbytes)[:] = vals.tobytes()
         small = readers.materialize({"s": {"key": "s", "status": "ok", "captures": {"keys": [[0, 1]], "ring": ring.share(off, 0, vals.nbytes)}}})
-        assert isinstance(small["s"]["captures"]["data"], bytearray)
+        assert np.array_equal(np.frombuffer(small["s"]["captures"]["data"], "<f4"), vals)
     finally:
         readers.close()
         ring.close()
@@ -149,9 +149,52 @@ def test_the_copy_threads_setting(monkeypatch):
     assert copy_threads() == 1 and RingReaders().threads == 1
     monkeypatch.delenv("CAUSALBOARD_RING_COPY_THREADS")
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert copy_threads() == 4
+    assert copy_threads() == 8
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    assert copy_threads() == 8
+    monkeypatch.setattr("os.cpu_count", lambda: 6)
+    assert copy_threads() == 3
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert copy_threads() == 1
+
+
+def test_slab_views_pack_consecutive_blocks_up_to_the_slab_size(monkeypatch):
+    """Consecutive blocks share a slab up to `SLAB_BYTES` (lowered here), a block of at least
+    that size has one of its own, every view has its size, is writable, and none overlaps
+    another; the reply's blocks land in their own ranges with their own bytes."""
+    import engine_ext.capture_ring as cr
+
+    monkeypatch.setattr(cr, "SLAB_BYTES", 100)
+    sizes = [40, 40, 40, 0, 100, 8, 120, 60, 40]
+    views = cr.slab_views(sizes)
+    assert [len(v) for v in views] == sizes and all(v.flags.writeable for v in views)
+    slabs = [v.base.size for v in views]
+    assert slabs == [80, 80, 40, 40, 100, 8, 120, 100, 100]
+    for i, v in enumerate(views):
+        v[:] = i
+    assert [int(v[0]) for v in views if len(v)] == [i for i, n in enumerate(sizes) if n], "no view overlaps another"
+
+    ring = CaptureRing(1 << 16)
+    readers = RingReaders()
+    try:
+        assert readers.open(ring.name)
+        reply, want = {}, {}
+        for i, n in enumerate((24, 24, 16, 30)):  # 96, 96, 64 and 120 bytes: four slabs of 100 at most
+            vals = np.arange(n, dtype="<f4") + 100 * i
+            off = ring.alloc(vals.nbytes)
+            ring.buffer(off, vals.nbytes)[:] = vals.tobytes()
+            reply[f"r{i}"] = {"key": f"r{i}", "status": "ok", "captures": {"keys": [[0, 1]], "ring": ring.share(off, 0, vals.nbytes)}}
+            ring.deref(off)
+            want[f"r{i}"] = vals
+        out = readers.materialize(reply)
+        for k, vals in want.items():
+            got = np.frombuffer(out[k]["captures"]["data"], "<f4")
+            assert got.flags.writeable and np.array_equal(got, vals)
+        ring.release(readers.take_acks()[ring.name])
+        assert ring.in_use == 0
+    finally:
+        readers.close()
+        ring.close()
 
 
 def test_a_rank_whose_captures_are_not_used_is_acknowledged_without_a_copy():

@@ -225,17 +225,24 @@ def test_capture_only_plans_equal_the_general_composition(capture, monkeypatch):
     prog = WorkerProgram(key="k", n_prompt=5, max_pos=8, hash="h", capture_sites=sites,
                          capture_pos=np.asarray(pos, np.int64), capture_gen=gen)
     planner._CAPTURE_PLANS.clear()
-    for key in ("cb-1-aaaa0000", "cb-2-bbbb1111", "cb-1-aaaa0000"):  # the first builds, the others share
-        fast = RequestPlan.build(key, 5, prog, [], None, 3)
+    planner._CAPTURE_PROTOS.clear()
+    twin = WorkerProgram(key="k2", n_prompt=5, max_pos=8, hash="h", capture_sites=list(sites),
+                         capture_pos=np.asarray(pos, np.int64), capture_gen=gen)  # equal, other objects
+    # the first builds, the others share (by the program's objects, or by shape for the twin)
+    for i, (key, program) in enumerate((("cb-1-aaaa0000", prog), ("cb-2-bbbb1111", prog), ("cb-1-aaaa0000", twin),
+                                        ("cb-3-cccc2222", prog))):
+        fast = RequestPlan.build(key, 5, program, [], None, 3 + i)
         monkeypatch.setattr(planner, "SHARE_CAPTURE_PLANS", False)
-        general = RequestPlan.build(key, 5, prog, [], None, 3)
+        general = RequestPlan.build(key, 5, program, [], None, 3 + i)
         monkeypatch.setattr(planner, "SHARE_CAPTURE_PLANS", True)
         for f in ("prompt_sites", "prompt_slots", "gen_sites", "gen_slots", "ex_pos", "ex_site", "ex_slot", "cap_sites", "cap_pos"):
             a, b = getattr(fast, f), getattr(general, f)
             assert a.dtype == b.dtype and np.array_equal(a, b), f
-        for f in ("key", "n_prompt", "cap_gen", "held", "digest", "global_version", "gen_template_only", "gen_group"):
+        for f in ("key", "n_prompt", "cap_gen", "held", "digest", "global_version", "gen_template_only", "gen_group",
+                  "cap_need", "ex_single"):
             assert getattr(fast, f) == getattr(general, f), f
-    assert len(planner._CAPTURE_PLANS) == 1
+        fast.held.append(99)  # a plan's own list: the next plan of this shape starts empty
+    assert len(planner._CAPTURE_PLANS) == 1 and len(planner._CAPTURE_PROTOS) == 2
     assert not fast.cap_pos.flags.writeable  # shared: nobody may write them
 
 

@@ -5,7 +5,14 @@ previous round's copies dropped (as a client that consumed them), per method:
 
 * `bytearray`: `bytearray(view[off:off + n])` per slice on the calling thread (the current path);
 * `numpy-N`: an uninitialised `np.empty(n, uint8)` per slice and `np.copyto` from the mapping,
-  the slices split over N threads (numpy releases the GIL while it copies).
+  the slices split over N threads (numpy releases the GIL while it copies);
+* `slab-N`: one uninitialised array for the whole round, each slice a view of it (one allocation:
+  its pages are faulted in by the copy itself), N threads;
+* `chunk-N`: slabs of at most 8 MiB (a kept value holds one slab, not the round's), N threads;
+* `mmap-N`: the slab as an anonymous mapping of its own, its pages filled at once (`MAP_POPULATE`:
+  the kernel zeroes them in one call instead of one fault per 4 KiB page), N threads;
+* `warm-N`: the same slab allocated and touched once before the rounds and reused (no page faults:
+  the copy's bandwidth alone; not a method a client could use as such, the bound of the others).
 
     python3 benchmarks/diag/ring_copyout.py [--slices 1000] [--kib 128] [--rounds 7] [--threads 1,2,4]
 
@@ -58,22 +65,58 @@ def main() -> None:
             list(pool.map(part, range(k)))
         return dst
 
+    def populated():
+        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+        return np.frombuffer(mm, np.uint8)
+
+    def by_chunks(pool, k, chunk=8 << 20):
+        per = max(1, chunk // n)  # slices per slab
+        slabs = [np.empty(n * min(per, len(offs) - i), np.uint8) for i in range(0, len(offs), per)]
+        dst = [slabs[j // per][(j % per) * n: (j % per + 1) * n] for j in range(len(offs))]
+
+        def part(i):
+            for j in range(i, len(offs), k):
+                np.copyto(dst[j], np.frombuffer(view, np.uint8, n, offs[j]))
+        if pool is None:
+            part(0)
+        else:
+            list(pool.map(part, range(k)))
+        return dst
+
+    def by_slab(pool, k, slab=None):
+        dst = np.empty(size, np.uint8) if slab is None else populated() if isinstance(slab, str) else slab
+
+        def part(i):
+            for j in range(i, len(offs), k):
+                np.copyto(dst[offs[j]: offs[j] + n], np.frombuffer(view, np.uint8, n, offs[j]))
+        if pool is None:
+            part(0)
+        else:
+            list(pool.map(part, range(k)))
+        return [dst[o: o + n] for o in offs]
+
     methods = {"bytearray": lambda: by_bytearray()}
     pools = []
     for k in [int(x) for x in args.threads.split(",")]:
         pool = None if k == 1 else ThreadPoolExecutor(k)
         pools.append(pool)
         methods[f"numpy-{k}"] = (lambda pool=pool, k=k: by_numpy(pool, k))
+        methods[f"slab-{k}"] = (lambda pool=pool, k=k: by_slab(pool, k))
+        methods[f"chunk-{k}"] = (lambda pool=pool, k=k: by_chunks(pool, k))
+        methods[f"mmap-{k}"] = (lambda pool=pool, k=k: by_slab(pool, k, "mmap"))
+        warm = np.ones(size, np.uint8)
+        methods[f"warm-{k}"] = (lambda pool=pool, k=k, warm=warm: by_slab(pool, k, warm))
     times = {name: [] for name in methods}
-    kept = None
+    _kept = None
     for _ in range(args.rounds):
         for name, fn in methods.items():
-            kept = None  # the last round's copies dropped, as a client that consumed them
+            _kept = None  # the last round's copies dropped, as a client that consumed them
             t = time.perf_counter()
-            kept = fn()
+            _kept = fn()
             times[name].append(time.perf_counter() - t)
     ref = by_bytearray()
-    assert all(bytes(a) == bytes(b) for a, b in zip(ref, kept)), "a method copied wrong bytes"
+    for name, fn in methods.items():
+        assert all(bytes(a) == bytes(b) for a, b in zip(ref, fn())), f"{name} copied wrong bytes"
     for name, ts in times.items():
         med = statistics.median(ts[1:] or ts)
         print(json.dumps({"bench": "ring_copyout", "method": name, "slices": args.slices, "kib": args.kib,

@@ -361,6 +361,11 @@ class DynamicWorker(RepeatedSteps):
 
     def finish(self, req_id: str) -> None:
         self._version += 1
+        if not self.requests:
+            # no dynamic request in flight: the last one's finish settled everything, and the next
+            # step's `idle` takes what a forward since has left (a request without dynamic
+            # steering leaving costs no more than this)
+            return
         self.sync_device()
         self.decide_pending()
         dr = self.requests.pop(req_id, None)
@@ -379,6 +384,8 @@ class DynamicWorker(RepeatedSteps):
         with `columns` as `trace_columns`, what a result travels in: `dynamic.trace`, and the
         policies as `policy_index`, their indices in the request's wire), actions,
         latches and errors. None for a request without dynamic steering."""
+        if not self.requests:  # none in flight (`finish`): nothing to settle for this one
+            return None
         self.sync_device()
         self.decide_pending()
         dr = self.requests.get(req_id)

@@ -292,9 +292,32 @@ class RequestPlan:
     def _capture_only(cls, key: str, n_prompt: int, prog: WorkerProgram, global_version: int) -> "RequestPlan":
         """`build` for a program that only captures (and no global steering): no slots, and the
         tables depend on the prompt length and the capture alone, so requests of one shape share
-        them (read-only) and each composes only its digest (which includes its key)."""
+        them (read-only) and each composes only its digest (which includes its key). Programs
+        that share their capture's site list and position array (one template's requests, parsed
+        once: `program.ProgramCache`) find their shape by those objects' identity and copy a
+        prototype plan (~1 µs instead of ~4)."""
+        need = capture_need(prog)
+        ident = (n_prompt, id(prog.capture_sites), id(prog.capture_pos), bool(prog.capture_gen), need)
+        hit = _CAPTURE_PROTOS.get(ident)
+        if hit is None or hit[0] is not prog.capture_sites or hit[1] is not prog.capture_pos:
+            if len(_CAPTURE_PROTOS) >= 1024:
+                _CAPTURE_PROTOS.clear()
+            # the entry holds the program's objects themselves: their ids cannot be reused while it is cached
+            hit = _CAPTURE_PROTOS[ident] = (prog.capture_sites, prog.capture_pos, *cls._capture_proto(n_prompt, prog, need))
+        proto, described_repr = hit[2], hit[3]
+        plan = object.__new__(cls)
+        plan.__dict__.update(proto.__dict__)
+        plan.key, plan.held, plan.global_version = key, [], global_version
+        # = repr((key, n_prompt, described)), the general composition's digest text
+        plan.digest = zlib.crc32(f"({key!r}, {n_prompt!r}, {described_repr})".encode())
+        return plan
+
+    @classmethod
+    def _capture_proto(cls, n_prompt: int, prog: WorkerProgram, need: int) -> tuple["RequestPlan", str]:
+        """The plan every capture-only request of this shape copies (its key, digest, held slots
+        and global version set per request) and the text of its description."""
         shape = (n_prompt, tuple(prog.capture_sites), np.asarray(prog.capture_pos, np.int64).tobytes(), bool(prog.capture_gen),
-                 capture_need(prog))
+                 need)
         hit = _CAPTURE_PLANS.get(shape)
         if hit is None:
             cap_sites = np.asarray(prog.capture_sites, np.int32)
@@ -309,13 +332,11 @@ class RequestPlan:
             hit = _CAPTURE_PLANS[shape] = (cap_sites, cap_pos, cap_gen, repr(described), gen_only,
                                            _template_group(_EMPTY_I32, _EMPTY_I32))
         cap_sites, cap_pos, cap_gen, described_repr, gen_only, group = hit
-        plan = cls(key=key, n_prompt=n_prompt, cap_sites=cap_sites, cap_pos=cap_pos, cap_gen=cap_gen,
-                   cap_need=shape[-1], global_version=global_version, gen_template_only=gen_only, gen_group=group)
+        proto = cls(key="", n_prompt=n_prompt, cap_sites=cap_sites, cap_pos=cap_pos, cap_gen=cap_gen,
+                    cap_need=need, gen_template_only=gen_only, gen_group=group)
         if cap_pos.size == 1 and not cap_gen and cap_sites.size and int(cap_pos[0]) < n_prompt:
-            plan.cap_single = int(cap_pos[0])
-        # = repr((key, n_prompt, described)), the general composition's digest text
-        plan.digest = zlib.crc32(f"({key!r}, {n_prompt!r}, {described_repr})".encode())
-        return plan
+            proto.cap_single = int(cap_pos[0])
+        return proto, described_repr
 
     @classmethod
     def _replaces_only(cls, key: str, n_prompt: int, replaces: dict, slots: SlotTable,
@@ -385,6 +406,9 @@ def capture_need(prog: WorkerProgram) -> int:
 _TEMPLATE_GROUPS: dict[bytes, int] = {}
 #: capture-only plans' shared tables by (prompt length, sites, positions, generated)
 _CAPTURE_PLANS: dict[tuple, tuple] = {}
+#: capture-only plans' prototypes by (prompt length, id of the program's site list, id of its
+#: position array, generated, need), each entry holding those two objects (`_capture_only`)
+_CAPTURE_PROTOS: dict[tuple, tuple] = {}
 #: whether capture-only plans share their tables (off: the general composition, for tests)
 SHARE_CAPTURE_PLANS = True
 #: whether patch-only plans take `RequestPlan._replaces_only` (off: the general composition, for tests)
@@ -429,6 +453,11 @@ class StepCaptures:
         #: where the values live when they are in a capture ring's region (its reference is
         #: dropped when this object goes: `StepPlanner.after_forward`)
         self.ring, self.region = ring, region
+
+    @property
+    def width(self) -> int:
+        """Values per row (the hidden size)."""
+        return int((self._values if self._values is not None else self.xs).shape[-1])
 
     def values(self, base: int, k: int) -> torch.Tensor:
         """fp32 `x + r` of rows `[base, base + k)` (a view of the step's one sum)."""

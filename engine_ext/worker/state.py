@@ -136,12 +136,13 @@ class RequestState:
             # order are the block's rows transposed; one copy, no per-row work
             blk = self.captures[0]
             keys, sites, positions = layout
-            vals = blk.values()
             step = blk.step
             if ring is not None and step.ring is ring and (len(positions) == 1 or len(sites) == 1):
                 # the block's rows, in key order, already in the ring: handed over as a slice
-                cols = vals.shape[-1]
-                return {"keys": keys, "ring": ring.share(step.region, 4 * blk.base * cols, 4 * vals.numel())}
+                # (its bounds from the sizes alone: no tensor made per request)
+                cols = step.width
+                return {"keys": keys, "ring": ring.share(step.region, 4 * blk.base * cols, 4 * len(keys) * cols)}
+            vals = blk.values()
             if len(positions) > 1:
                 vals = vals.transpose(0, 1)
             return {"keys": keys, **_block_data(vals, ring)}
