@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger("causalboard.capture_ring")
@@ -267,6 +268,10 @@ class CaptureRing:
             pass
 
 
+def _copied() -> None:
+    """Nothing left to wait for."""
+
+
 class RingReaders:
     """The client's side: the workers' rings by name (mapped read-only), and the regions read
     since the last `take_acks`."""
@@ -304,11 +309,19 @@ class RingReaders:
         return bool(self._maps)
 
     def materialize(self, reply: dict[str, dict], copy: bool = True) -> dict[str, dict]:
+        """`materialize_started`, its copies waited for."""
+        reply, copied = self.materialize_started(reply, copy)
+        copied()
+        return reply
+
+    def materialize_started(self, reply: dict[str, dict], copy: bool = True) -> tuple[dict[str, dict], Callable[[], None]]:
         """One worker's `cb_collect` reply with every ring-held capture block copied into a
         writable buffer of the client's own (`"data"`: a uint8 numpy array, a view of a slab
         shared with neighbouring blocks of the reply, `slab_views`; for a reply of at least
         `PARALLEL_COPY_BYTES` the blocks are copied by `threads` threads at once); the slices are
-        acknowledged.
+        acknowledged. Returned with `copied`: the threads' copies may still run when this returns
+        (every block's `"data"` is already its array); no value may be read before `copied()`
+        has returned (the calling thread's own copies are done at once).
         A slice this process cannot read (a ring it has not mapped, bounds outside the ring: a
         bug) voids that result, with the reason, instead of handing over wrong values.
         `copy=False` (a worker whose captures the client does not use: a tensor-parallel rank that
@@ -334,13 +347,12 @@ class RingReaders:
                 continue
             jobs.append((block, entry[1][off: off + n]))
             self._acks.setdefault(name, []).append(off)
-        if jobs:
-            self._copy(jobs)
-        return reply
+        return reply, (self._copy(jobs) if jobs else _copied)
 
-    def _copy(self, jobs: list[tuple[dict, memoryview]]) -> None:
+    def _copy(self, jobs: list[tuple[dict, memoryview]]) -> Callable[[], None]:
         """Each block's bytes into its own range of a slab (`slab_views`); the blocks shared out
-        over the threads for a reply of at least `PARALLEL_COPY_BYTES`."""
+        over the threads for a reply of at least `PARALLEL_COPY_BYTES`. Returns what waits for
+        the copies."""
         import numpy as np
 
         dst = slab_views([len(view) for _, view in jobs])
@@ -351,15 +363,19 @@ class RingReaders:
                     np.copyto(dst[j], np.frombuffer(jobs[j][1], np.uint8))
 
         k = self.threads if sum(len(d) for d in dst) >= PARALLEL_COPY_BYTES else 1
-        if k > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="cb-ring-copy")
-            for f in [self._pool.submit(part, i, k) for i in range(k)]:
-                f.result()
-        else:
-            part(0, 1)
         for (block, _), d in zip(jobs, dst):
             block["data"] = d
+        if k == 1:
+            part(0, 1)
+            return _copied
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="cb-ring-copy")
+        futures = [self._pool.submit(part, i, k) for i in range(k)]
+
+        def copied() -> None:
+            for f in futures:
+                f.result()
+        return copied
 
     def take_acks(self) -> dict[str, list[int]]:
         """The regions read since the last call, by ring (sent with the next `cb_collect`)."""

@@ -312,6 +312,24 @@ def test_captures_through_the_ring_equal_the_in_process_engine(engine, mp_engine
     assert all(r["full"] == 0 and r["allocs"] > 0 for r in rings), rings
 
 
+def test_captures_copied_by_the_readers_threads_equal_the_in_process_engine(engine, mp_engine, monkeypatch):
+    """The same with every reply copied out by three threads while the results are converted
+    (`EngineLoop._deliver_collected`): a caller sees each value only once it is copied."""
+    import engine_ext.capture_ring as cr
+
+    readers = mp_engine._loop.rings
+    monkeypatch.setattr(cr, "PARALLEL_COPY_BYTES", 1)
+    monkeypatch.setattr(readers, "threads", 3)
+    want = _capture_all(engine, PROMPTS, SITES)
+    for _ in range(2):
+        got = _capture_all(mp_engine, PROMPTS, SITES)
+        for g, w in zip(got, want):
+            assert sorted(g) == sorted(w)
+            for k, v in w.items():
+                assert np.array_equal(g[k], v), k
+    assert readers._pool is not None, "the threads copied"
+
+
 def test_a_multiprocess_engine_froze_its_workers_startup_heaps(mp_engine):
     """The engine core's process (the worker's) froze its heap after causalboard's own start-up
     calls (`cb_freeze_heap`, issue 13; tests/test_startup_heap.py has the rest)."""

@@ -12,12 +12,13 @@ from tests.conftest import REPO
 PROBE = ("import engine_ext.worker.state as s, vllm.v1.worker.gpu_model_runner as r; "
          "import vllm.v1.worker.gpu.async_utils as a, vllm.v1.core.sched.scheduler as c; "
          "import engine_ext.dynamic.worker as d, engine_ext.engine.facade as f, engine_ext.engine.loop as lp; "
-         "import engine_ext.worker.seam as sm; "
+         "import engine_ext.worker.seam as sm, engine_ext.engine.outputs as o; "
          "print(s.WorkerState.plan_step.__name__, s.WorkerState.after_forward.__name__, "
          "r.GPUModelRunner.execute_model.__name__, r.GPUModelRunner.sample_tokens.__name__, "
          "a.AsyncOutput.get_output.__name__, c.Scheduler.schedule.__name__, s.WorkerState.on_schedule.__name__, "
          "d.DynamicWorker.sync_device.__name__, f.Engine.generate.__name__, lp.EngineLoop._step.__name__, "
-         "sm.start_collective_rpc.__name__)")
+         "sm.start_collective_rpc.__name__, lp.EngineLoop._merge_started.__name__, o.QueueSink.on_output.__name__, "
+         "o.QueueSink.convert.__name__)")
 
 
 def _run(tmp_path, on: bool) -> list[str]:
@@ -33,10 +34,11 @@ def _run(tmp_path, on: bool) -> list[str]:
 
 def test_the_step_times_diagnostic_wraps_what_it_names_only_when_asked(tmp_path):
     assert _run(tmp_path, on=True) == ["wrapper", "wrapper", "wrapper", "wrapper", "waited_get_output", "wrapper",
-                                       "wrapper", "wrapper", "generate", "step", "start"]
+                                       "wrapper", "wrapper", "generate", "step", "start", "merge_started", "converting",
+                                       "converting"]
     assert _run(tmp_path, on=False) == ["plan_step", "after_forward", "execute_model", "sample_tokens",
                                         "get_output", "schedule", "on_schedule", "sync_device", "generate", "_step",
-                                        "start_collective_rpc"]
+                                        "start_collective_rpc", "_merge_started", "on_output", "convert"]
 
 
 def test_the_client_timeline_summary_takes_medians_per_variant():

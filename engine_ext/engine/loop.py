@@ -88,11 +88,22 @@ def wake_blocked_calls(engine: Any, error: BaseException) -> None:
 
 
 class Sink(Protocol):
-    """Receives one request's outputs on the loop thread."""
+    """Receives one request's outputs on the loop thread. A sink may also offer `on_output` in two
+    parts, `convert(output, worker_result) -> item` then `put(item)` (`outputs.QueueSink`): a
+    final output whose result carries captured values is then converted while those values are
+    still being copied out of the ring, and put once they are (`EngineLoop._deliver_collected`)."""
 
     def on_output(self, output: Any, worker_result: dict | None = None) -> None: ...  # a vllm RequestOutput
 
     def on_error(self, error: BaseException) -> None: ...
+
+
+#: `_converted`'s answer for a sink without `convert` (or whose `convert` failed)
+_UNCONVERTED = object()
+
+
+def _nothing() -> None:
+    """Nothing to wait for."""
 
 
 class EngineLoop:
@@ -488,16 +499,37 @@ class EngineLoop:
             per_rank = fut.result()
             self._collecting.pop(0)
             wait = False
-            results = self._merge(per_rank)
+            results, copied = self._merge_started(per_rank)
+            ready = []
             for out, key in held:
                 with self._lock:
                     sink = self._sinks.pop(out.request_id, None)
                 if sink is None:  # aborted (or failed) meanwhile
                     continue
+                result = results.get(key, {"status": "unknown", "errors": ["no worker result"]})
+                ready.append((sink, out, result, self._converted(sink, out, result)))
+            copied()  # every value in place before any caller can see one
+            for sink, out, result, item in ready:
                 try:
-                    sink.on_output(out, results.get(key, {"status": "unknown", "errors": ["no worker result"]}))
+                    if item is _UNCONVERTED:
+                        sink.on_output(out, result)
+                    else:
+                        sink.put(item)
                 except Exception:  # a consumer bug must not kill the engine for everyone
                     logger.exception("sink failed for %s", out.request_id)
+
+    @staticmethod
+    def _converted(sink: Sink, out: Any, result: dict) -> Any:
+        """A two-part sink's item (`Sink`), else `_UNCONVERTED` (its `on_output` is called later);
+        a failing `convert` is logged like a failing `on_output` and the output left to it."""
+        convert = getattr(sink, "convert", None)
+        if convert is None:
+            return _UNCONVERTED
+        try:
+            return convert(out, result)
+        except Exception:  # a consumer bug must not kill the engine for everyone
+            logger.exception("sink failed for %s", out.request_id)
+            return _UNCONVERTED
 
     def _collect_results(self, keys: list[str]) -> dict[str, dict]:
         """Fetch every worker's results and merge them (`merge_results`)."""
@@ -511,12 +543,26 @@ class EngineLoop:
 
     def _merge(self, per_rank: list[dict[str, dict]] | None) -> dict[str, dict]:
         """One result per key from the workers' replies, ring-held captures copied out first."""
+        results, copied = self._merge_started(per_rank)
+        copied()
+        return results
+
+    def _merge_started(self, per_rank: list[dict[str, dict]] | None) -> tuple[dict[str, dict], Callable[[], None]]:
+        """`_merge` whose copies out of one worker's ring may still run on the ring readers'
+        threads when it returns (`RingReaders.materialize_started`): no captured value may be
+        read before `copied()` has returned. Several workers' replies are merged after their
+        copies (merging joins the stages' values)."""
         if not per_rank:
-            return {}
-        if self.rings:
-            use = self.capture_ranks
-            per_rank = [self.rings.materialize(r, copy=use is None or i in use) for i, r in enumerate(per_rank)]
-        return self.merge_results(per_rank)
+            return {}, _nothing
+        if not self.rings:
+            return self.merge_results(per_rank), _nothing
+        use = self.capture_ranks
+        started = [self.rings.materialize_started(r, copy=use is None or i in use) for i, r in enumerate(per_rank)]
+        if len(started) == 1:
+            return self.merge_results([started[0][0]]), started[0][1]
+        for _, copied in started:
+            copied()
+        return self.merge_results([r for r, _ in started]), _nothing
 
     def _close_engine(self) -> None:
         with self._lock:

@@ -105,9 +105,13 @@ if os.environ.get("CB_STEP_TIMES"):
     #   submitted, added   the requests handed to the loop thread (prepared) / added to the engine,
     #   first_step  the loop's first engine step to return after the call began (requests added),
     #   last_step   the last engine step to return before the results' collection was sent,
-    #   collect_sent, collect_reply   the `cb_collect` call sent / its reply in (multiprocess core),
+    #   collect_sent, collect_reply   the first `cb_collect` call sent / its reply in (multiprocess core),
     #   end         the call returns (results expanded and handed over),
-    # and the number of engine steps the loop took meanwhile.
+    # the number of engine steps the loop took meanwhile, and per `cb_collect` call of the
+    # generate `collects`: [sent, reply in, keys, merge begun, its copies done] (the merge: the
+    # ring's values copied out, `EngineLoop._merge_started`, the results converted meanwhile; None
+    # where not reached) and `convert_ms`, the loop thread's time in the sinks' conversion of
+    # final outputs with a worker result (`QueueSink.on_output` / `convert`).
     _gen: dict = {}
 
     def _ms() -> float:
@@ -126,7 +130,14 @@ if os.environ.get("CB_STEP_TIMES"):
                 _gen.clear()
                 if t0 is not None:
                     out = {"bench": "client_times", "steps": rec.pop("steps"), "end": round(_ms() - t0, 2)}
+                    collects = rec.pop("collects", [])
+                    convert = rec.pop("convert_ms", None)
                     out.update({k: round(v - t0, 2) for k, v in rec.items() if k != "start"})
+                    if collects:
+                        out["collects"] = [[None if v is None else (v if i == 2 else round(v - t0, 2))
+                                            for i, v in enumerate(c)] for c in collects]
+                    if convert is not None:
+                        out["convert_ms"] = round(convert, 2)
                     os.makedirs(_OUT, exist_ok=True)
                     with open(os.path.join(_OUT, f"client-{os.getpid()}.jsonl"), "a") as f:
                         f.write(json.dumps(out) + "\n")
@@ -149,6 +160,38 @@ if os.environ.get("CB_STEP_TIMES"):
 
         module.EngineLoop._step = step
         _patch_loop_adds(module)
+        orig_merge = module.EngineLoop._merge_started
+
+        def merge_started(self, per_rank):
+            t = _ms()
+            results, copied = orig_merge(self, per_rank)
+            # replies are merged in the order their calls were sent: the oldest one not merged
+            rec = next((c for c in _gen.get("collects", ()) if c[3] is None), None)
+            if rec is None:
+                return results, copied
+            rec[3] = t
+
+            def waited():
+                copied()
+                rec[4] = _ms()
+            return results, waited
+
+        module.EngineLoop._merge_started = merge_started
+
+    def _patch_outputs(module) -> None:
+        for name in ("on_output", "convert"):
+            orig = getattr(module.QueueSink, name)
+
+            def converting(self, output, worker_result=None, _orig=orig):
+                if worker_result is None or "start" not in _gen:
+                    return _orig(self, output, worker_result)
+                t = time.perf_counter_ns()
+                try:
+                    return _orig(self, output, worker_result)
+                finally:
+                    _gen["convert_ms"] = _gen.get("convert_ms", 0.0) + (time.perf_counter_ns() - t) / 1e6
+
+            setattr(module.QueueSink, name, converting)
 
     def _patch_loop_adds(module) -> None:
         for name, key in (("submit_many", "submitted"), ("_add_singles", "added")):
@@ -169,9 +212,15 @@ if os.environ.get("CB_STEP_TIMES"):
         def start(engine, method, args=()):
             fut = orig(engine, method, args)
             if method == "cb_collect" and "start" in _gen:
-                _gen.setdefault("collect_sent", _ms())
+                sent = _ms()
+                _gen.setdefault("collect_sent", sent)
+                rec = [sent, None, len(args[0]) if args else 0, None, None]
+                _gen.setdefault("collects", []).append(rec)
                 if fut is not None:
-                    fut.add_done_callback(lambda f: _gen.setdefault("collect_reply", _ms()))
+                    def done(f, rec=rec):
+                        rec[1] = _ms()
+                        _gen.setdefault("collect_reply", rec[1])
+                    fut.add_done_callback(done)
             return fut
 
         module.start_collective_rpc = start
@@ -199,6 +248,7 @@ if os.environ.get("CB_STEP_TIMES"):
                 "engine_ext.dynamic.worker": _patch_dynamic,
                 "engine_ext.engine.facade": _patch_facade,
                 "engine_ext.engine.loop": _patch_loop,
+                "engine_ext.engine.outputs": _patch_outputs,
                 "engine_ext.worker.seam": _patch_seam,
                 "vllm.v1.worker.gpu.model_runner": _patch_runner,
                 "vllm.v1.worker.gpu_model_runner": _patch_runner,
