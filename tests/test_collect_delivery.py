@@ -44,6 +44,16 @@ def _ring_reply(ring: CaptureRing, n: int) -> tuple[dict, dict]:
     return reply, want
 
 
+def _deliver(loop: EngineLoop, reply: dict, sinks: list) -> None:
+    """Request `r<i>` (result key `k<i>`) finished with sink `sinks[i]`; its `cb_collect` reply
+    (one worker's) is in: the loop hands the outputs over."""
+    loop._sinks = {f"r{i}": sink for i, sink in enumerate(sinks)}
+    fut: Future = Future()
+    fut.set_result([reply])
+    loop._collecting.append((fut, [(SimpleNamespace(request_id=f"r{i}", finished=True), f"k{i}") for i in range(len(sinks))]))
+    loop._deliver_collected(wait=True)
+
+
 def test_final_outputs_are_converted_while_values_are_copied_and_handed_over_after(monkeypatch):
     monkeypatch.setattr(cr, "PARALLEL_COPY_BYTES", 1024)  # the readers' threads copy
     ring = CaptureRing(1 << 20)
@@ -82,12 +92,7 @@ def test_final_outputs_are_converted_while_values_are_copied_and_handed_over_aft
 
         two_part = [Recording(convert), Recording(convert)]
         plain = PlainSink(events)
-        loop._sinks = {"r0": two_part[0], "r1": plain, "r2": two_part[1]}
-        fut: Future = Future()
-        fut.set_result([reply])
-        held = [(SimpleNamespace(request_id=f"r{i}", finished=True), f"k{i}") for i in range(3)]
-        loop._collecting.append((fut, held))
-        loop._deliver_collected(wait=True)
+        _deliver(loop, reply, [two_part[0], plain, two_part[1]])
 
         assert events == [("convert", "r0"), ("convert", "r2"), "copies awaited", "copied",
                           ("put", "k0"), ("on_output", "r1"), ("put", "k2")]
@@ -118,12 +123,8 @@ def test_a_failing_convert_is_logged_and_the_others_still_delivered(monkeypatch,
             raise RuntimeError("consumer bug")
 
         bad, good = QueueSink(broken), QueueSink(lambda out, res: res)
-        loop._sinks = {"r0": bad, "r1": good}
-        fut: Future = Future()
-        fut.set_result([reply])
-        loop._collecting.append((fut, [(SimpleNamespace(request_id=f"r{i}", finished=True), f"k{i}") for i in range(2)]))
         with caplog.at_level("ERROR"):
-            loop._deliver_collected(wait=True)
+            _deliver(loop, reply, [bad, good])
         assert "sink failed for r0" in caplog.text
         assert np.array_equal(np.frombuffer(good.q.get_nowait()["captures"]["data"], "<f4"), want["k1"])
     finally:

@@ -53,9 +53,8 @@ def main() -> None:
     def by_bytearray():
         return [bytearray(view[o: o + n]) for o in offs]
 
-    def by_numpy(pool, k):
-        dst = [np.empty(n, np.uint8) for _ in offs]
-
+    def copy_into(dst, pool, k):
+        """Slice j of the mapping into `dst[j]`, the slices split over k threads (pool None: one)."""
         def part(i):
             for j in range(i, len(offs), k):
                 np.copyto(dst[j], np.frombuffer(view, np.uint8, n, offs[j]))
@@ -64,6 +63,9 @@ def main() -> None:
         else:
             list(pool.map(part, range(k)))
         return dst
+
+    def by_numpy(pool, k):
+        return copy_into([np.empty(n, np.uint8) for _ in offs], pool, k)
 
     def populated():
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
@@ -72,28 +74,11 @@ def main() -> None:
     def by_chunks(pool, k, chunk=8 << 20):
         per = max(1, chunk // n)  # slices per slab
         slabs = [np.empty(n * min(per, len(offs) - i), np.uint8) for i in range(0, len(offs), per)]
-        dst = [slabs[j // per][(j % per) * n: (j % per + 1) * n] for j in range(len(offs))]
-
-        def part(i):
-            for j in range(i, len(offs), k):
-                np.copyto(dst[j], np.frombuffer(view, np.uint8, n, offs[j]))
-        if pool is None:
-            part(0)
-        else:
-            list(pool.map(part, range(k)))
-        return dst
+        return copy_into([slabs[j // per][(j % per) * n: (j % per + 1) * n] for j in range(len(offs))], pool, k)
 
     def by_slab(pool, k, slab=None):
         dst = np.empty(size, np.uint8) if slab is None else populated() if isinstance(slab, str) else slab
-
-        def part(i):
-            for j in range(i, len(offs), k):
-                np.copyto(dst[offs[j]: offs[j] + n], np.frombuffer(view, np.uint8, n, offs[j]))
-        if pool is None:
-            part(0)
-        else:
-            list(pool.map(part, range(k)))
-        return [dst[o: o + n] for o in offs]
+        return copy_into([dst[o: o + n] for o in offs], pool, k)
 
     methods = {"bytearray": lambda: by_bytearray()}
     pools = []
