@@ -36,6 +36,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 logger = logging.getLogger("causalboard.capture_ring")
 
@@ -76,9 +77,10 @@ def copy_threads() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-def slab_views(sizes: list[int]):
+def slab_views(sizes: list[int], where: list | None = None):
     """Uninitialised writable uint8 arrays of these sizes, in order: views of shared slabs of at
-    most `SLAB_BYTES` (consecutive sizes packed together; a size of at least `SLAB_BYTES` alone)."""
+    most `SLAB_BYTES` (consecutive sizes packed together; a size of at least `SLAB_BYTES` alone).
+    `where`: filled with each view's (slab, offset in it)."""
     import numpy as np
 
     out = []
@@ -92,9 +94,29 @@ def slab_views(sizes: list[int]):
         at = 0
         for n in sizes[i:j]:
             out.append(slab[at: at + n])
+            if where is not None:
+                where.append((slab, at))
             at += n
         i = j
     return out
+
+
+def copy_runs(jobs: list[tuple[str, int, int]], where: list) -> list[tuple[str, int, Any, int, int]]:
+    """The copies that move `jobs` (ring name, offset, bytes) into their places `where` (slab,
+    offset in it), adjacent jobs merged: a job that starts in the same ring where the previous one
+    ended, and lands in the same slab right after it, extends that copy. Each copy is (ring name,
+    ring offset, slab, slab offset, bytes)."""
+    runs: list[list] = []
+    for (name, off, n), (slab, at) in zip(jobs, where):
+        if not n:
+            continue
+        last = runs[-1] if runs else None
+        if (last is not None and last[0] == name and last[1] + last[4] == off and last[2] is slab
+                and last[3] + last[4] == at):
+            last[4] += n
+        else:
+            runs.append([name, off, slab, at, n])
+    return [tuple(r) for r in runs]
 
 #: both sides map the ring with its page tables filled at once (Linux): a first touch of each
 #: page would otherwise fault, once per 4 KiB, in the middle of the copies
@@ -345,27 +367,32 @@ class RingReaders:
                 res["errors"] = list(res.get("errors") or []) + [
                     f"captured values lost: slice [{off}, {off + n}) of capture ring {name} cannot be read here"]
                 continue
-            jobs.append((block, entry[1][off: off + n]))
+            jobs.append((block, name, off, n))
             self._acks.setdefault(name, []).append(off)
         return reply, (self._copy(jobs) if jobs else _copied)
 
-    def _copy(self, jobs: list[tuple[dict, memoryview]]) -> Callable[[], None]:
-        """Each block's bytes into its own range of a slab (`slab_views`); the blocks shared out
-        over the threads for a reply of at least `PARALLEL_COPY_BYTES`. Returns what waits for
-        the copies."""
+    def _copy(self, jobs: list[tuple[dict, str, int, int]]) -> Callable[[], None]:
+        """Each block's bytes into its own range of a slab (`slab_views`), adjacent blocks with
+        one copy (`copy_runs`: the blocks of one step's results lie one after the other in the
+        ring, so a slab's worth usually moves at once, and a copying thread takes the GIL back
+        once per slab instead of once per block); the copies shared out over the threads for a
+        reply of at least `PARALLEL_COPY_BYTES`. Returns what waits for the copies."""
         import numpy as np
 
-        dst = slab_views([len(view) for _, view in jobs])
+        where: list = []
+        dst = slab_views([n for *_, n in jobs], where)
+        runs = copy_runs([(name, off, n) for _, name, off, n in jobs], where)
+        maps = self._maps
 
         def part(i: int, k: int) -> None:
-            for j in range(i, len(jobs), k):
-                if len(dst[j]):
-                    np.copyto(dst[j], np.frombuffer(jobs[j][1], np.uint8))
+            for j in range(i, len(runs), k):
+                name, off, slab, at, n = runs[j]
+                np.copyto(slab[at: at + n], np.frombuffer(maps[name][1], np.uint8, n, off))
 
-        k = self.threads if sum(len(d) for d in dst) >= PARALLEL_COPY_BYTES else 1
-        for (block, _), d in zip(jobs, dst):
+        k = min(self.threads, len(runs)) if sum(len(d) for d in dst) >= PARALLEL_COPY_BYTES else 1
+        for (block, *_), d in zip(jobs, dst):
             block["data"] = d
-        if k == 1:
+        if k <= 1:
             part(0, 1)
             return _copied
         if self._pool is None:

@@ -197,6 +197,28 @@ def test_slab_views_pack_consecutive_blocks_up_to_the_slab_size(monkeypatch):
         ring.close()
 
 
+def test_copy_runs_merge_adjacent_slices_that_land_next_to_each_other(monkeypatch):
+    """`copy_runs`: slices adjacent in one ring and in one slab move with one copy; a gap in the
+    ring, another ring, a new slab or an empty slice ends a run; every byte lands where its own
+    view is."""
+    import engine_ext.capture_ring as cr
+
+    monkeypatch.setattr(cr, "SLAB_BYTES", 100)
+    jobs = [("a", 0, 40), ("a", 40, 40), ("a", 80, 40),   # the third starts a new slab
+            ("a", 120, 10), ("a", 140, 10),                # a gap in the ring
+            ("b", 150, 10), ("b", 160, 0), ("b", 160, 10)]  # another ring; an empty slice
+    where: list = []
+    views = cr.slab_views([n for *_, n in jobs], where)
+    runs = cr.copy_runs(jobs, where)
+    assert [(name, off, at, n) for name, off, _, at, n in runs] == [
+        ("a", 0, 0, 80), ("a", 80, 0, 50), ("a", 140, 50, 10), ("b", 150, 60, 20)]
+    src = {"a": np.arange(200, dtype=np.uint8), "b": np.arange(200, dtype=np.uint8)[::-1].copy()}
+    for name, off, slab, at, n in runs:
+        slab[at: at + n] = src[name][off: off + n]
+    for (name, off, n), v in zip(jobs, views):
+        assert np.array_equal(v, src[name][off: off + n])
+
+
 def test_a_rank_whose_captures_are_not_used_is_acknowledged_without_a_copy():
     """`materialize(copy=False)` (a tensor-parallel rank that does not lead its stage): the block
     leaves the reply, its slice is acknowledged (the worker can reuse the region), inline blocks
