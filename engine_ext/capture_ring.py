@@ -290,8 +290,8 @@ class CaptureRing:
             pass
 
 
-def _copied() -> None:
-    """Nothing left to wait for."""
+def copied_already() -> None:
+    """The `copied` of copies that are done (nothing left to wait for)."""
 
 
 class RingReaders:
@@ -369,7 +369,7 @@ class RingReaders:
                 continue
             jobs.append((block, name, off, n))
             self._acks.setdefault(name, []).append(off)
-        return reply, (self._copy(jobs) if jobs else _copied)
+        return reply, (self._copy(jobs) if jobs else copied_already)
 
     def _copy(self, jobs: list[tuple[dict, str, int, int]]) -> Callable[[], None]:
         """Each block's bytes into its own range of a slab (`slab_views`), adjacent blocks with
@@ -394,7 +394,7 @@ class RingReaders:
             block["data"] = d
         if k <= 1:
             part(0, 1)
-            return _copied
+            return copied_already
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="cb-ring-copy")
         futures = [self._pool.submit(part, i, k) for i in range(k)]

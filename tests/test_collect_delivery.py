@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 import engine_ext.capture_ring as cr
 from engine_ext.capture_ring import CaptureRing, RingReaders
@@ -54,10 +55,25 @@ def _deliver(loop: EngineLoop, reply: dict, sinks: list) -> None:
     loop._deliver_collected(wait=True)
 
 
-def test_final_outputs_are_converted_while_values_are_copied_and_handed_over_after(monkeypatch):
-    monkeypatch.setattr(cr, "PARALLEL_COPY_BYTES", 1024)  # the readers' threads copy
+@pytest.fixture
+def ring_loop():
+    """A capture ring, the client's readers with it mapped, and an engine loop (not started)
+    that reads through them."""
     ring = CaptureRing(1 << 20)
     readers = RingReaders()
+    loop = EngineLoop(lambda: None)
+    loop.rings = readers
+    try:
+        assert readers.open(ring.name)
+        yield ring, readers, loop
+    finally:
+        readers.close()
+        ring.close()
+
+
+def test_final_outputs_are_converted_while_values_are_copied_and_handed_over_after(ring_loop, monkeypatch):
+    monkeypatch.setattr(cr, "PARALLEL_COPY_BYTES", 1024)  # the readers' threads copy
+    ring, readers, loop = ring_loop
     readers.threads = 3
     events: list = []
     started = readers.materialize_started
@@ -74,59 +90,44 @@ def test_final_outputs_are_converted_while_values_are_copied_and_handed_over_aft
         return out, waited
 
     readers.materialize_started = materialize_started
-    loop = EngineLoop(lambda: None)
-    loop.rings = readers
-    try:
-        assert readers.open(ring.name)
-        reply, want = _ring_reply(ring, 3)
+    reply, want = _ring_reply(ring, 3)
 
-        def convert(out, res):
-            assert copying.is_set()
-            events.append(("convert", out.request_id))
-            return res
+    def convert(out, res):
+        assert copying.is_set()
+        events.append(("convert", out.request_id))
+        return res
 
-        class Recording(QueueSink):
-            def put(self, item):
-                events.append(("put", item["key"]))
-                super().put(item)
+    class Recording(QueueSink):
+        def put(self, item):
+            events.append(("put", item["key"]))
+            super().put(item)
 
-        two_part = [Recording(convert), Recording(convert)]
-        plain = PlainSink(events)
-        _deliver(loop, reply, [two_part[0], plain, two_part[1]])
+    two_part = [Recording(convert), Recording(convert)]
+    plain = PlainSink(events)
+    _deliver(loop, reply, [two_part[0], plain, two_part[1]])
 
-        assert events == [("convert", "r0"), ("convert", "r2"), "copies awaited", "copied",
-                          ("put", "k0"), ("on_output", "r1"), ("put", "k2")]
-        for sink, key in ((two_part[0], "k0"), (two_part[1], "k2")):
-            item = sink.q.get_nowait()
-            assert np.array_equal(np.frombuffer(item["captures"]["data"], "<f4"), want[key])
-        assert np.array_equal(np.frombuffer(plain.got[0]["captures"]["data"], "<f4"), want["k1"])
-        assert not loop._sinks and not loop._collecting
-        ring.release(readers.take_acks()[ring.name])
-        assert ring.in_use == 0
-    finally:
-        readers.close()
-        ring.close()
+    assert events == [("convert", "r0"), ("convert", "r2"), "copies awaited", "copied",
+                      ("put", "k0"), ("on_output", "r1"), ("put", "k2")]
+    for sink, key in ((two_part[0], "k0"), (two_part[1], "k2")):
+        item = sink.q.get_nowait()
+        assert np.array_equal(np.frombuffer(item["captures"]["data"], "<f4"), want[key])
+    assert np.array_equal(np.frombuffer(plain.got[0]["captures"]["data"], "<f4"), want["k1"])
+    assert not loop._sinks and not loop._collecting
+    ring.release(readers.take_acks()[ring.name])
+    assert ring.in_use == 0
 
 
-def test_a_failing_convert_is_logged_and_the_others_still_delivered(monkeypatch, caplog):
-    """A consumer's bug in `convert` must not stop the loop: logged as a failing sink, the other
-    outputs handed over."""
-    ring = CaptureRing(1 << 20)
-    readers = RingReaders()
-    loop = EngineLoop(lambda: None)
-    loop.rings = readers
-    try:
-        assert readers.open(ring.name)
-        reply, want = _ring_reply(ring, 2)
+def test_a_failing_convert_is_logged_and_the_others_still_delivered(ring_loop, caplog):
+    """A consumer's bug in `convert` must not stop the loop: logged once as a failing sink,
+    nothing handed to that sink, the other outputs handed over."""
+    ring, readers, loop = ring_loop
+    reply, want = _ring_reply(ring, 2)
 
-        def broken(out, res):
-            raise RuntimeError("consumer bug")
+    def broken(out, res):
+        raise RuntimeError("consumer bug")
 
-        bad, good = QueueSink(broken), QueueSink(lambda out, res: res)
-        with caplog.at_level("ERROR"):
-            _deliver(loop, reply, [bad, good])
-        assert "sink failed for r0" in caplog.text
-        assert np.array_equal(np.frombuffer(good.q.get_nowait()["captures"]["data"], "<f4"), want["k1"])
-    finally:
-        readers.close()
-        ring.close()
+    bad, good = QueueSink(broken), QueueSink(lambda out, res: res)
+    with caplog.at_level("ERROR"):
+        _deliver(loop, reply, [bad, good])
+    assert caplog.text.count("sink failed for r0") == 1 and bad.q.empty()
+    assert np.array_equal(np.frombuffer(good.q.get_nowait()["captures"]["data"], "<f4"), want["k1"])

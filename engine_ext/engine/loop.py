@@ -47,7 +47,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from engine_ext.capture_ring import RingReaders
+from engine_ext.capture_ring import RingReaders, copied_already
 from engine_ext.errors import EngineDeadError
 from engine_ext.switches import env_switch
 
@@ -98,12 +98,10 @@ class Sink(Protocol):
     def on_error(self, error: BaseException) -> None: ...
 
 
-#: `_converted`'s answer for a sink without `convert` (or whose `convert` failed)
+#: `_converted`'s answers for a sink without `convert` (its `on_output` is called instead) and
+#: for one whose `convert` failed (logged; nothing handed over, as when an `on_output` fails)
 _UNCONVERTED = object()
-
-
-def _nothing() -> None:
-    """Nothing to wait for."""
+_FAILED = object()
 
 
 class EngineLoop:
@@ -510,6 +508,8 @@ class EngineLoop:
                 ready.append((sink, out, result, self._converted(sink, out, result)))
             copied()  # every value in place before any caller can see one
             for sink, out, result, item in ready:
+                if item is _FAILED:
+                    continue
                 try:
                     if item is _UNCONVERTED:
                         sink.on_output(out, result)
@@ -521,7 +521,8 @@ class EngineLoop:
     @staticmethod
     def _converted(sink: Sink, out: Any, result: dict) -> Any:
         """A two-part sink's item (`Sink`), else `_UNCONVERTED` (its `on_output` is called later);
-        a failing `convert` is logged like a failing `on_output` and the output left to it."""
+        a failing `convert` is logged like a failing `on_output`, and its output is not handed
+        over (`_FAILED`), as a failing `on_output` hands over nothing."""
         convert = getattr(sink, "convert", None)
         if convert is None:
             return _UNCONVERTED
@@ -529,7 +530,7 @@ class EngineLoop:
             return convert(out, result)
         except Exception:  # a consumer bug must not kill the engine for everyone
             logger.exception("sink failed for %s", out.request_id)
-            return _UNCONVERTED
+            return _FAILED
 
     def _collect_results(self, keys: list[str]) -> dict[str, dict]:
         """Fetch every worker's results and merge them (`merge_results`)."""
@@ -553,16 +554,16 @@ class EngineLoop:
         read before `copied()` has returned. Several workers' replies are merged after their
         copies (merging joins the stages' values)."""
         if not per_rank:
-            return {}, _nothing
+            return {}, copied_already
         if not self.rings:
-            return self.merge_results(per_rank), _nothing
+            return self.merge_results(per_rank), copied_already
         use = self.capture_ranks
         started = [self.rings.materialize_started(r, copy=use is None or i in use) for i, r in enumerate(per_rank)]
         if len(started) == 1:
             return self.merge_results([started[0][0]]), started[0][1]
         for _, copied in started:
             copied()
-        return self.merge_results([r for r, _ in started]), _nothing
+        return self.merge_results([r for r, _ in started]), copied_already
 
     def _close_engine(self) -> None:
         with self._lock:
