@@ -504,39 +504,67 @@ class _SteadyDecode:
     when it schedules the same requests in the same order, one row each, with the same plan
     objects, every one still past its prompt: then its table entries are the same (rows and
     templates do not depend on positions) and its actions are the same digests at each request's
-    new position (`actions`). Anything else, and the step is planned request by request again."""
+    new position (`fold_actions`). Anything else, and the step is planned request by request again.
 
-    __slots__ = ("ids", "plans", "qsl", "n_prompt", "writes", "acting", "digests", "max_row")
+    While the device's tables hold exactly this plan's entries (`StepPlanner._held`), a repeat
+    writes, compares and uploads nothing: it only folds its actions into the checksum."""
+
+    __slots__ = ("ids", "plans", "qsl_dtype", "qsl_bytes", "max_prompt", "writes", "acting", "acts",
+                 "one", "every", "max_row")
 
     @classmethod
-    def build(cls, req_ids, plans: dict, writes: list, actions: list, max_row: int) -> "_SteadyDecode":
+    def build(cls, req_ids, plans: dict, writes: list, actions: list, max_row: int, qsl_dtype) -> "_SteadyDecode":
         s = cls()
         s.ids = list(req_ids)
         s.plans = [plans.get(r) for r in s.ids]
-        s.qsl = np.arange(len(s.ids) + 1)
-        s.n_prompt = np.asarray([0 if p is None else p.n_prompt for p in s.plans], np.int64)
+        # the step's query_start_loc (one row each) as the seam passes it, compared as bytes
+        s.qsl_dtype = np.dtype(qsl_dtype)
+        s.qsl_bytes = np.arange(len(s.ids) + 1, dtype=s.qsl_dtype).tobytes()
+        s.max_prompt = max((p.n_prompt for p in s.plans if p is not None), default=0)
         s.writes = writes
         # the requests that acted, in batch order (the order of `actions`); row i is request i's
         s.acting = np.asarray([i for i, p in enumerate(s.plans) if p is not None and p.gen_sites.size], np.int64)
-        s.digests = np.asarray([a[0] for a in actions], np.int64)
-        assert s.digests.size == s.acting.size
+        # the actions in `ActionChecksum.fold_prepared`'s form: digests masked once, positions per step
+        s.acts = np.zeros((s.acting.size, 3), "<i8")
+        s.acts[:, 0] = np.asarray([a[0] for a in actions], np.int64).reshape(-1) & 0xFFFFFFFF
+        assert len(actions) == s.acting.size
+        s.one = int(s.acting[0]) if s.acting.size == 1 else -1
+        s.every = s.acting.size == len(s.ids)  # every request acts: its positions in batch order
         s.max_row = max_row
         return s
 
     def repeats(self, req_ids, query_start_loc, num_computed, plans: dict) -> bool:
         """Is this step (same arguments as `StepPlanner.plan_step`) a repeat of the one built?"""
-        return (req_ids == self.ids
-                and np.array_equal(query_start_loc, self.qsl)
-                and all(map(operator.is_, map(plans.get, req_ids), self.plans))
-                and bool((np.asarray(num_computed) >= self.n_prompt).all()))
+        if req_ids != self.ids:
+            return False
+        q = query_start_loc
+        if isinstance(q, np.ndarray) and q.dtype == self.qsl_dtype:
+            if q.tobytes() != self.qsl_bytes:
+                return False
+        elif not np.array_equal(q, np.frombuffer(self.qsl_bytes, self.qsl_dtype)):
+            return False
+        if not all(map(operator.is_, map(plans.get, req_ids), self.plans)):
+            return False
+        # every request past its prompt (a chunk of one prompt token is not a decode row): at
+        # once when the least position is past the longest prompt, else request by request
+        nc = num_computed
+        if (nc[0] if len(nc) == 1 else nc.min() if isinstance(nc, np.ndarray) else min(nc)) >= self.max_prompt:
+            return True
+        return bool((np.asarray(nc) >= np.asarray([0 if p is None else p.n_prompt for p in self.plans])).all())
 
-    def actions(self, num_computed) -> np.ndarray:
-        """This step's actions, `[k, 3]` int64: each acting request's digest at its position."""
-        out = np.empty((self.acting.size, 3), np.int64)
-        out[:, 0] = self.digests
-        out[:, 1] = np.asarray(num_computed, np.int64)[self.acting]
-        out[:, 2] = out[:, 1] + 1
-        return out
+    def fold_actions(self, num_computed) -> np.ndarray:
+        """This step's actions, `[k, 3]` little-endian int64 with digests masked to 32 bits (the
+        form `ActionChecksum.fold_prepared` takes; reused: valid until the next call): each acting
+        request's digest at its position."""
+        a = self.acts
+        if self.one >= 0:
+            p = int(num_computed[self.one])
+            a[0, 1] = p
+            a[0, 2] = p + 1
+        else:
+            a[:, 1] = num_computed if self.every else np.asarray(num_computed, np.int64)[self.acting]
+            np.add(a[:, 1], 1, out=a[:, 2])
+        return a
 
 
 class StepPlanner:
@@ -584,6 +612,9 @@ class StepPlanner:
         #: (`_SteadyDecode`), and how many steps repeated one
         self._steady: _SteadyDecode | None = None
         self.steady_steps = 0
+        #: the steady plan whose entries alone the tables hold (sent to the device, or the op's
+        #: own tables on a CPU engine) and nothing rewrote since: its repeats write nothing
+        self._held: _SteadyDecode | None = None
         #: whether steady decode steps repeat the last step's plan (off: every step planned
         #: request by request; the same tables and actions, for tests)
         self.steady_decode = True
@@ -616,6 +647,20 @@ class StepPlanner:
         self.checksum.begin_step()
         if self._pending:  # the copies that finished (never a wait here: the step's host work overlaps the GPU)
             self.file_captures(wait=False)
+        steady = self._steady
+        if (steady is not None and steady is self._held and extra is None and plans and self.after_upload is None
+                and self._rewritten_by is None and not self._dirty_cap_rows and not self.skip_next_action
+                and steady.repeats(req_ids, query_start_loc, num_computed, plans)):
+            # the tables (the device's, or the op's own on a CPU engine) hold this plan's entries
+            # already: nothing to write, compare or send; the checksum still folds the step
+            self._blocks = []
+            self.steady_steps += 1
+            self.checksum.fold_prepared(steady.fold_actions(num_computed))
+            self.applied_steps += 1
+            self.slots.flush()
+            if not self.on_host:
+                self.uploads_skipped += 1
+            return
         hs, hc = self.hs, self.hc
         if self.on_host and self._dirty_rows:
             hs[: self._dirty_rows] = -1
@@ -623,15 +668,17 @@ class StepPlanner:
         max_row = 0
         n_cap = 0
         blocks: list[_CaptureBlock] = []
-        actions: list[tuple[int, int, int]] = []
-        steady = self._steady
+        actions: Any = []
+        #: the step's tables are a steady plan's entries alone (kept by the device: `_held`)
+        pure: _SteadyDecode | None = None
         if plans and steady is not None and not self.skip_next_action and steady.repeats(req_ids, query_start_loc,
                                                                                           num_computed, plans):
             for rows, sites, slots in steady.writes:
                 hs[rows, sites] = slots
             max_row = steady.max_row
-            actions = steady.actions(num_computed)
+            actions = steady.fold_actions(num_computed)
             self.steady_steps += 1
+            pure = steady
         elif plans:
             self._steady = None
             get = plans.get
@@ -731,7 +778,8 @@ class StepPlanner:
                 writes.append((np.asarray(rows, np.int64)[:, None], plan.gen_sites[None, :], plan.gen_slots))
                 hs[writes[-1][0], writes[-1][1]] = plan.gen_slots
             if steady_ok:
-                self._steady = _SteadyDecode.build(req_ids, plans, writes, actions, max_row)
+                self._steady = pure = _SteadyDecode.build(req_ids, plans, writes, actions, max_row,
+                                                          getattr(query_start_loc, "dtype", np.int64))
             if s_rows:
                 hs[s_rows, s_sites] = s_slots
             for sites, rows, bases in c_groups.values():
@@ -742,7 +790,7 @@ class StepPlanner:
             more_rows, n_cap, finish = extra(self, req_ids, query_start_loc, num_computed, hs, hc, n_cap)
             max_row = max(max_row, more_rows)
         self._blocks = blocks
-        self._open = (max_row, n_cap, actions, finish)
+        self._open = (max_row, n_cap, actions, finish, pure if extra is None else None)
         if not defer:
             self.finish_step()
 
@@ -751,7 +799,7 @@ class StepPlanner:
         entries, the checksum fold, the slot flush and the upload."""
         if self._open is None:
             return
-        max_row, n_cap, actions, finish = self._open
+        max_row, n_cap, actions, finish, pure = self._open
         self._open = None
         if finish is not None:
             more_rows, more = finish()  # more: a list of actions or an [k, 3] int64 array
@@ -760,10 +808,15 @@ class StepPlanner:
                 actions = more if not len(actions) else np.concatenate([np.asarray(actions, np.int64).reshape(-1, 3),
                                                                         np.asarray(more, np.int64).reshape(-1, 3)])
         if len(actions):
-            self.checksum.fold_step(actions)
+            if pure is not None and actions is pure.acts:  # a repeat's, already in the checksum's form
+                self.checksum.fold_prepared(actions)
+            else:
+                self.checksum.fold_step(actions)
             self.applied_steps += 1
         self.slots.flush()
         self._upload(max_row, n_cap > 0)
+        # the tables sent (or kept) are the steady plan's alone: its repeats may send nothing
+        self._held = pure if pure is not None and self.after_upload is None and n_cap == 0 else None
         if self.after_upload is not None:
             fn, self.after_upload = self.after_upload, None
             fn()
