@@ -615,6 +615,7 @@ class StepPlanner:
         #: the steady plan whose entries alone the tables hold (sent to the device, or the op's
         #: own tables on a CPU engine) and nothing rewrote since: its repeats write nothing
         self._held: _SteadyDecode | None = None
+        self.held_steps = 0  # steps that repeated a held plan (wrote and sent nothing)
         #: whether steady decode steps repeat the last step's plan (off: every step planned
         #: request by request; the same tables and actions, for tests)
         self.steady_decode = True
@@ -655,6 +656,7 @@ class StepPlanner:
             # already: nothing to write, compare or send; the checksum still folds the step
             self._blocks = []
             self.steady_steps += 1
+            self.held_steps += 1
             self.checksum.fold_prepared(steady.fold_actions(num_computed))
             self.applied_steps += 1
             self.slots.flush()

@@ -611,7 +611,8 @@ class WorkerState:
                 "global_clamp_entries": len(self.global_clamps),
                 "named_vectors": sorted(self.named), "store": self.store.usage(), "steps": self.planner.steps,
                 "steps_with_interventions": self.planner.applied_steps, "slots_in_use": len(self.slots),
-                "uploads_skipped": self.planner.uploads_skipped,
+                "uploads_skipped": self.planner.uploads_skipped, "steady_steps": self.planner.steady_steps,
+                "held_steps": self.planner.held_steps,
                 "buffer_bytes": self.buffers.nbytes(), "dynamic": self.dynamic.status(),
                 "capture_ring": None if self.ring is None else self.ring.status(),
                 "entered_steps": self.entered_steps, "layers_skipped": self.layers_skipped}
