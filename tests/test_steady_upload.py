@@ -61,9 +61,9 @@ def _with_capture(script: list) -> list:
     return out
 
 
-def _play(device: bool, fast: bool, script: list) -> tuple[list, object]:
+def _play(device: bool, fast: bool, script: list, skip: bool | None = None) -> tuple[list, object]:
     st = _state(fast)
-    st.planner.skip_same_upload = fast
+    st.planner.skip_same_upload = fast if skip is None else skip
     if device:
         _as_device(st)
     seen = []
@@ -105,6 +105,11 @@ def test_the_device_path_sends_exactly_what_request_by_request_planning_sends(sc
         assert np.array_equal(a[0], c[0]) and a[2:] == c[2:], f"step {k}: the CPU engine's path differs"
     pl = st.planner
     assert pl.steady_steps > 0 and pl.uploads_skipped > 0
+    # with the upload skip switched off (`cb_set_upload_skip`), every steady step is sent again
+    sent, st_sent = _play(device=True, fast=True, script=sc, skip=False)
+    assert all(np.array_equal(a[0], b[0]) and a[2:] == b[2:] for a, b in zip(slow, sent))
+    assert st_sent.planner.uploads_skipped == 0 and st_sent.planner.held_steps == 0
+    assert st_sent.planner.steady_steps == pl.steady_steps
 
 
 def test_a_held_steady_plan_sends_nothing_until_something_changes(monkeypatch):

@@ -650,6 +650,7 @@ class StepPlanner:
             self.file_captures(wait=False)
         steady = self._steady
         if (steady is not None and steady is self._held and extra is None and plans and self.after_upload is None
+                and (self.on_host or self.skip_same_upload)
                 and self._rewritten_by is None and not self._dirty_cap_rows and not self.skip_next_action
                 and steady.repeats(req_ids, query_start_loc, num_computed, plans)):
             # the tables (the device's, or the op's own on a CPU engine) hold this plan's entries
