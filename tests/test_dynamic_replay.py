@@ -68,6 +68,13 @@ def _drive(replay: bool, seed: int, defer: bool, static_only: bool = True,
         return fold(actions, step)
 
     st.planner.checksum.fold_step = recording_fold
+    fold_prepared = st.planner.checksum.fold_prepared
+
+    def recording_fold_prepared(arr):  # a held steady plan's steps (static requests alone)
+        folded.extend((st.planner.checksum.step, int(a[0]), int(a[1]), int(a[2])) for a in arr.tolist())
+        return fold_prepared(arr)
+
+    st.planner.checksum.fold_prepared = recording_fold_prepared
     direction = np.random.default_rng(0).standard_normal(H).astype(np.float32)
     st.dynamic.set_probe(Probe.make("p", "L2.post_block", direction=direction).to_json())
     pols = _policies()

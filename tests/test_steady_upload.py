@@ -127,3 +127,68 @@ def test_a_held_steady_plan_sends_nothing_until_something_changes(monkeypatch):
     # a prompt token in a one-row window is not a decode row: planned request by request (and sent)
     st.plan_step(ids, np.arange(7, dtype=np.int32), np.asarray([PROMPT - 1] + [PROMPT + 9] * 5, np.int32))
     assert len(sent) == 1 and pl._held is None
+
+
+def _dynamic_extra(rid: str) -> dict:
+    """A request with one threshold policy (and no static steering): its steps carry dynamic
+    entries (`extra`), which a held plan's repeat never skips."""
+    from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, DynamicRequest, Policy, Probe  # noqa: F401
+    from engine_ext.program import ModelDims, PromptInfo, compile_program, program_to_extra_args
+    from engine_ext.specs import canonical_json
+
+    prog = compile_program(Interventions(), PromptInfo(list(range(PROMPT)), None, None, 64), ModelDims(4, 16, 100, 0.02),
+                           key=f"k-{rid}", named_vector_dims=lambda n: None)
+    extra = program_to_extra_args(prog)
+    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.linspace(-0.2, 0.2, 16).astype(np.float32), on=-1.0)
+    extra[DYNAMIC_ARGS_KEY] = canonical_json(DynamicRequest.make([pol]).wire(()))
+    return extra
+
+
+def _play_dynamic(fast: bool) -> tuple[list, object]:
+    """Static steady requests with a dynamic request beside them that leaves (the static ones
+    then repeat a held plan), then another that joins and leaves."""
+    from engine_ext.dynamic.specs import Probe
+    from tests.test_steady_plan import _spec
+
+    st = _state(fast)
+    st.planner.skip_same_upload = fast
+    _as_device(st)
+    st.dynamic.set_probe(Probe.make("p", "L2.post_block", direction=np.ones(16, np.float32)).to_json())
+    nc: dict[str, int] = {}
+    for rid, kind in (("s0", 1), ("s1", 2), ("s2", 1)):
+        _register(st, rid, _spec(kind))
+        nc[rid] = 0
+    st.register("d0", _dynamic_extra("d0"))
+    nc["d0"] = 0
+    seen = []
+    for step in range(24):
+        if step == 6:
+            st.finish("d0")
+            del nc["d0"]
+        if step == 13:
+            st.register("d1", _dynamic_extra("d1"))
+            nc["d1"] = 0
+        if step == 19:
+            st.finish("d1")
+            del nc["d1"]
+        rids = list(nc)
+        lens = [PROMPT if nc[r] == 0 else 1 for r in rids]
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        if st.plan_step(rids, qsl, np.asarray([nc[r] for r in rids], np.int32)):
+            st.finish_step()
+        st.after_forward()
+        seen.append((st.buffers.row_slot.numpy().copy(), st.checksum.value, st.checksum.count))
+        for r, n in zip(rids, lens):
+            nc[r] += n
+    return seen, st
+
+
+def test_a_held_plan_gives_way_to_dynamic_entries_and_comes_back():
+    slow, _ = _play_dynamic(fast=False)
+    fast, st = _play_dynamic(fast=True)
+    for k, (a, b) in enumerate(zip(slow, fast)):
+        assert np.array_equal(a[0], b[0]), f"step {k}: the device's row tables differ"
+        assert a[1:] == b[1:], f"step {k}: checksums differ"
+    # held while only the static requests ran (steps 8-12 and 21-23: the first step after a
+    # change plans request by request, the next builds the plan the device then holds)
+    assert st.planner.held_steps >= 6

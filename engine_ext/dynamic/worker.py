@@ -404,7 +404,12 @@ class DynamicWorker(RepeatedSteps):
 
     # ---- per step ---------------------------------------------------------------------------
     def idle(self) -> None:
-        """No dynamic request left: release the slots the last dynamic step held."""
+        """No dynamic request left: release the slots the last dynamic step held (at once when
+        nothing is left of one: every step of an engine without dynamic steering calls this)."""
+        if (self._replay is None and self._replaying is None and self._pending is None and not self._chain_log
+                and not self._held_decisions and not self._held and not self._monitors and not self._gated
+                and self._score_plan is None):
+            return
         self.sync_device()
         self.decide_pending()
         if self._held:

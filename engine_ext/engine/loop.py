@@ -48,6 +48,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from engine_ext.capture_ring import RingReaders, copied_already
+from engine_ext.collect_reply import expand_layouts
 from engine_ext.errors import EngineDeadError
 from engine_ext.switches import env_switch
 
@@ -555,6 +556,8 @@ class EngineLoop:
         copies (merging joins the stages' values)."""
         if not per_rank:
             return {}, copied_already
+        for reply in per_rank:
+            expand_layouts(reply)
         if not self.rings:
             return self.merge_results(per_rank), copied_already
         use = self.capture_ranks

@@ -231,19 +231,20 @@ def _dynamic(dyn: dict | None, policies: Any) -> dict | None:
     return dynamic_trace.expand(dyn, policies() if policies is not None and "policy_index" in dyn else None)
 
 
-#: the last capture block's keys and their `SitePosition`s (the results of a batch share them)
-_LAST_KEYS: tuple[list, list[SitePosition]] = ([], [])
+#: the last capture block's keys (the list itself, and a copy) and their `SitePosition`s (the
+#: results of a batch share them: one list for a whole reply, `collect_reply.expand_layouts`)
+_LAST_KEYS: tuple[list | None, list, list[SitePosition]] = (None, [], [])
 
 
 def _site_positions(keys: list) -> list[SitePosition]:
     """A capture block's `[site, position]` keys as `SitePosition`s (the last block's answer
-    reused when its keys are equal: ~2 µs a result of P3's 16 keys)."""
+    reused for the same list, or equal keys: ~2 µs a result of P3's 16 keys)."""
     global _LAST_KEYS
     last = _LAST_KEYS
-    if keys == last[0]:
-        return last[1]
+    if keys is last[0] or keys == last[1]:
+        return last[2]
     out = [_site_position(s, p) for s, p in keys]
-    _LAST_KEYS = ([list(k) for k in keys], out)
+    _LAST_KEYS = (keys, [list(k) for k in keys], out)
     return out
 
 

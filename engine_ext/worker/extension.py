@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine_ext.collect_reply import share_layouts
 from engine_ext.switches import env_switch
 from engine_ext.worker.seam import close_state, install, runner_state
 
@@ -127,7 +128,7 @@ class CausalboardWorkerExtension:
         return gc.get_freeze_count() if freeze_startup_heap() else 0
 
     def cb_collect(self, keys: list, ring_acks: dict | None = None) -> dict:
-        return self._cb().collect(list(keys), ring_acks)
+        return share_layouts(self._cb().collect(list(keys), ring_acks))
 
     def cb_capture_ring(self, size: int) -> str | None:
         """Hand captured values to the client through a shared-memory ring of `size` bytes (0:

@@ -12,7 +12,9 @@ Two stages:
    tokens already computed): vectorised writes of the templates and explicit entries into the
    host `row_slot[row, site]` / `cap_dst[row, site]` tables for the rows of planned requests,
    one upload (pinned, non-blocking on CUDA), and one checksum fold per request and step.
-   A step with nothing planned (and nothing planned in the previous step) does no work at all.
+   A step with nothing planned (and nothing planned in the previous step) does no work at all;
+   a steady decode step that repeats the last step's plan while the tables hold it
+   (`_SteadyDecode`, `StepPlanner._held`) writes and sends nothing, and only folds its actions.
 
 Composition at one (site, position) — exactly what the transformers oracle does
 (`engine_ext.reference.hf`): the patch first (`a = f32(1 - alpha)`, `c = f32(alpha) * target`;
