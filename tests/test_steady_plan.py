@@ -48,10 +48,9 @@ def _spec(kind: int) -> Interventions | None:
     return Interventions(steer=(Steer.make(["L3.post_block"], _vec(kind), positions=[PROMPT + 6]),))
 
 
-def _run(steady: bool, script: list) -> tuple[list, WorkerState]:
-    """Play `script` (steps of ("step", req_ids, rows per request, computed) and events) on one
-    worker; returns per step the row table, the checksum and the action count."""
-    st = _state(steady)
+def _play(st: WorkerState, script: list, snapshot) -> list:
+    """Play `script` (steps of ("step", req_ids, rows per request, computed) and events) on `st`;
+    returns `snapshot(st, rows)` after every step (rows: the step's row count)."""
     seen = []
     for ev in script:
         if ev[0] == "register":
@@ -67,8 +66,15 @@ def _run(steady: bool, script: list) -> tuple[list, WorkerState]:
             qsl = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
             st.plan_step(list(rids), qsl, np.asarray(computed, np.int32))
             st.after_forward()
-            seen.append((st.buffers.row_slot[: int(qsl[-1])].numpy().copy(), st.checksum.value, st.checksum.count))
-    return seen, st
+            seen.append(snapshot(st, int(qsl[-1])))
+    return seen
+
+
+def _run(steady: bool, script: list) -> tuple[list, WorkerState]:
+    """`_play` on a fresh worker: per step the row table, the checksum and the action count."""
+    st = _state(steady)
+    return _play(st, script, lambda st, n: (st.buffers.row_slot[:n].numpy().copy(), st.checksum.value,
+                                            st.checksum.count)), st
 
 
 def _script() -> list:

@@ -16,6 +16,7 @@ import torch
 from engine_ext.specs import Capture, Interventions
 from engine_ext.worker import planner as planner_mod
 from tests.test_steady_plan import PROMPT, _register, _script, _script_templates_only, _state
+from tests.test_steady_plan import _play as play  # the scripts' player
 
 
 class _Done:
@@ -61,33 +62,19 @@ def _with_capture(script: list) -> list:
     return out
 
 
+def _snapshot(st, rows: int) -> tuple:
+    """The op's tables (every row of the row table: stale entries past this step's rows are never
+    read, but the planner keeps them cleared all the same), and the checksum."""
+    b = st.buffers
+    return b.row_slot.numpy().copy(), b.cap_dst.numpy()[:rows].copy(), st.checksum.value, st.checksum.count
+
+
 def _play(device: bool, fast: bool, script: list, skip: bool | None = None) -> tuple[list, object]:
     st = _state(fast)
     st.planner.skip_same_upload = fast if skip is None else skip
     if device:
         _as_device(st)
-    seen = []
-    for ev in script:
-        if ev[0] == "register":
-            _register(st, ev[1], ev[2])
-        elif ev[0] == "finish":
-            st.finish(ev[1])
-        elif ev[0] == "global":
-            st.set_global_steer([{"site": 5, "vec": np.ones(16, np.float32).tobytes(), "scale": ev[1], "gen": True}])
-        elif ev[0] == "fault":
-            st.planner.skip_next_action = True
-        else:
-            _, rids, rows, computed = ev
-            qsl = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
-            st.plan_step(list(rids), qsl, np.asarray(computed, np.int32))
-            st.after_forward()
-            n = int(qsl[-1])
-            b = st.buffers
-            # the op's tables: every row (stale entries past this step's rows are never read, but
-            # the planner keeps them cleared all the same)
-            seen.append((b.row_slot.numpy().copy(), b.cap_dst.numpy()[:n].copy(), st.checksum.value,
-                         st.checksum.count))
-    return seen, st
+    return play(st, script, _snapshot), st
 
 
 @pytest.mark.parametrize("script", [_script, _script_templates_only], ids=["mixed", "templates-only"])
