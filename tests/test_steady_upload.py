@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine_ext.specs import Capture, Interventions
+from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, DynamicRequest, Policy, Probe
+from engine_ext.program import PromptInfo, compile_program, program_to_extra_args
+from engine_ext.specs import Capture, Interventions, canonical_json
 from engine_ext.worker import planner as planner_mod
-from tests.test_steady_plan import PROMPT, _register, _script, _script_templates_only, _state
+from tests.test_steady_plan import DIMS, H, PROMPT, _register, _script, _script_templates_only, _spec, _state
 from tests.test_steady_plan import _play as play  # the scripts' player
 
 
@@ -119,14 +121,10 @@ def test_a_held_steady_plan_sends_nothing_until_something_changes(monkeypatch):
 def _dynamic_extra(rid: str) -> dict:
     """A request with one threshold policy (and no static steering): its steps carry dynamic
     entries (`extra`), which a held plan's repeat never skips."""
-    from engine_ext.dynamic.specs import DYNAMIC_ARGS_KEY, DynamicRequest, Policy, Probe  # noqa: F401
-    from engine_ext.program import ModelDims, PromptInfo, compile_program, program_to_extra_args
-    from engine_ext.specs import canonical_json
-
-    prog = compile_program(Interventions(), PromptInfo(list(range(PROMPT)), None, None, 64), ModelDims(4, 16, 100, 0.02),
+    prog = compile_program(Interventions(), PromptInfo(list(range(PROMPT)), None, None, 64), DIMS,
                            key=f"k-{rid}", named_vector_dims=lambda n: None)
     extra = program_to_extra_args(prog)
-    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.linspace(-0.2, 0.2, 16).astype(np.float32), on=-1.0)
+    pol = Policy.make(probe="p", sites=["L1.post_attn"], vector=np.linspace(-0.2, 0.2, H).astype(np.float32), on=-1.0)
     extra[DYNAMIC_ARGS_KEY] = canonical_json(DynamicRequest.make([pol]).wire(()))
     return extra
 
@@ -134,13 +132,10 @@ def _dynamic_extra(rid: str) -> dict:
 def _play_dynamic(fast: bool) -> tuple[list, object]:
     """Static steady requests with a dynamic request beside them that leaves (the static ones
     then repeat a held plan), then another that joins and leaves."""
-    from engine_ext.dynamic.specs import Probe
-    from tests.test_steady_plan import _spec
-
     st = _state(fast)
     st.planner.skip_same_upload = fast
     _as_device(st)
-    st.dynamic.set_probe(Probe.make("p", "L2.post_block", direction=np.ones(16, np.float32)).to_json())
+    st.dynamic.set_probe(Probe.make("p", "L2.post_block", direction=np.ones(H, np.float32)).to_json())
     nc: dict[str, int] = {}
     for rid, kind in (("s0", 1), ("s1", 2), ("s2", 1)):
         _register(st, rid, _spec(kind))
