@@ -13,12 +13,22 @@ the slice with its next `cb_collect` call (`take_acks`).
 Regions and slices: a region is allocated with one reference (its owner's: a step's rows, dropped
 when that step's host copy is garbage; or a result's copy, dropped at once); every slice handed to
 the client (`share`) adds one, dropped when the client acknowledges it (`release`). A region is
-reused once it has no reference left and every older region is free too.
+free once it has no reference left; allocation is next-fit (the first gap that holds it after the
+newest region, else from the ring's start), so one region held long (a lent value a caller keeps)
+holds only its own bytes.
+
+Lending: the client may hand a reply's values to its callers as views of its mapping of the ring
+instead of copies (`RingReaders`, while what it has lent of a ring stays within `LEND_SHARE` of it)
+and acknowledges each run of them when the last value viewing it is garbage (`weakref.finalize`
+on the run's array, which every view of it, numpy's or torch's, keeps alive). The worker writes a
+region again only after every slice of it is acknowledged, so a lent value never changes under its
+holder; a caller's writes into one touch only its own slice.
 
 Contract:
 * The ring only ever holds results already handed out or about to be; a full ring (a client that
-  has not acknowledged, or results larger than the ring) makes the worker send the values inline,
-  as without a ring, so nothing waits on the ring and no result is dropped.
+  has not acknowledged, values callers keep lent, or results larger than the ring) makes the
+  worker send the values inline, as without a ring, so nothing waits on the ring and no result is
+  dropped. The client lends at most `LEND_SHARE` of a ring at once and copies beyond that.
 * The file is created with `O_EXCL` and mode 0600, its space reserved with `posix_fallocate` (a
   full `/dev/shm` fails here, cleanly, instead of a SIGBUS at the first write), and unlinked by
   the client right after it maps it and by the worker when it closes: nothing stays in `/dev/shm`
@@ -29,11 +39,13 @@ Contract:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import mmap
 import os
-from collections import OrderedDict
+import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -54,6 +66,17 @@ def auto_size(max_step_bytes: int) -> int:
 
 
 _ids = itertools.count(1)
+
+#: the share of a ring whose values the client may hold lent (handed to callers as views of the
+#: ring, no copy) at once; a reply that would lend more is copied (`RingReaders`)
+LEND_SHARE = 0.5
+
+
+def lend_values() -> bool:
+    """Whether the client lends ring-held values instead of copying them: `CAUSALBOARD_RING_LEND`
+    (`0`: always copy), on by default."""
+    return os.environ.get("CAUSALBOARD_RING_LEND", "1").strip() not in ("0", "false", "off", "")
+
 
 #: a reply whose ring-held values reach this many bytes is copied out by several threads
 #: (`RingReaders.materialize`; numpy releases the GIL while it copies)
@@ -126,8 +149,8 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class CaptureRing:
-    """A worker's ring: a shared-memory file of `size` bytes and a circular allocator over it
-    (regions allocated in order, released in any order, reused once every older one is free)."""
+    """A worker's ring: a shared-memory file of `size` bytes and a next-fit allocator over it
+    (regions released in any order, each free once nothing references it)."""
 
     def __init__(self, size: int):
         if size <= 0:
@@ -145,9 +168,11 @@ class CaptureRing:
             raise
         os.close(fd)
         self._view = memoryview(self._map)
+        #: where the newest region ends: the next allocation looks from here first
         self._head = 0
-        #: live regions in allocation order: offset -> [nbytes, references]
-        self._live: OrderedDict[int, list] = OrderedDict()
+        #: live regions: offset -> [nbytes, references], and their offsets in order
+        self._live: dict[int, list] = {}
+        self._offs: list[int] = []
         #: slices handed out: slice offset -> its region's offset
         self._slices: dict[int, int] = {}
         self._tensor = None  # the whole ring as a torch uint8 tensor (`host_rows`)
@@ -212,28 +237,35 @@ class CaptureRing:
         return off
 
     def _alloc(self, n: int) -> int | None:
+        if n > self.size:
+            return None
         if not self._live:
             self._head = 0
-            if n > self.size:
-                return None
-            off = 0
-        else:
-            tail = next(iter(self._live))
-            # (head == tail with regions live: wrapped and exactly full)
-            if self._head > tail:  # used: [tail, head); free: [head, size) and [0, tail)
-                if self._head + n <= self.size:
-                    off = self._head
-                elif n <= tail:
-                    off = 0
-                else:
-                    return None
-            elif self._head + n <= tail:  # wrapped: used [tail, size) and [0, head); free: [head, tail)
-                off = self._head
-            else:
-                return None
+        off = self._gap(self._head, n)
+        if off is None and self._head:
+            off = self._gap(0, n)
+        if off is None:
+            return None
+        bisect.insort(self._offs, off)
         self._head = off + n
         self._live[off] = [n, 1]
         return off
+
+    def _gap(self, start: int, n: int) -> int | None:
+        """The first offset at or after `start` where `n` bytes lie free, or None."""
+        offs, live = self._offs, self._live
+        i = bisect.bisect_right(offs, start)
+        if i:
+            prev = offs[i - 1]
+            start = max(start, prev + live[prev][0])
+        while True:
+            nxt = offs[i] if i < len(offs) else self.size
+            if start + n <= nxt:
+                return start
+            if i >= len(offs):
+                return None
+            start = max(start, offs[i] + live[offs[i]][0])
+            i += 1
 
     def share(self, region: int, start: int, nbytes: int) -> list:
         """Hand bytes `[start, start + nbytes)` of a region to the client: its descriptor
@@ -253,15 +285,15 @@ class CaptureRing:
                 self.deref(region)
 
     def deref(self, region: int) -> None:
-        """Drop one reference on a region; reuse the free ones at the ring's tail."""
+        """Drop one reference on a region; a region with none left is free."""
         rec = self._live.get(region)
-        if rec is not None and rec[1] > 0:
+        if rec is None:
+            return
+        if rec[1] > 0:
             rec[1] -= 1
-        while self._live:
-            off, (n, refs) = next(iter(self._live.items()))
-            if refs:
-                break
-            del self._live[off]
+        if not rec[1]:
+            del self._live[region]
+            del self._offs[bisect.bisect_left(self._offs, region)]
 
     def buffer(self, offset: int, nbytes: int) -> memoryview:
         """The writable bytes of a region."""
@@ -269,6 +301,7 @@ class CaptureRing:
 
     def close(self) -> None:
         self._live.clear()
+        self._offs.clear()
         self._slices.clear()
         if self.pinned:
             import torch
@@ -295,27 +328,45 @@ def copied_already() -> None:
 
 
 class RingReaders:
-    """The client's side: the workers' rings by name (mapped read-only), and the regions read
-    since the last `take_acks`."""
+    """The client's side: the workers' rings by name (mapped), the regions read since the last
+    `take_acks`, and what is lent (`LEND_SHARE`).
 
-    def __init__(self) -> None:
+    Thread safety: `materialize_started`, `take_acks` and `close` run on one thread (the engine
+    loop's); a lent run is given back (`_given_back`) on whichever thread drops its last value."""
+
+    def __init__(self, lend: bool | None = None) -> None:
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}
+        #: rings mapped writable (where lent values are ordinary writable arrays): the ones lent from
+        self._writable: set[str] = set()
         self._acks: dict[str, list[int]] = {}
+        #: bytes lent per ring and not yet given back
+        self._lent: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.lend = lend_values() if lend is None else bool(lend)
+        #: replies whose values were lent / copied (`status`)
+        self.lent_replies = self.copied_replies = 0
         self.threads = copy_threads()
         self._pool: ThreadPoolExecutor | None = None
 
     def open(self, name: str) -> bool:
-        """Map a worker's ring and unlink its file (the mappings keep the memory). False if it
-        cannot be opened here (another host, another mount namespace)."""
+        """Map a worker's ring (writable where this process may: lent values are writable arrays;
+        else read-only, and its values are always copied) and unlink its file (the mappings keep
+        the memory). False if it cannot be opened here (another host, another mount namespace)."""
         if name in self._maps:
             return True
         path = os.path.join(SHM_DIR, name)
+        writable = True
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDWR)
         except OSError:
-            return False
+            writable = False
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                return False
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         try:
-            m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+            m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
         except OSError:
             return False
         finally:
@@ -325,10 +376,19 @@ class RingReaders:
         except OSError:
             pass
         self._maps[name] = (m, memoryview(m))
+        if writable:
+            self._writable.add(name)
         return True
 
     def __bool__(self) -> bool:
         return bool(self._maps)
+
+    def status(self) -> dict:
+        """Bytes lent per ring, and the replies lent and copied so far."""
+        with self._lock:
+            lent = {n: b for n, b in self._lent.items() if b}
+        return {"lend": self.lend, "lent_bytes": lent, "lent_replies": self.lent_replies,
+                "copied_replies": self.copied_replies}
 
     def materialize(self, reply: dict[str, dict], copy: bool = True) -> dict[str, dict]:
         """`materialize_started`, its copies waited for."""
@@ -337,19 +397,22 @@ class RingReaders:
         return reply
 
     def materialize_started(self, reply: dict[str, dict], copy: bool = True) -> tuple[dict[str, dict], Callable[[], None]]:
-        """One worker's `cb_collect` reply with every ring-held capture block copied into a
-        writable buffer of the client's own (`"data"`: a uint8 numpy array, a view of a slab
-        shared with neighbouring blocks of the reply, `slab_views`; for a reply of at least
-        `PARALLEL_COPY_BYTES` the blocks are copied by `threads` threads at once); the slices are
-        acknowledged. Returned with `copied`: the threads' copies may still run when this returns
-        (every block's `"data"` is already its array); no value may be read before `copied()`
-        has returned (the calling thread's own copies are done at once).
+        """One worker's `cb_collect` reply with every ring-held capture block made the client's
+        own (`"data"`: a writable uint8 numpy array): lent, where `lend` is on, the ring mapped
+        writable and the reply keeps what is lent of each ring within `LEND_SHARE` of it (each
+        block a view of its run of adjacent blocks in the ring, the run acknowledged once nothing
+        views it: `_lend`); else copied into a slab shared with neighbouring blocks of the reply
+        (`slab_views`; a reply of at least `PARALLEL_COPY_BYTES` by `threads` threads at once)
+        and acknowledged. Returned with `copied`: the threads' copies may still run when this
+        returns (every block's `"data"` is already its array); no value may be read before
+        `copied()` has returned (lent values and the calling thread's own copies are in place).
         A slice this process cannot read (a ring it has not mapped, bounds outside the ring: a
         bug) voids that result, with the reason, instead of handing over wrong values.
         `copy=False` (a worker whose captures the client does not use: a tensor-parallel rank that
         does not lead its pipeline stage, `Topology.leaders`): every ring-held block is dropped
         from the reply (no `"captures"`), its slice acknowledged, nothing copied."""
-        jobs: list[tuple[dict, memoryview]] = []
+        jobs: list[tuple[dict, str, int, int]] = []
+        acks: list[tuple[str, int]] = []
         for res in reply.values():
             block = res.get("captures") if isinstance(res, dict) else None
             if not block or "ring" not in block:
@@ -359,7 +422,7 @@ class RingReaders:
             if not copy:
                 del res["captures"]
                 if entry is not None:
-                    self._acks.setdefault(name, []).append(off)
+                    acks.append((name, off))
                 continue
             if entry is None or off < 0 or n < 0 or off + n > len(entry[1]):
                 block["keys"], block["data"] = [], bytearray()
@@ -368,8 +431,61 @@ class RingReaders:
                     f"captured values lost: slice [{off}, {off + n}) of capture ring {name} cannot be read here"]
                 continue
             jobs.append((block, name, off, n))
-            self._acks.setdefault(name, []).append(off)
-        return reply, (self._copy(jobs) if jobs else copied_already)
+        if jobs and self._may_lend(jobs):
+            self._acknowledge(acks)
+            self._lend(jobs)
+            self.lent_replies += 1
+            return reply, copied_already
+        self._acknowledge(acks + [(name, off) for _, name, off, _ in jobs])
+        if not jobs:
+            return reply, copied_already
+        self.copied_replies += 1
+        return reply, self._copy(jobs)
+
+    def _acknowledge(self, slices: list[tuple[str, int]]) -> None:
+        if slices:
+            with self._lock:
+                for name, off in slices:
+                    self._acks.setdefault(name, []).append(off)
+
+    def _may_lend(self, jobs: list[tuple[dict, str, int, int]]) -> bool:
+        if not self.lend:
+            return False
+        want: dict[str, int] = {}
+        for _, name, _, n in jobs:
+            if name not in self._writable:
+                return False
+            want[name] = want.get(name, 0) + n
+        with self._lock:
+            return all(self._lent.get(name, 0) + n <= LEND_SHARE * len(self._maps[name][1]) for name, n in want.items())
+
+    def _lend(self, jobs: list[tuple[dict, str, int, int]]) -> None:
+        """Each block's `"data"` a view of the ring: blocks adjacent in one ring share one array
+        (a run), given back (`_given_back`: acknowledged, no longer counted as lent) when the
+        last value viewing it is garbage."""
+        import numpy as np
+
+        runs: list[list] = []  # [ring name, start, end, [(block, offset, bytes)]]
+        for block, name, off, n in jobs:
+            last = runs[-1] if runs else None
+            if last is not None and last[0] == name and last[2] == off:
+                last[2] = off + n
+            else:
+                last = [name, off, off + n, []]
+                runs.append(last)
+            last[3].append((block, off, n))
+        for name, start, end, blocks in runs:
+            base = np.frombuffer(self._maps[name][1], np.uint8, end - start, start)
+            for block, off, n in blocks:
+                block["data"] = base[off - start: off - start + n]
+            with self._lock:
+                self._lent[name] = self._lent.get(name, 0) + (end - start)
+            weakref.finalize(base, self._given_back, name, [off for _, off, _ in blocks], end - start)
+
+    def _given_back(self, name: str, offsets: list[int], nbytes: int) -> None:
+        with self._lock:
+            self._acks.setdefault(name, []).extend(offsets)
+            self._lent[name] = self._lent.get(name, 0) - nbytes
 
     def _copy(self, jobs: list[tuple[dict, str, int, int]]) -> Callable[[], None]:
         """Each block's bytes into its own range of a slab (`slab_views`), adjacent blocks with
@@ -406,7 +522,8 @@ class RingReaders:
 
     def take_acks(self) -> dict[str, list[int]]:
         """The regions read since the last call, by ring (sent with the next `cb_collect`)."""
-        acks, self._acks = self._acks, {}
+        with self._lock:
+            acks, self._acks = self._acks, {}
         return acks
 
     def close(self) -> None:
@@ -414,6 +531,10 @@ class RingReaders:
             self._pool.shutdown()
             self._pool = None
         for m, view in self._maps.values():
-            view.release()
-            m.close()
+            try:
+                view.release()
+                m.close()
+            except BufferError:  # lent values still view it: the mapping goes with the last of them
+                logger.debug("a capture ring mapping is still viewed by lent values at close")
         self._maps.clear()
+        self._writable.clear()

@@ -1,16 +1,21 @@
 """Captured values through shared memory (`engine_ext.capture_ring`).
 
 Fast tier: the ring's allocator against a model of it (random allocations and out-of-order frees:
-live regions never overlap and stay inside the ring; a full ring says so instead of overwriting),
-the client's copy-out and acknowledgements, and that no file stays in /dev/shm.
+live regions never overlap and stay inside the ring; a full ring says so instead of overwriting,
+and only when no gap holds the region; a region held long holds only its own bytes), the client's
+copy-out and acknowledgements, lent values (views of the ring, acknowledged only once the last
+value viewing them is garbage, within `LEND_SHARE` of the ring, copied beyond), and that no file
+stays in /dev/shm.
 
 Engine tier (real vLLM on CPU, the engine core in its own process): captures that came through
 the ring equal, bit for bit, the same captures from the session's in-process engine; the regions
-are given back once read; with a ring too small for a result the values come inline, equal too;
+are given back once read (copied) or once dropped (lent), and values a caller keeps lent stay
+unchanged while many more requests pass through the ring; with a ring too small for a result the values come inline, equal too;
 nothing is left in /dev/shm after the engine closes."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 
@@ -43,7 +48,11 @@ def test_regions_never_overlap_and_a_full_ring_refuses():
             off = ring.alloc(n)
             if off is None:
                 refused += 1
-                # refused only when no gap after the newest region (or at the start) could hold it
+                # refused only when no gap between live regions (or at either end) holds it
+                size = -(-n // ALIGN) * ALIGN
+                ends = sorted(live.items())
+                gaps = [b - (a + sa) for (a, sa), (b, _) in zip([(0, 0)] + ends, ends + [(ring.size, 0)])]
+                assert max(gaps) < size, (gaps, size)
                 continue
             size = -(-n // ALIGN) * ALIGN
             wrapped += off == 0 and bool(live)
@@ -65,7 +74,7 @@ def test_regions_never_overlap_and_a_full_ring_refuses():
 
 def test_the_client_copies_out_acknowledges_and_unlinks():
     ring = CaptureRing(1 << 16)
-    readers = RingReaders()
+    readers = RingReaders(lend=False)
     try:
         assert readers.open(ring.name)
         assert ring.name not in _ring_files(), "the client unlinks the file once mapped"
@@ -109,7 +118,7 @@ def test_a_large_reply_is_copied_out_by_several_threads(monkeypatch):
 
     monkeypatch.setattr(cr, "PARALLEL_COPY_BYTES", 4096)
     ring = CaptureRing(1 << 20)
-    readers = RingReaders()
+    readers = RingReaders(lend=False)
     readers.threads = 3
     try:
         assert readers.open(ring.name)
@@ -175,7 +184,7 @@ def test_slab_views_pack_consecutive_blocks_up_to_the_slab_size(monkeypatch):
     assert [int(v[0]) for v in views if len(v)] == [i for i, n in enumerate(sizes) if n], "no view overlaps another"
 
     ring = CaptureRing(1 << 16)
-    readers = RingReaders()
+    readers = RingReaders(lend=False)
     try:
         assert readers.open(ring.name)
         reply, want = {}, {}
@@ -279,6 +288,130 @@ def test_a_ring_of_exactly_half_its_size_alternates_without_refusing():
         ring.close()
 
 
+def test_a_region_held_long_holds_only_its_own_bytes():
+    """Next-fit allocation: one old region still referenced (a value a caller keeps lent) does not
+    stop the ring from reusing the free space after it, nor before it once the newest regions
+    reach the end."""
+    ring = CaptureRing(8 * ALIGN)
+    try:
+        regions = [ring.alloc(2 * ALIGN) for _ in range(4)]
+        assert regions == [0, 2 * ALIGN, 4 * ALIGN, 6 * ALIGN] and ring.alloc(ALIGN) is None
+        for off in regions[:1] + regions[2:]:
+            ring.deref(off)  # the second region stays referenced
+        assert ring.in_use == 2 * ALIGN
+        assert ring.alloc(4 * ALIGN) == 4 * ALIGN, "the gap after the held region"
+        assert ring.alloc(2 * ALIGN) == 0, "and the one before it"
+        assert ring.alloc(ALIGN) is None and ring.full == 2
+    finally:
+        ring.close()
+
+
+def _lendable_reply(ring, values: list[np.ndarray]) -> dict:
+    """A reply of one result per array, the arrays one after another in one region of the ring
+    (as one step's results lie), the step's own reference dropped."""
+    total = sum(v.nbytes for v in values)
+    region = ring.alloc(total)
+    reply, at = {}, 0
+    for i, v in enumerate(values):
+        ring.buffer(region + at, v.nbytes)[:] = v.tobytes()
+        reply[f"r{i}"] = {"key": f"r{i}", "status": "ok",
+                          "captures": {"keys": [[0, j] for j in range(len(v) // 4)], "ring": ring.share(region, at, v.nbytes)}}
+        at += v.nbytes
+    ring.deref(region)
+    return reply
+
+
+def test_lent_values_view_the_ring_until_the_last_one_is_dropped():
+    """A lent reply: each block a writable view of the ring (no copy), its values the ring's bytes;
+    nothing is acknowledged while any value viewing the run is alive — not the reply, not a
+    converted result's captures, not a torch tensor made from one —, everything at once when the
+    last goes, from whichever thread drops it; then the worker's region is free."""
+    import gc
+    import threading
+
+    import torch
+
+    from engine_ext.engine.outputs import _intervention_result
+
+    ring = CaptureRing(1 << 16)
+    readers = RingReaders(lend=True)
+    try:
+        assert readers.open(ring.name)
+        rng = np.random.default_rng(1)
+        vals = [rng.standard_normal(16).astype("<f4") for _ in range(3)]
+        out, copied = readers.materialize_started(_lendable_reply(ring, vals))
+        copied()
+        assert readers.lent_replies == 1 and readers.copied_replies == 0
+        datas = [out[f"r{i}"]["captures"]["data"] for i in range(3)]
+        ring_bytes = np.frombuffer(readers._maps[ring.name][1], np.uint8)
+        for d, v in zip(datas, vals):
+            assert d.flags.writeable and np.shares_memory(d, ring_bytes), "a view of the ring, not a copy"
+            assert np.array_equal(np.frombuffer(d, "<f4"), v)
+        assert readers.status()["lent_bytes"] == {ring.name: 3 * 64}
+        results = [_intervention_result(out[f"r{i}"], None) for i in range(3)]
+        del out, datas, d
+        gc.collect()
+        assert readers.take_acks() == {}, "the converted results still view the ring"
+        kept = torch.from_numpy(results[2].captures[next(iter(results[2].captures))])
+        del results
+        gc.collect()
+        assert readers.take_acks() == {}, "a torch tensor made from a value keeps the run lent"
+        assert float(kept[0]) == float(vals[2][0])
+        holder = [kept]  # the last value goes on another thread
+        del kept
+        t = threading.Thread(target=holder.clear)
+        t.start()
+        t.join()
+        acks = readers.take_acks()
+        assert sorted(acks[ring.name]) == sorted(ring._slices), "every slice of the run, once"
+        assert readers.status()["lent_bytes"] == {}
+        ring.release(acks[ring.name])
+        assert ring.in_use == 0
+    finally:
+        readers.close()
+        ring.close()
+
+
+def test_lending_stops_at_its_share_of_the_ring_and_copies_beyond():
+    """What is lent of a ring stays within `LEND_SHARE` of it: a reply that would pass it is
+    copied and acknowledged at once (the caller's values its own); once lent values are dropped,
+    lending resumes. A ring mapped read-only is never lent from."""
+    from engine_ext.capture_ring import LEND_SHARE
+
+    ring = CaptureRing(16 * 1024)
+    readers = RingReaders(lend=True)
+    try:
+        assert readers.open(ring.name)
+        share = int(LEND_SHARE * ring.size)
+        first = readers.materialize(_lendable_reply(ring, [np.full(share // 4 - 16, 1.0, "<f4")]))
+        assert readers.lent_replies == 1
+        second = readers.materialize(_lendable_reply(ring, [np.full(64, 2.0, "<f4")]))
+        assert readers.copied_replies == 1, "past the share: copied"
+        data = second["r0"]["captures"]["data"]
+        assert not np.shares_memory(data, np.frombuffer(readers._maps[ring.name][1], np.uint8))
+        assert np.all(np.frombuffer(data, "<f4") == 2.0)
+        assert len(readers.take_acks()[ring.name]) == 1, "the copied slice, at once"
+        del first
+        assert len(readers.take_acks()[ring.name]) == 1, "the lent one, once dropped"
+        readers.materialize(_lendable_reply(ring, [np.full(64, 3.0, "<f4")]))
+        assert readers.lent_replies == 2
+        readers._writable.discard(ring.name)
+        readers.materialize(_lendable_reply(ring, [np.full(64, 4.0, "<f4")]))
+        assert readers.lent_replies == 2 and readers.copied_replies == 2
+    finally:
+        readers.close()
+        ring.close()
+
+
+def test_the_lend_setting(monkeypatch):
+    from engine_ext.capture_ring import lend_values
+
+    monkeypatch.delenv("CAUSALBOARD_RING_LEND", raising=False)
+    assert lend_values() and RingReaders().lend
+    monkeypatch.setenv("CAUSALBOARD_RING_LEND", "0")
+    assert not lend_values() and not RingReaders().lend and RingReaders(lend=True).lend
+
+
 def test_the_ring_size_is_checked_and_sized_from_the_capture_buffer():
     from engine_ext import Engine
     from engine_ext.capture_ring import AUTO_MAX, AUTO_MIN, auto_size
@@ -324,7 +457,11 @@ def test_captures_through_the_ring_equal_the_in_process_engine(engine, mp_engine
             for k, v in w.items():
                 assert np.array_equal(g[k], v), k
                 assert g[k].flags.writeable
-    # every region read is acknowledged with the next collect: one more request frees them all
+    assert mp_engine._loop.rings.lent_replies > 0, "the values were lent (views of the ring)"
+    # every region read is acknowledged with the next collect once its values are dropped (lent)
+    # or at once (copied): one more request frees them all
+    del got, g
+    gc.collect()
     last = _capture_all(mp_engine, PROMPTS[:1], SITES[:1])[0]
     rings = [w["capture_ring"] for w in mp_engine.intervention_status()["workers"]]
     assert rings and all(r is not None for r in rings)
@@ -342,6 +479,7 @@ def test_captures_copied_by_the_readers_threads_equal_the_in_process_engine(engi
     readers = mp_engine._loop.rings
     monkeypatch.setattr(cr, "PARALLEL_COPY_BYTES", 1)
     monkeypatch.setattr(readers, "threads", 3)
+    monkeypatch.setattr(readers, "lend", False)
     want = _capture_all(engine, PROMPTS, SITES)
     for _ in range(2):
         got = _capture_all(mp_engine, PROMPTS, SITES)
@@ -350,6 +488,47 @@ def test_captures_copied_by_the_readers_threads_equal_the_in_process_engine(engi
             for k, v in w.items():
                 assert np.array_equal(g[k], v), k
     assert readers._pool is not None, "the threads copied"
+
+
+def test_lent_values_a_caller_keeps_stay_unchanged_while_the_ring_is_reused(engine):
+    """A small ring (256 KiB, ~41 KB of values a call here), one call's values kept lent while
+    twelve more calls pass through it (the ring wraps several times; each call's values lent
+    while the previous call's are still alive, or copied where that would pass `LEND_SHARE`):
+    the kept values never change (the worker writes a region again only after every slice of it
+    is given back), every later result is right although callers write into their own lent
+    values, and once dropped the values' regions are given back."""
+    from engine_ext import Engine
+
+    with Engine(model=str(model_path()), device="cpu", multiprocess=True, capture_ring_bytes=256 << 10) as eng:
+        readers = eng._loop.rings
+        assert readers and readers.lend
+        want = _capture_all(engine, PROMPTS, SITES)
+        kept = _capture_all(eng, PROMPTS, SITES)
+        kept_copy = [{k: v.copy() for k, v in c.items()} for c in kept]
+        per_call = sum(v.nbytes for c in kept for v in c.values())
+        assert readers.lent_replies == 1 and 30_000 < per_call < 60_000, per_call
+        for _ in range(12):
+            got = _capture_all(eng, PROMPTS, SITES)
+            for g, w in zip(got, want):
+                assert sorted(g) == sorted(w)
+                for k, v in w.items():
+                    assert np.array_equal(g[k], v), k
+            for g in got:
+                for v in g.values():
+                    v[:] = -1.0  # a caller writing into its own (lent or copied) value
+        ring = eng.intervention_status()["workers"][0]["capture_ring"]
+        assert ring["allocs"] * per_call > 2 * ring["bytes"], ("the ring wrapped", ring)
+        assert readers.lent_replies >= 6, readers.status()
+        for c, w in zip(kept, kept_copy):
+            for k, v in w.items():
+                assert np.array_equal(c[k], v), k
+        del kept, got, g, c, v
+        gc.collect()
+        last = _capture_all(eng, PROMPTS[:1], SITES[:1])[0]
+        held = sum(readers.status()["lent_bytes"].values())
+        assert held <= sum(v.nbytes for v in last.values()), (held, readers.status())
+        ring = eng.intervention_status()["workers"][0]["capture_ring"]
+        assert ring["in_use"] <= -(-held // ALIGN) * ALIGN + ALIGN, ring
 
 
 def test_a_multiprocess_engine_froze_its_workers_startup_heaps(mp_engine):

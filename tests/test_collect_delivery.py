@@ -57,10 +57,11 @@ def _deliver(loop: EngineLoop, reply: dict, sinks: list) -> None:
 
 @pytest.fixture
 def ring_loop():
-    """A capture ring, the client's readers with it mapped, and an engine loop (not started)
+    """A capture ring, the client's readers with it mapped (copying: these tests are about
+    deliveries that wait for copies; lent values need none), and an engine loop (not started)
     that reads through them."""
     ring = CaptureRing(1 << 20)
-    readers = RingReaders()
+    readers = RingReaders(lend=False)
     loop = EngineLoop(lambda: None)
     loop.rings = readers
     try:
