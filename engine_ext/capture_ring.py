@@ -183,7 +183,9 @@ class CaptureRing:
 
     @classmethod
     def create(cls, size: int) -> CaptureRing | None:
-        """A ring of `size` bytes, or None (logged) where shared memory cannot hold it."""
+        """A ring of `size` bytes, or None (logged) where shared memory cannot hold it. Rings
+        that ended processes left behind are removed first (`sweep_stale`)."""
+        sweep_stale()
         try:
             st = os.statvfs(SHM_DIR)
             free = st.f_bavail * st.f_frsize
@@ -321,6 +323,49 @@ class CaptureRing:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+#: a ring file older than this whose creating process is gone is a leftover (`sweep_stale`)
+STALE_AFTER_S = 60.0
+
+
+def sweep_stale(now: float | None = None) -> list[str]:
+    """Remove ring files whose creating process (the pid in the name) no longer exists and that
+    are older than `STALE_AFTER_S` (a worker killed before its client mapped the ring, which
+    unlinks it, or before it closed it: otherwise the file would hold its memory in /dev/shm until
+    the host restarts). Files of live processes, fresh ones and other users' are left alone.
+    Returns the names removed."""
+    import re
+    import time
+
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        m = re.fullmatch(r"causalboard-ring-(\d+)-\d+", name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except OSError:  # another user's process, or not ours to ask: leave it
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if now - os.stat(path).st_mtime < STALE_AFTER_S:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+    if removed:
+        logger.info("removed %d capture ring(s) left in %s by ended processes: %s", len(removed), SHM_DIR, removed)
+    return removed
 
 
 def copied_already() -> None:

@@ -412,6 +412,43 @@ def test_the_lend_setting(monkeypatch):
     assert not lend_values() and not RingReaders().lend and RingReaders(lend=True).lend
 
 
+def test_rings_left_by_ended_processes_are_swept_at_the_next_ring():
+    """A ring file whose process is gone (killed before its client mapped it, or before it closed
+    it) and older than `STALE_AFTER_S` is removed when a worker creates its ring; a fresh one, a
+    live process's and a file of another name stay."""
+    import subprocess
+    import sys
+    import time
+
+    from engine_ext.capture_ring import STALE_AFTER_S, sweep_stale
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead = int(gone.stdout)
+    names = {"old_dead": f"causalboard-ring-{dead}-1", "new_dead": f"causalboard-ring-{dead}-2",
+             "old_live": f"causalboard-ring-{os.getppid()}-99", "other": f"causalboard-ringx-{dead}-1"}
+    old = time.time() - 2 * STALE_AFTER_S
+    try:
+        for key, name in names.items():
+            with open(os.path.join(SHM_DIR, name), "wb") as f:
+                f.write(b"x")
+            if key != "new_dead":
+                os.utime(os.path.join(SHM_DIR, name), (old, old))
+        assert sweep_stale() == [names["old_dead"]]
+        left = set(os.listdir(SHM_DIR))
+        assert names["old_dead"] not in left and {names["new_dead"], names["old_live"], names["other"]} <= left
+        os.utime(os.path.join(SHM_DIR, names["new_dead"]), (old, old))
+        ring = CaptureRing.create(1 << 16)  # a worker's new ring sweeps first
+        assert ring is not None and names["new_dead"] not in os.listdir(SHM_DIR)
+        ring.close()
+    finally:
+        for name in names.values():
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+
+
 def test_the_ring_size_is_checked_and_sized_from_the_capture_buffer():
     from engine_ext import Engine
     from engine_ext.capture_ring import AUTO_MAX, AUTO_MIN, auto_size
