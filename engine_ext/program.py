@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -367,7 +368,13 @@ class ProgramTemplate:
         """`program_to_extra_args` of this program compiled with `key`."""
         if self.text is None:
             return program_to_extra_args({**self.program, "key": key}, kv_salt)
-        return _extra_args(self.text.replace(_TEMPLATE_NEEDLE, '"key":' + canonical_json(key), 1), self.first, kv_salt)
+        # a key of plain characters (the engine's: `cb-<n>-<hex>`) is its own JSON string body
+        quoted = f'"{key}"' if _PLAIN_KEY(key) else canonical_json(key)
+        return _extra_args(self.text.replace(_TEMPLATE_NEEDLE, '"key":' + quoted, 1), self.first, kv_salt)
+
+
+#: keys whose JSON text is the key itself in quotes (nothing to escape)
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.:-]*").fullmatch
 
 
 _KEY_FIELD = '"key":"'

@@ -527,45 +527,53 @@ def test_captures_copied_by_the_readers_threads_equal_the_in_process_engine(engi
     assert readers._pool is not None, "the threads copied"
 
 
-def test_lent_values_a_caller_keeps_stay_unchanged_while_the_ring_is_reused(engine):
+@pytest.fixture(scope="module")
+def small_ring_engine():
+    """A multiprocess engine whose ring holds 256 KiB (~41 KB of values a `_capture_all` call)."""
+    from engine_ext import Engine
+
+    with Engine(model=str(model_path()), device="cpu", multiprocess=True, capture_ring_bytes=256 << 10) as eng:
+        yield eng
+
+
+def test_lent_values_a_caller_keeps_stay_unchanged_while_the_ring_is_reused(engine, small_ring_engine):
     """A small ring (256 KiB, ~41 KB of values a call here), one call's values kept lent while
     twelve more calls pass through it (the ring wraps several times; each call's values lent
     while the previous call's are still alive, or copied where that would pass `LEND_SHARE`):
     the kept values never change (the worker writes a region again only after every slice of it
     is given back), every later result is right although callers write into their own lent
     values, and once dropped the values' regions are given back."""
-    from engine_ext import Engine
-
-    with Engine(model=str(model_path()), device="cpu", multiprocess=True, capture_ring_bytes=256 << 10) as eng:
-        readers = eng._loop.rings
-        assert readers and readers.lend
-        want = _capture_all(engine, PROMPTS, SITES)
-        kept = _capture_all(eng, PROMPTS, SITES)
-        kept_copy = [{k: v.copy() for k, v in c.items()} for c in kept]
-        per_call = sum(v.nbytes for c in kept for v in c.values())
-        assert readers.lent_replies == 1 and 30_000 < per_call < 60_000, per_call
-        for _ in range(12):
-            got = _capture_all(eng, PROMPTS, SITES)
-            for g, w in zip(got, want):
-                assert sorted(g) == sorted(w)
-                for k, v in w.items():
-                    assert np.array_equal(g[k], v), k
-            for g in got:
-                for v in g.values():
-                    v[:] = -1.0  # a caller writing into its own (lent or copied) value
-        ring = eng.intervention_status()["workers"][0]["capture_ring"]
-        assert ring["allocs"] * per_call > 2 * ring["bytes"], ("the ring wrapped", ring)
-        assert readers.lent_replies >= 6, readers.status()
-        for c, w in zip(kept, kept_copy):
+    eng = small_ring_engine
+    readers = eng._loop.rings
+    assert readers and readers.lend
+    lent0 = readers.lent_replies
+    want = _capture_all(engine, PROMPTS, SITES)
+    kept = _capture_all(eng, PROMPTS, SITES)
+    kept_copy = [{k: v.copy() for k, v in c.items()} for c in kept]
+    per_call = sum(v.nbytes for c in kept for v in c.values())
+    assert readers.lent_replies == lent0 + 1 and 30_000 < per_call < 60_000, per_call
+    for _ in range(12):
+        got = _capture_all(eng, PROMPTS, SITES)
+        for g, w in zip(got, want):
+            assert sorted(g) == sorted(w)
             for k, v in w.items():
-                assert np.array_equal(c[k], v), k
-        del kept, got, g, c, v
-        gc.collect()
-        last = _capture_all(eng, PROMPTS[:1], SITES[:1])[0]
-        held = sum(readers.status()["lent_bytes"].values())
-        assert held <= sum(v.nbytes for v in last.values()), (held, readers.status())
-        ring = eng.intervention_status()["workers"][0]["capture_ring"]
-        assert ring["in_use"] <= -(-held // ALIGN) * ALIGN + ALIGN, ring
+                assert np.array_equal(g[k], v), k
+        for g in got:
+            for v in g.values():
+                v[:] = -1.0  # a caller writing into its own (lent or copied) value
+    ring = eng.intervention_status()["workers"][0]["capture_ring"]
+    assert ring["allocs"] * per_call > 2 * ring["bytes"], ("the ring wrapped", ring)
+    assert readers.lent_replies >= lent0 + 6, readers.status()
+    for c, w in zip(kept, kept_copy):
+        for k, v in w.items():
+            assert np.array_equal(c[k], v), k
+    del kept, got, g, c, v
+    gc.collect()
+    last = _capture_all(eng, PROMPTS[:1], SITES[:1])[0]
+    held = sum(readers.status()["lent_bytes"].values())
+    assert held <= sum(v.nbytes for v in last.values()), (held, readers.status())
+    ring = eng.intervention_status()["workers"][0]["capture_ring"]
+    assert ring["in_use"] <= -(-held // ALIGN) * ALIGN + ALIGN, ring
 
 
 def test_a_multiprocess_engine_froze_its_workers_startup_heaps(mp_engine):
@@ -574,16 +582,20 @@ def test_a_multiprocess_engine_froze_its_workers_startup_heaps(mp_engine):
     assert len(mp_engine._workers_frozen) == 1 and mp_engine._workers_frozen[0] > 100_000, mp_engine._workers_frozen
 
 
-def test_a_ring_too_small_sends_values_inline(engine):
-    from engine_ext import Engine
+def test_values_too_large_for_the_ring_come_inline(engine, small_ring_engine):
+    """A reply larger than the ring (every site at every prompt position of a long prompt:
+    ~560 KB against 256 KiB) finds no room: its values travel in the reply itself, equal."""
+    from engine_ext.sites import HOOKS
 
-    with Engine(model=str(model_path()), device="cpu", multiprocess=True, capture_ring_bytes=ALIGN) as small:
-        assert small._loop.rings
-        want = _capture_all(engine, PROMPTS[:2], SITES)
-        got = _capture_all(small, PROMPTS[:2], SITES)
-        for g, w in zip(got, want):
-            assert sorted(g) == sorted(w)
-            for k, v in w.items():
-                assert np.array_equal(g[k], v)
-        rings = [w["capture_ring"] for w in small.intervention_status()["workers"]]
-        assert all(r["in_use"] == 0 and r["full"] > 0 and r["allocs"] == 0 for r in rings), rings
+    prompts = ["one two three four five six seven eight nine ten eleven twelve thirteen fourteen"]
+    sites = [f"L{layer}.{hook}" for layer in range(small_ring_engine.info.num_layers) for hook in HOOKS]
+    before = small_ring_engine.intervention_status()["workers"][0]["capture_ring"]
+    want = _capture_all(engine, prompts, sites)
+    got = _capture_all(small_ring_engine, prompts, sites)
+    assert sum(v.nbytes for v in got[0].values()) > before["bytes"]
+    for g, w in zip(got, want):
+        assert sorted(g) == sorted(w)
+        for k, v in w.items():
+            assert np.array_equal(g[k], v)
+    after = small_ring_engine.intervention_status()["workers"][0]["capture_ring"]
+    assert after["full"] > before["full"] and after["allocs"] == before["allocs"], (before, after)

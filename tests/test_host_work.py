@@ -165,7 +165,8 @@ def test_a_program_template_gives_the_text_of_a_program_compiled_per_key(k):
     dims = ModelDims(num_layers=4, hidden_size=8, vocab_size=100, embedding_std=1.0)
     spec, prompt = _specs()[k], PromptInfo(list(range(5)), max_tokens=3)
     template = ProgramTemplate(compile_program(spec, prompt, dims, key=TEMPLATE_KEY, named_vector_dims=lambda n: None))
-    for key in ("cb-0-0123abcd", "cb-17-ffffffff"):
+    # the engine's plain keys (spliced in quotes as they are) and keys JSON must escape
+    for key in ("cb-0-0123abcd", "cb-17-ffffffff", 'a"b', "back\\slash", "caf\u00e9", "tab\there", ""):
         want = program_to_extra_args(compile_program(spec, prompt, dims, key=key, named_vector_dims=lambda n: None),
                                      kv_salt=f"cb-{template.hash}-{key}")
         assert template.extra_args(key, kv_salt=f"cb-{template.hash}-{key}") == want

@@ -46,6 +46,7 @@ def test_results_merge_captures_of_every_stage_and_void_on_any_stage():
                  "evicted": ["old"]}}
     merged = merge_results([ok0, ok1], topo)["r"]
     assert merged["status"] == "ok" and merged["captures"] == {"keys": [[0, 1], [5, 1]], "data": b"abcd"}
+    assert isinstance(merged["captures"]["data"], bytearray), "joined once into a writable buffer (not copied again)"
     assert merged["stored_as"] == "run" and merged["evicted"] == ["old"]
     void1 = {"r": {"key": "r", "status": "voided", "errors": ["source run 'x' is not stored"]}}
     merged = merge_results([ok0, void1], topo)["r"]
@@ -61,6 +62,7 @@ def test_results_of_tensor_parallel_ranks_come_from_the_leader():
     a = {"r": {"key": "r", "status": "ok", "errors": [], "captures": _block([[0, 0]], b"xy")}}
     b = {"r": {"key": "r", "status": "ok", "errors": [], "captures": _block([[0, 0]], b"xy")}}
     assert merge_results([a, b], topo)["r"]["captures"] == {"keys": [[0, 0]], "data": b"xy"}
+    assert merge_results([a, b], topo)["r"]["captures"] is a["r"]["captures"], "the leader's block as it is (no copy)"
 
 
 def test_store_is_reported_as_one_store():

@@ -98,8 +98,11 @@ def merge_results(per_rank: list[dict[str, dict]], topology: Topology) -> dict[s
         merged = {**replies[0], "status": status, "errors": errors}
         stage_replies = [r.get(key) or {} for r in leaders]
         blocks = [r["captures"] for r in stage_replies if r.get("captures")]
-        if blocks:
-            merged["captures"] = {"keys": [k for b in blocks for k in b["keys"]], "data": b"".join(b["data"] for b in blocks)}
+        if len(blocks) == 1:  # one stage (tensor parallelism alone): the leader's block as it is (lent: no copy)
+            merged["captures"] = blocks[0]
+        elif blocks:  # the stages' values joined once, into a writable buffer (used as is, not copied again)
+            merged["captures"] = {"keys": [k for b in blocks for k in b["keys"]],
+                                  "data": bytearray().join(b["data"] for b in blocks)}
         if any("stored_as" in r for r in stage_replies):
             if all(r.get("stored_as") for r in stage_replies):
                 merged["stored_as"] = stage_replies[0]["stored_as"]
