@@ -15,6 +15,7 @@ nothing is left in /dev/shm after the engine closes."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -30,6 +31,19 @@ from .conftest import model_path
 
 def _ring_files() -> set[str]:
     return {f for f in os.listdir(SHM_DIR) if f.startswith("causalboard-ring-")}
+
+
+@contextlib.contextmanager
+def _mapped_ring(size: int, lend: bool | None = None):
+    """A worker's ring of `size` bytes and the client's readers with it mapped; both closed after."""
+    ring = CaptureRing(size)
+    readers = RingReaders(lend) if lend is not None else RingReaders()
+    try:
+        assert readers.open(ring.name)
+        yield ring, readers
+    finally:
+        readers.close()
+        ring.close()
 
 
 def test_regions_never_overlap_and_a_full_ring_refuses():
@@ -73,10 +87,7 @@ def test_regions_never_overlap_and_a_full_ring_refuses():
 
 
 def test_the_client_copies_out_acknowledges_and_unlinks():
-    ring = CaptureRing(1 << 16)
-    readers = RingReaders(lend=False)
-    try:
-        assert readers.open(ring.name)
+    with _mapped_ring(1 << 16, lend=False) as (ring, readers):
         assert ring.name not in _ring_files(), "the client unlinks the file once mapped"
         vals = np.arange(24, dtype="<f4")
         off = ring.alloc(vals.nbytes)
@@ -105,9 +116,6 @@ def test_the_client_copies_out_acknowledges_and_unlinks():
             assert res["status"] == "voided" and "captured values lost" in res["errors"][-1]
             assert res["captures"] == {"keys": [], "data": bytearray()}
         assert readers.take_acks() == {}
-    finally:
-        readers.close()
-        ring.close()
 
 
 def test_a_large_reply_is_copied_out_by_several_threads(monkeypatch):
@@ -117,11 +125,8 @@ def test_a_large_reply_is_copied_out_by_several_threads(monkeypatch):
     import engine_ext.capture_ring as cr
 
     monkeypatch.setattr(cr, "PARALLEL_COPY_BYTES", 4096)
-    ring = CaptureRing(1 << 20)
-    readers = RingReaders(lend=False)
-    readers.threads = 3
-    try:
-        assert readers.open(ring.name)
+    with _mapped_ring(1 << 20, lend=False) as (ring, readers):
+        readers.threads = 3
         rng = np.random.default_rng(0)
         reply, want = {}, {}
         for i in range(7):  # 7 blocks over 3 threads: uneven shares
@@ -146,9 +151,6 @@ def test_a_large_reply_is_copied_out_by_several_threads(monkeypatch):
         ring.buffer(off, vals.nbytes)[:] = vals.tobytes()
         small = readers.materialize({"s": {"key": "s", "status": "ok", "captures": {"keys": [[0, 1]], "ring": ring.share(off, 0, vals.nbytes)}}})
         assert np.array_equal(np.frombuffer(small["s"]["captures"]["data"], "<f4"), vals)
-    finally:
-        readers.close()
-        ring.close()
 
 
 def test_the_copy_threads_setting(monkeypatch):
@@ -183,10 +185,7 @@ def test_slab_views_pack_consecutive_blocks_up_to_the_slab_size(monkeypatch):
         v[:] = i
     assert [int(v[0]) for v in views if len(v)] == [i for i, n in enumerate(sizes) if n], "no view overlaps another"
 
-    ring = CaptureRing(1 << 16)
-    readers = RingReaders(lend=False)
-    try:
-        assert readers.open(ring.name)
+    with _mapped_ring(1 << 16, lend=False) as (ring, readers):
         reply, want = {}, {}
         for i, n in enumerate((24, 24, 16, 30)):  # 96, 96, 64 and 120 bytes: four slabs of 100 at most
             vals = np.arange(n, dtype="<f4") + 100 * i
@@ -201,9 +200,6 @@ def test_slab_views_pack_consecutive_blocks_up_to_the_slab_size(monkeypatch):
             assert got.flags.writeable and np.array_equal(got, vals)
         ring.release(readers.take_acks()[ring.name])
         assert ring.in_use == 0
-    finally:
-        readers.close()
-        ring.close()
 
 
 def test_copy_runs_merge_adjacent_slices_that_land_next_to_each_other(monkeypatch):
@@ -232,10 +228,7 @@ def test_a_rank_whose_captures_are_not_used_is_acknowledged_without_a_copy():
     """`materialize(copy=False)` (a tensor-parallel rank that does not lead its stage): the block
     leaves the reply, its slice is acknowledged (the worker can reuse the region), inline blocks
     and results without captures are left as they are."""
-    ring = CaptureRing(1 << 16)
-    readers = RingReaders()
-    try:
-        assert readers.open(ring.name)
+    with _mapped_ring(1 << 16) as (ring, readers):
         off = ring.alloc(64)
         desc = ring.share(off, 0, 64)
         ring.deref(off)
@@ -249,9 +242,6 @@ def test_a_rank_whose_captures_are_not_used_is_acknowledged_without_a_copy():
         assert acks == {ring.name: [off]}
         ring.release(acks[ring.name])
         assert ring.in_use == 0
-    finally:
-        readers.close()
-        ring.close()
 
 
 def test_a_region_is_reused_only_when_its_owner_and_every_slice_are_done():
@@ -326,17 +316,13 @@ def test_lent_values_view_the_ring_until_the_last_one_is_dropped():
     nothing is acknowledged while any value viewing the run is alive — not the reply, not a
     converted result's captures, not a torch tensor made from one —, everything at once when the
     last goes, from whichever thread drops it; then the worker's region is free."""
-    import gc
     import threading
 
     import torch
 
     from engine_ext.engine.outputs import _intervention_result
 
-    ring = CaptureRing(1 << 16)
-    readers = RingReaders(lend=True)
-    try:
-        assert readers.open(ring.name)
+    with _mapped_ring(1 << 16, lend=True) as (ring, readers):
         rng = np.random.default_rng(1)
         vals = [rng.standard_normal(16).astype("<f4") for _ in range(3)]
         out, copied = readers.materialize_started(_lendable_reply(ring, vals))
@@ -367,9 +353,6 @@ def test_lent_values_view_the_ring_until_the_last_one_is_dropped():
         assert readers.status()["lent_bytes"] == {}
         ring.release(acks[ring.name])
         assert ring.in_use == 0
-    finally:
-        readers.close()
-        ring.close()
 
 
 def test_lending_stops_at_its_share_of_the_ring_and_copies_beyond():
@@ -378,10 +361,7 @@ def test_lending_stops_at_its_share_of_the_ring_and_copies_beyond():
     lending resumes. A ring mapped read-only is never lent from."""
     from engine_ext.capture_ring import LEND_SHARE
 
-    ring = CaptureRing(16 * 1024)
-    readers = RingReaders(lend=True)
-    try:
-        assert readers.open(ring.name)
+    with _mapped_ring(16 * 1024, lend=True) as (ring, readers):
         share = int(LEND_SHARE * ring.size)
         first = readers.materialize(_lendable_reply(ring, [np.full(share // 4 - 16, 1.0, "<f4")]))
         assert readers.lent_replies == 1
@@ -398,9 +378,6 @@ def test_lending_stops_at_its_share_of_the_ring_and_copies_beyond():
         readers._writable.discard(ring.name)
         readers.materialize(_lendable_reply(ring, [np.full(64, 4.0, "<f4")]))
         assert readers.lent_replies == 2 and readers.copied_replies == 2
-    finally:
-        readers.close()
-        ring.close()
 
 
 def test_the_lend_setting(monkeypatch):
